@@ -1,0 +1,169 @@
+"""Checkpoint files on disk: safetensors headers, shard indexes, and atomic directory writes.
+
+fusion-core reads only safetensors (it never unpickles a file) and only headers here: enough to
+check a fused load's plan against the checkpoint (every key present, with the planned shape and
+a usable dtype) before transformers reads any tensor data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from fusion_core.errors import CheckpointError, SaveError
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+PICKLE_WEIGHTS_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as a safetensors header describes it."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse and check one safetensors header; raise :class:`CheckpointError` naming the file."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{path}: not a safetensors file (only {len(prefix)} bytes)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > min(_MAX_HEADER, size - 8):
+                raise CheckpointError(f"{path}: corrupt safetensors header (claims {header_len} bytes of {size})")
+            header = json.loads(handle.read(header_len))
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read checkpoint file: {exc}") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: corrupt safetensors header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not an object)")
+    data_len = size - 8 - header_len
+    infos: dict[str, TensorInfo] = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for {key!r}") from None
+        if not (0 <= start <= end <= data_len):
+            raise CheckpointError(
+                f"{path}: tensor {key!r} lies at bytes {start}-{end} but the file holds {data_len} data bytes "
+                "(truncated or corrupt file)"
+            )
+        infos[key] = TensorInfo(key, dtype, shape, path.name)
+    return infos
+
+
+def read_checkpoint_index(directory: Path) -> dict[str, TensorInfo]:
+    """Every tensor of a local safetensors checkpoint (single file or sharded), from headers only."""
+    directory = Path(directory)
+    index_path = directory / SAFE_WEIGHTS_INDEX_NAME
+    single = directory / SAFE_WEIGHTS_NAME
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index_path}: unreadable shard index: {exc}") from exc
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index_path}: 'weight_map' is not an object")
+        tensors: dict[str, TensorInfo] = {}
+        headers: dict[str, dict[str, TensorInfo]] = {}
+        for shard in sorted(set(weight_map.values())):
+            if not isinstance(shard, str) or os.sep in shard or shard.startswith(".."):
+                raise CheckpointError(f"{index_path}: invalid shard name {shard!r}")
+            shard_path = directory / shard
+            if not shard_path.is_file():
+                keys = sorted(k for k, v in weight_map.items() if v == shard)
+                raise CheckpointError(f"{index_path}: shard {shard!r} is missing (holds {keys[:3]}...)")
+            headers[shard] = read_safetensors_header(shard_path)
+        for key, shard in weight_map.items():
+            info = headers[shard].get(key)
+            if info is None:
+                raise CheckpointError(f"{index_path}: key {key!r} is indexed in shard {shard!r}, which does not hold it")
+            tensors[key] = info
+        return tensors
+    if single.is_file():
+        return read_safetensors_header(single)
+    if any((directory / name).is_file() for name in PICKLE_WEIGHTS_NAMES):
+        raise CheckpointError(
+            f"{directory}: only a pickle checkpoint (pytorch_model.bin) is present. fusion-core never unpickles "
+            "files; convert it to safetensors first (load it with plain transformers you trust, then "
+            "save_pretrained)"
+        )
+    raise CheckpointError(f"{directory}: no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME} found")
+
+
+def match_keys(model_keys: list[str], checkpoint_keys: list[str]) -> dict[str, str]:
+    """Map model keys to checkpoint keys when a known prefix was renamed (``visual.`` -> ``model.visual.``).
+
+    A model key matches the checkpoint key with which it shares the longest dotted suffix, if
+    that match is unique and covers at least the last two components. Unmatched keys are absent.
+    """
+    by_suffix: dict[str, list[str]] = {}
+    for key in checkpoint_keys:
+        parts = key.split(".")
+        for i in range(len(parts)):
+            by_suffix.setdefault(".".join(parts[i:]), []).append(key)
+    mapping: dict[str, str] = {}
+    for key in model_keys:
+        parts = key.split(".")
+        for i in range(len(parts) - 1):
+            candidates = by_suffix.get(".".join(parts[i:]))
+            if candidates:
+                if len(candidates) == 1:
+                    mapping[key] = candidates[0]
+                break
+    return mapping
+
+
+@contextmanager
+def atomic_directory(target: Path) -> Iterator[Path]:
+    """Yield a fresh temporary directory that replaces ``target`` only if the block succeeds.
+
+    The old directory (if any) is moved aside and deleted only after the new one is in place, so
+    an exception or a full disk leaves the old directory intact. Files of the old directory that
+    are still memory-mapped stay valid (their inodes live until unmapped).
+    """
+    target = Path(target).absolute()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists() and not target.is_dir():
+        raise SaveError(f"{target} exists and is not a directory")
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.fusion-tmp-", dir=target.parent))
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    backup = None
+    if target.exists():
+        backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.fusion-old-", dir=target.parent))
+        os.rename(target, backup / "old")
+    try:
+        os.rename(staging, target)
+    except BaseException:
+        if backup is not None:
+            os.rename(backup / "old", target)
+            shutil.rmtree(backup, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)

@@ -1,0 +1,124 @@
+"""``fusion_config``: which families to apply, with which options, validated by pydantic.
+
+The accepted shape is ``{family_name: True | False | {option: value}}``. ``True`` enables a
+family with its default options, a mapping enables it with those options (validated by the
+family's own ``options_model``), ``False`` lists it disabled. Order is kept: families apply in
+the order given. Errors are ``pydantic.ValidationError`` s whose locations name the family and
+the field; an unknown family lists the installed ones and, when known, the distribution that
+provides it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import RootModel, ValidationError, ValidationInfo, model_serializer, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from fusion_core.plugins import FamilyRegistry, get_registry
+from fusion_core.spec import FamilyOptions
+
+FamilySetting = bool | FamilyOptions
+
+
+class FusionConfig(RootModel[dict[str, Any]]):
+    """The validated ``fusion_config``: family name -> ``True`` | ``False`` | options.
+
+    >>> FusionConfig.model_validate({"patch_embeddings": True}).enabled_names()  # doctest: +SKIP
+    ['patch_embeddings']
+
+    Validate against a registry other than the process-wide one with
+    ``FusionConfig.model_validate(value, context={"registry": registry})``.
+    """
+
+    root: dict[str, Any]
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _validate(cls, value: Any, handler: Any, info: ValidationInfo) -> FusionConfig:
+        if isinstance(value, FusionConfig):
+            return value
+        context = info.context if isinstance(info.context, Mapping) else {}
+        registry: FamilyRegistry = context.get("registry") or get_registry()
+        if not isinstance(value, Mapping):
+            raise PydanticCustomError(
+                "fusion_config_type",
+                "fusion_config must be a mapping of family name to True, False or an options mapping; "
+                "got {kind}",
+                {"kind": type(value).__name__},
+            )
+        errors: list[InitErrorDetails] = []
+        settings: dict[str, FamilySetting] = {}
+        for name, setting in value.items():
+            if not isinstance(name, str):
+                errors.append(_error("family_name_type", "family names are strings, got {type_name}", (repr(name),), name,
+                                     type_name=type(name).__name__))
+                continue
+            if name not in registry:
+                errors.append(_error("unknown_family", "{message}", (name,), setting,
+                                     message=registry.unknown_family_message(name)))
+                continue
+            options_model = registry.get(name).spec.options_model
+            if isinstance(setting, bool):
+                settings[name] = setting
+            elif isinstance(setting, options_model):
+                settings[name] = setting
+            elif isinstance(setting, Mapping):
+                try:
+                    settings[name] = options_model.model_validate(dict(setting))
+                except ValidationError as exc:
+                    for detail in exc.errors():
+                        errors.append(_error(
+                            "family_option",
+                            "family {family!r}: {msg}",
+                            (name, *detail["loc"]),
+                            detail.get("input"),
+                            family=name,
+                            msg=detail["msg"],
+                        ))
+            else:
+                errors.append(_error(
+                    "family_setting_type",
+                    "family {family!r}: expected True, False or a mapping of options, got {type_name}",
+                    (name,), setting, family=name, type_name=type(setting).__name__,
+                ))
+        if errors:
+            raise ValidationError.from_exception_data("FusionConfig", errors)
+        instance = cls.model_construct(root=settings)
+        return instance
+
+    @model_serializer(mode="plain")
+    def _serialize(self) -> dict[str, Any]:
+        return {
+            name: setting if isinstance(setting, bool) else setting.model_dump(mode="json", exclude_unset=True)
+            for name, setting in self.root.items()
+        }
+
+    # -- reading ---------------------------------------------------------------------------
+    def enabled(self, registry: FamilyRegistry | None = None) -> dict[str, FamilyOptions]:
+        """Enabled families, in order, each with its options object (defaults for ``True``)."""
+        registry = registry or get_registry()
+        result: dict[str, FamilyOptions] = {}
+        for name, setting in self.root.items():
+            if setting is False:
+                continue
+            result[name] = registry.get(name).spec.options_model() if setting is True else setting
+        return result
+
+    def enabled_names(self) -> list[str]:
+        return [name for name, setting in self.root.items() if setting is not False]
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump())
+
+
+def _error(error_type: str, template: str, loc: tuple[Any, ...], value: Any, **ctx: Any) -> InitErrorDetails:
+    return InitErrorDetails(type=PydanticCustomError(error_type, template, ctx), loc=loc, input=value)
+
+
+def parse_fusion_config(value: Any, registry: FamilyRegistry | None = None) -> FusionConfig:
+    """Validate ``value`` (a mapping or a :class:`FusionConfig`) against ``registry``."""
+    context = {"registry": registry} if registry is not None else None
+    return FusionConfig.model_validate(value, context=context)

@@ -1,0 +1,206 @@
+"""Discovery: which module instances each enabled family fuses, decided on a meta-device model.
+
+The model class is instantiated once on the meta device (no memory, no weights). For every
+enabled family, in ``fusion_config`` order, each module whose path passes the family's name
+patterns and options is offered to ``is_fusable``; each selected instance gets a
+:class:`~fusion_core.transforms.ModulePlan` binding the family's transforms to its shapes. The
+selected instances are then converted on the meta device, which runs the family's transforms
+and its fused class end to end before a single weight is read.
+
+Families decide instance by instance: an instance that is not fusable keeps its original class
+even when others of its class are fused. Results are cached per model class, config content,
+fusion config and family objects.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import re
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusion_core.config import FusionConfig
+from fusion_core.errors import DiscoveryError, PlanError
+from fusion_core.layout import convert_to_fused, finalize
+from fusion_core.patching import ClassRoute, no_routing
+from fusion_core.plugins import FamilyRegistry, RegisteredFamily
+from fusion_core.spec import FamilyOptions
+from fusion_core.transforms import FusionPlan, ModulePlan, WeightTransform, bind_transforms
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """The outcome of discovery: the plan and the class routing that builds it."""
+
+    model_class: type[nn.Module]
+    plan: FusionPlan
+    routes: Mapping[type[nn.Module], ClassRoute]
+    scanned_modules: int
+
+
+def build_meta_model(model_cls: Any, config: Any) -> nn.Module:
+    """Instantiate ``model_cls`` (an Auto class or a concrete model class) on the meta device."""
+    with torch.device("meta"), no_routing():
+        config = copy.deepcopy(config)
+        if isinstance(model_cls, type) and issubclass(model_cls, nn.Module):
+            return model_cls(config)
+        return model_cls.from_config(config)
+
+
+def config_fingerprint(config: Any) -> str:
+    try:
+        text = config.to_json_string(use_diff=False)
+    except Exception:  # an exotic config attribute that JSON cannot hold
+        text = repr(sorted(vars(config).items(), key=lambda kv: kv[0]))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+_cache: dict[tuple[Any, ...], Discovery] = {}
+_cache_lock = threading.Lock()
+_fused_classes: dict[tuple[int, type, str], type[nn.Module]] = {}
+
+
+def clear_cache() -> None:
+    with _cache_lock:
+        _cache.clear()
+
+
+def discover(
+    model_cls: Any, config: Any, fusion_config: FusionConfig, registry: FamilyRegistry
+) -> Discovery:
+    """The plan for ``model_cls`` built from ``config`` with ``fusion_config``'s families (cached)."""
+    enabled = fusion_config.enabled(registry)
+    families = [(registry.get(name), options) for name, options in enabled.items()]
+    key = (
+        model_cls,
+        config_fingerprint(config),
+        tuple((f.name, id(f.spec), o.model_dump_json()) for f, o in families),
+    )
+    with _cache_lock:
+        hit = _cache.get(key)
+    if hit is not None:
+        return hit
+    result = _discover(model_cls, config, families)
+    with _cache_lock:
+        _cache[key] = result
+    return result
+
+
+def _module_selected(path: str, patterns: Sequence[str], options: FamilyOptions) -> bool:
+    if patterns and not any(re.search(p, path) for p in patterns):
+        return False
+    if options.target_modules is not None and not any(re.search(p, path) for p in options.target_modules):
+        return False
+    return not any(re.search(p, path) for p in options.exclude_modules)
+
+
+def _fused_class(family: RegisteredFamily, original: type[nn.Module], options: FamilyOptions) -> type[nn.Module]:
+    key = (id(family.spec), original, options.model_dump_json())
+    cached = _fused_classes.get(key)
+    if cached is not None:
+        return cached
+    where = f"family {family.name!r} ({family.source})"
+    try:
+        fused = family.spec.make_fused_class(original, options)
+    except Exception as exc:
+        raise DiscoveryError(f"{where}: make_fused_class({original.__name__}) raised {type(exc).__name__}: {exc}") from exc
+    if not (isinstance(fused, type) and issubclass(fused, original)):
+        raise DiscoveryError(f"{where}: make_fused_class({original.__name__}) must return a subclass of it, got {fused!r}")
+    if "__init__" in fused.__dict__:
+        raise DiscoveryError(
+            f"{where}: fused class {fused.__qualname__} defines __init__; fused classes are built by the "
+            "original __init__ and set themselves up in fusion_finalize()"
+        )
+    _fused_classes[key] = fused
+    return fused
+
+
+def _transforms(family: RegisteredFamily, config: Any, options: FamilyOptions) -> tuple[WeightTransform, ...]:
+    where = f"family {family.name!r} ({family.source})"
+    try:
+        transforms = tuple(family.spec.make_transforms(config, options))
+    except Exception as exc:
+        raise DiscoveryError(f"{where}: make_transforms raised {type(exc).__name__}: {exc}") from exc
+    for transform in transforms:
+        if not isinstance(transform, WeightTransform):
+            raise DiscoveryError(f"{where}: make_transforms returned {transform!r}, not a WeightTransform")
+    return transforms
+
+
+def _discover(
+    model_cls: Any, config: Any, families: list[tuple[RegisteredFamily, FamilyOptions]]
+) -> Discovery:
+    meta_model = build_meta_model(model_cls, config)
+    modules = list(meta_model.named_modules())
+    plans: list[ModulePlan] = []
+    class_owner: dict[type[nn.Module], tuple[str, type[nn.Module]]] = {}
+    for family, options in families:
+        where = f"family {family.name!r} ({family.source})"
+        transforms = _transforms(family, config, options)
+        considered = 0
+        chosen: list[tuple[str, nn.Module]] = []
+        for path, module in modules:
+            if not _module_selected(path, family.spec.target_modules_patterns, options):
+                continue
+            considered += 1
+            try:
+                fusable = family.spec.is_fusable(module, options)
+            except Exception as exc:
+                raise DiscoveryError(
+                    f"{where}: is_fusable raised {type(exc).__name__} on module {path!r} "
+                    f"({type(module).__name__}): {exc}"
+                ) from exc
+            if fusable is True:
+                chosen.append((path, module))
+            elif fusable is not False:
+                raise DiscoveryError(f"{where}: is_fusable must return a bool, got {fusable!r} for {path!r}")
+        if not chosen:
+            raise DiscoveryError(
+                f"{where} found nothing to fuse in {type(meta_model).__name__}: {len(modules)} modules, "
+                f"{considered} passed the name patterns, none is fusable"
+            )
+        for path, module in chosen:
+            original = type(module)
+            fused = _fused_class(family, original, options)
+            owner = class_owner.setdefault(original, (family.name, fused))
+            if owner[0] != family.name:
+                raise PlanError(
+                    f"families {owner[0]!r} and {family.name!r} both replace instances of class "
+                    f"{original.__qualname__} (module {path!r})"
+                )
+            leaves = module.state_dict(keep_vars=True)
+            try:
+                bound = bind_transforms(family.name, path, {k: tuple(v.shape) for k, v in leaves.items()}, transforms)
+            except PlanError as exc:
+                raise PlanError(f"{exc} [{family.source}]") from None
+            plans.append(ModulePlan(family.name, path, original, fused, bound, tuple(leaves)))
+    order = {path: i for i, (path, _) in enumerate(modules)}
+    plan = FusionPlan(tuple(sorted(plans, key=lambda p: order[p.path])))
+    by_path = plan.by_path()
+    routes: dict[type[nn.Module], ClassRoute] = {}
+    for original, (_, fused) in class_owner.items():
+        instances = tuple(by_path.get(path) for path, module in modules if type(module) is original)
+        routes[original] = ClassRoute(original, fused, instances)
+    _rehearse(meta_model, plan)
+    return Discovery(type(meta_model), plan, routes, len(modules))
+
+
+def _rehearse(meta_model: nn.Module, plan: FusionPlan) -> None:
+    """Run every conversion on the meta model, so a broken family fails before any data is read."""
+    for module_plan in plan.modules:
+        module = meta_model.get_submodule(module_plan.path)
+        try:
+            module.__class__ = module_plan.fused_class
+            convert_to_fused(module, module_plan)
+            finalize(module, module_plan)
+        except Exception as exc:
+            raise DiscoveryError(
+                f"family {module_plan.family!r}: fusing module {module_plan.path!r} "
+                f"({module_plan.original_class.__qualname__}) failed on the meta device: {type(exc).__name__}: {exc}"
+            ) from exc

@@ -1,0 +1,158 @@
+"""Moving one fused instance's tensors between the original and the fused layout.
+
+:func:`convert_to_fused` applies a module plan's forward transforms in place (a reshape stays a
+view of the loaded storage). :func:`attach_original_layout` installs the state-dict hooks that
+make a fused module *present* the original layout: ``state_dict()`` (and so transformers'
+``save_pretrained``) yields the original names, shapes and bytes, and ``load_state_dict`` accepts
+them. Inside :func:`fused_layout` the fused tensors are presented as they are.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusion_core.errors import FusionLoadError
+from fusion_core.transforms import ModulePlan
+
+_PRESENT_FUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("fusion_core_present_fused", default=False)
+PLAN_ATTRIBUTE = "_fusion_module_plan"
+
+
+@contextmanager
+def fused_layout() -> Iterator[None]:
+    """Inside this block, fused models' ``state_dict()`` returns the fused runtime layout."""
+    token = _PRESENT_FUSED.set(True)
+    try:
+        yield
+    finally:
+        _PRESENT_FUSED.reset(token)
+
+
+def module_plan(module: nn.Module) -> ModulePlan | None:
+    """The plan a fused instance was built from, or None for a module fusion did not touch."""
+    return module.__dict__.get(PLAN_ATTRIBUTE)
+
+
+def _owner(module: nn.Module, leaf: str, create: bool = False) -> tuple[nn.Module, str]:
+    path, _, name = leaf.rpartition(".")
+    if not path:
+        return module, name
+    owner = module
+    for part in path.split("."):
+        child = owner._modules.get(part)
+        if child is None:
+            if not create:
+                raise AttributeError(f"no sub-module {part!r} on the way to {leaf!r}")
+            child = nn.Module()
+            owner.add_module(part, child)
+        owner = child
+    return owner, name
+
+
+def _pop_leaf(module: nn.Module, leaf: str) -> tuple[torch.Tensor, bool, bool]:
+    """Remove a tensor; return it, whether it was a parameter, and its requires_grad."""
+    owner, name = _owner(module, leaf)
+    if name in owner._parameters and owner._parameters[name] is not None:
+        param = owner._parameters.pop(name)
+        return param.detach(), True, param.requires_grad
+    if name in owner._buffers and owner._buffers[name] is not None:
+        return owner._buffers.pop(name), False, False
+    raise AttributeError(f"{leaf!r} is neither a parameter nor a buffer")
+
+
+def convert_to_fused(module: nn.Module, plan: ModulePlan) -> None:
+    """Apply ``plan``'s forward transforms to ``module``'s tensors in place (meta tensors too)."""
+    for bound in plan.transforms:
+        tensors = []
+        kinds = []
+        for spec in bound.sources:
+            key = plan.full_key(spec.name)
+            try:
+                tensor, is_param, requires_grad = _pop_leaf(module, spec.name)
+            except AttributeError as exc:
+                raise FusionLoadError(
+                    f"family {plan.family!r}, module {plan.path!r}: tensor {key!r} is missing ({exc})"
+                ) from None
+            if tuple(tensor.shape) != spec.shape:
+                raise FusionLoadError(
+                    f"family {plan.family!r}, module {plan.path!r}: tensor {key!r} has shape "
+                    f"{tuple(tensor.shape)}, the plan expects {spec.shape}"
+                )
+            tensors.append(tensor)
+            kinds.append((is_param, requires_grad))
+        with torch.no_grad():
+            outputs = bound.op.forward(tensors)
+        is_param = kinds[0][0]
+        requires_grad = any(rg for _, rg in kinds)
+        for spec, output in zip(bound.targets, outputs, strict=True):
+            owner, name = _owner(module, spec.name, create=True)
+            if is_param:
+                owner.register_parameter(name, nn.Parameter(output, requires_grad=requires_grad))
+            else:
+                owner.register_buffer(name, output)
+
+
+def _present_original(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any = None
+) -> None:
+    if _PRESENT_FUSED.get():
+        return
+    plan = module_plan(module)
+    if plan is None:
+        return
+    # The module's own block of keys is at the end of the dict when its hook runs: take it off,
+    # transform it, and put it back in the original order so sharding stays what it was.
+    keys: list[str] = []
+    for key in reversed(state_dict):
+        if not key.startswith(prefix):
+            break
+        keys.append(key)
+    block = {key[len(prefix):]: state_dict.pop(key) for key in reversed(keys)}
+    with torch.no_grad():
+        for bound in plan.transforms:
+            if not all(t.name in block for t in bound.targets):
+                continue
+            fused = [block.pop(t.name) for t in bound.targets]
+            originals = bound.op.inverse(fused, [s.shape for s in bound.sources])
+            for spec, tensor in zip(bound.sources, originals, strict=True):
+                block[spec.name] = tensor
+    order = {name: i for i, name in enumerate(plan.original_leaves)}
+    for leaf in sorted(block, key=lambda name: order.get(name, len(order))):
+        state_dict[prefix + leaf] = block[leaf]
+
+
+def _accept_original(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    plan = module_plan(module)
+    if plan is None or _PRESENT_FUSED.get():
+        return
+    with torch.no_grad():
+        for bound in plan.transforms:
+            keys = [prefix + s.name for s in bound.sources]
+            if not all(k in state_dict for k in keys):
+                continue
+            outputs = bound.op.forward([state_dict.pop(k) for k in keys])
+            for spec, tensor in zip(bound.targets, outputs, strict=True):
+                state_dict[prefix + spec.name] = tensor
+
+
+def attach_original_layout(module: nn.Module, plan: ModulePlan) -> None:
+    """Make ``module`` present the original layout in ``state_dict``/``load_state_dict``."""
+    if module_plan(module) is not None:
+        return
+    module.__dict__[PLAN_ATTRIBUTE] = plan
+    module.register_state_dict_post_hook(_present_original)
+    module.register_load_state_dict_pre_hook(_accept_original)
+
+
+def finalize(module: nn.Module, plan: ModulePlan) -> None:
+    """Attach the layout hooks and let the fused class set itself up."""
+    attach_original_layout(module, plan)
+    hook = getattr(module, "fusion_finalize", None)
+    if callable(hook):
+        hook()

@@ -1,0 +1,146 @@
+"""Scoped class patching: selected instances are built as their fused class, nothing else is.
+
+While a fused model is built, each patched class gets an ``__init__`` wrapper that first runs
+the original ``__init__`` (so the instance has the original layout a checkpoint loader fills)
+and then, *only when the current context is inside a build scope that routes this exact class*,
+switches the new instance to the fused class. The routing lives in a
+:class:`contextvars.ContextVar`, so a plain model built at the same time in another thread stays
+plain, and the wrappers are removed when the last scope using a class exits, on every exit path.
+
+Why ``__init__`` and not module attributes or ``__new__``: a module attribute swap is seen by
+every thread and by code that imported the class elsewhere; a ``__new__`` override cannot be
+removed again in CPython (``object.__new__`` then rejects constructor arguments). Patching is
+by class identity, never by name, so same-named classes elsewhere are untouched, and copies or
+unpickling (which do not call ``__init__``) are never redirected.
+
+Instances are selected one by one: discovery records, per class, which instances (in model
+order) a family fuses; the k-th instance constructed in the scope gets the k-th decision. The
+pipeline checks afterwards that every fused instance sits at the module path it was planned for.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from fusion_core.transforms import ModulePlan
+
+
+@dataclass(frozen=True)
+class ClassRoute:
+    """Per original class: its fused class and the plan of each instance in model order (None: left alone)."""
+
+    original_class: type[nn.Module]
+    fused_class: type[nn.Module]
+    instances: tuple[ModulePlan | None, ...]
+
+
+@dataclass
+class BuildScope:
+    """The routing of one build, and what it built."""
+
+    routes: Mapping[type[nn.Module], ClassRoute]
+    on_built: Callable[[nn.Module, ModulePlan], None] | None = None
+    counters: dict[type[nn.Module], int] = field(default_factory=dict)
+    built: list[tuple[nn.Module, ModulePlan]] = field(default_factory=list)
+    surplus: dict[type[nn.Module], int] = field(default_factory=dict)
+
+    def route(self, instance: nn.Module) -> None:
+        cls = type(instance)
+        route = self.routes[cls]
+        index = self.counters.get(cls, 0)
+        self.counters[cls] = index + 1
+        if index >= len(route.instances):
+            self.surplus[cls] = self.surplus.get(cls, 0) + 1
+            return
+        plan = route.instances[index]
+        if plan is None:
+            return
+        instance.__class__ = route.fused_class
+        self.built.append((instance, plan))
+        if self.on_built is not None:
+            self.on_built(instance, plan)
+
+
+_ACTIVE: contextvars.ContextVar[BuildScope | None] = contextvars.ContextVar("fusion_core_build_scope", default=None)
+_lock = threading.Lock()
+# class -> [number of scopes using it, the __init__ found in its own __dict__ (None: inherited)]
+_installed: dict[type[nn.Module], list[Any]] = {}
+
+
+def _make_wrapper(cls: type[nn.Module], original_init: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original_init)
+    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        if type(self) is cls:
+            scope = _ACTIVE.get()
+            if scope is not None and cls in scope.routes:
+                scope.route(self)
+
+    __init__.__fusion_core_wrapper__ = True  # type: ignore[attr-defined]
+    return __init__
+
+
+def _install(cls: type[nn.Module]) -> None:
+    entry = _installed.get(cls)
+    if entry is not None:
+        entry[0] += 1
+        return
+    own = cls.__dict__.get("__init__")
+    _installed[cls] = [1, own]
+    cls.__init__ = _make_wrapper(cls, own if own is not None else cls.__init__)  # type: ignore[method-assign]
+
+
+def _uninstall(cls: type[nn.Module]) -> None:
+    entry = _installed[cls]
+    entry[0] -= 1
+    if entry[0]:
+        return
+    del _installed[cls]
+    if entry[1] is not None:
+        cls.__init__ = entry[1]  # type: ignore[method-assign]
+    else:
+        delattr(cls, "__init__")
+
+
+def installed_classes() -> list[type[nn.Module]]:
+    """Classes that currently carry a build wrapper (empty whenever no fused build runs)."""
+    with _lock:
+        return list(_installed)
+
+
+@contextmanager
+def class_patch_scope(
+    routes: Mapping[type[nn.Module], ClassRoute],
+    on_built: Callable[[nn.Module, ModulePlan], None] | None = None,
+) -> Iterator[BuildScope]:
+    """Route construction of ``routes``' classes to their fused classes inside this block only."""
+    scope = BuildScope(routes=dict(routes), on_built=on_built)
+    with _lock:
+        for cls in scope.routes:
+            _install(cls)
+    token = _ACTIVE.set(scope)
+    try:
+        yield scope
+    finally:
+        _ACTIVE.reset(token)
+        with _lock:
+            for cls in scope.routes:
+                _uninstall(cls)
+
+
+@contextmanager
+def no_routing() -> Iterator[None]:
+    """Build plain modules inside an active scope (discovery uses this)."""
+    token = _ACTIVE.set(None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)

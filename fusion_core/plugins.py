@@ -1,0 +1,282 @@
+"""The family registry: plugins found through entry points, each isolated from the others.
+
+Every family, the shipped ones included, arrives the same way: a plugin module named by an
+entry point in the ``fusion_core`` group implements :func:`~fusion_core.hookspecs.register_fusion_families`.
+A plugin that fails (its import, its hook, what it registers) is recorded as a
+:class:`PluginFailure` naming its distribution and version; the others keep working.
+
+Environment:
+
+- ``FUSION_CORE_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry point at all;
+- ``FUSION_CORE_STRICT_PLUGINS=1``: raise :class:`~fusion_core.errors.PluginError` on the first failure;
+- ``FUSION_CORE_ALLOWED_PLUGINS=dist-a,dist-b``: load entry points of these distributions only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+import pluggy
+from pydantic import BaseModel
+
+from fusion_core import hookspecs
+from fusion_core.errors import PluginError, UnknownFamilyError
+from fusion_core.spec import FamilyOptions, ModuleFusionSpec
+
+ENTRY_POINT_GROUP = "fusion_core"
+DISABLE_AUTOLOAD_ENV = "FUSION_CORE_DISABLE_PLUGIN_AUTOLOAD"
+STRICT_ENV = "FUSION_CORE_STRICT_PLUGINS"
+ALLOWED_ENV = "FUSION_CORE_ALLOWED_PLUGINS"
+
+#: Families whose providing distribution is known, for the hint when one is not installed.
+KNOWN_PROVIDERS: dict[str, str] = {
+    "patch_embeddings": "fusion-patch-embeddings",
+    "qkv": "fusion-qkv",
+    "gate_up": "fusion-gate-up",
+}
+
+_FAMILY_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class PluginSource:
+    """Where a family came from: the plugin (entry point) name and its distribution."""
+
+    plugin: str
+    distribution: str | None = None
+    version: str | None = None
+
+    def __str__(self) -> str:
+        if self.distribution is None:
+            return f"plugin {self.plugin!r} (registered programmatically)"
+        return f"plugin {self.plugin!r} from distribution {self.distribution} {self.version}"
+
+
+PROGRAMMATIC = PluginSource("<programmatic>")
+
+
+@dataclass(frozen=True)
+class RegisteredFamily:
+    spec: ModuleFusionSpec
+    source: PluginSource
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True)
+class PluginFailure:
+    """A plugin, or one family of it, that could not be used, and why."""
+
+    source: PluginSource
+    reason: str
+    family: str | None = None
+
+    def __str__(self) -> str:
+        what = f"family {self.family!r} of {self.source}" if self.family else str(self.source)
+        return f"{what}: {self.reason}"
+
+
+def validate_spec(spec: object) -> ModuleFusionSpec:
+    """Check that ``spec`` satisfies :class:`ModuleFusionSpec`; raise ``TypeError``/``ValueError`` why not."""
+    if not isinstance(spec, ModuleFusionSpec):
+        missing = [
+            attr
+            for attr in ("name", "description", "options_model", "target_modules_patterns",
+                         "is_fusable", "make_fused_class", "make_transforms")
+            if not hasattr(spec, attr)
+        ]
+        raise TypeError(f"{spec!r} is not a ModuleFusionSpec (missing: {', '.join(missing)})")
+    if not isinstance(spec.name, str) or not _FAMILY_NAME.match(spec.name):
+        raise ValueError(f"family name {spec.name!r} is not an identifier")
+    if not isinstance(spec.description, str):
+        raise TypeError(f"family {spec.name!r}: description must be a string")
+    options_model = spec.options_model
+    if not (isinstance(options_model, type) and issubclass(options_model, BaseModel)):
+        raise TypeError(f"family {spec.name!r}: options_model must be a pydantic model class")
+    if not issubclass(options_model, FamilyOptions) or options_model.model_config.get("extra") != "forbid":
+        raise TypeError(
+            f"family {spec.name!r}: options_model must subclass fusion_core.FamilyOptions and keep extra='forbid'"
+        )
+    patterns = spec.target_modules_patterns
+    if isinstance(patterns, str):
+        raise TypeError(f"family {spec.name!r}: target_modules_patterns must be a sequence of regexes, not a str")
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as exc:
+            raise ValueError(f"family {spec.name!r}: invalid target_modules_patterns entry {pattern!r}: {exc}") from None
+    return spec
+
+
+class FamilyRegistry:
+    """Installed fusion families by name, plus the failures met while collecting them."""
+
+    def __init__(self) -> None:
+        self._families: dict[str, RegisteredFamily] = {}
+        self.failures: list[PluginFailure] = []
+        self.strict = _env_flag(STRICT_ENV)
+        self._pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        self._pm.add_hookspecs(hookspecs)
+
+    # -- reading ---------------------------------------------------------------------------
+    def __contains__(self, name: object) -> bool:
+        return name in self._families
+
+    def __iter__(self) -> Iterator[RegisteredFamily]:
+        return iter(list(self._families.values()))
+
+    def names(self) -> list[str]:
+        return list(self._families)
+
+    def get(self, name: str) -> RegisteredFamily:
+        """The family called ``name``, or :class:`UnknownFamilyError` saying what is installed."""
+        try:
+            return self._families[name]
+        except KeyError:
+            raise UnknownFamilyError(self.unknown_family_message(name)) from None
+
+    def unknown_family_message(self, name: str) -> str:
+        installed = ", ".join(sorted(self._families)) or "none"
+        message = f"unknown fusion family {name!r}; installed families: {installed}"
+        provider = KNOWN_PROVIDERS.get(name)
+        if provider:
+            message += f". Family {name!r} is provided by the distribution {provider!r}: pip install {provider}"
+        failed = [f for f in self.failures if f.family == name]
+        if failed:
+            message += f". It failed to load: {failed[0]}"
+        return message
+
+    # -- writing ---------------------------------------------------------------------------
+    def register_family(self, spec: object, *, source: PluginSource = PROGRAMMATIC) -> RegisteredFamily:
+        """Register one family; raises ``PluginError`` if invalid or its name is taken."""
+        try:
+            valid = validate_spec(spec)
+        except (TypeError, ValueError) as exc:
+            raise PluginError(f"{source}: {exc}") from exc
+        existing = self._families.get(valid.name)
+        if existing is not None:
+            raise PluginError(
+                f"{source}: family name {valid.name!r} is already registered by {existing.source}"
+            )
+        registered = RegisteredFamily(valid, source)
+        self._families[valid.name] = registered
+        return registered
+
+    def unregister_family(self, name: str) -> RegisteredFamily:
+        """Remove a family (tests, notebooks); raises :class:`UnknownFamilyError` if absent."""
+        registered = self.get(name)
+        del self._families[name]
+        return registered
+
+    def register_plugin(self, plugin: object, *, source: PluginSource | None = None) -> list[str]:
+        """Register a plugin object (a module or instance with hook implementations).
+
+        Returns the family names it registered. Failures are recorded (raised in strict mode).
+        """
+        source = source or PluginSource(getattr(plugin, "__name__", repr(plugin)))
+        try:
+            self._pm.register(plugin, name=f"{source.plugin}:{id(plugin)}")
+        except Exception as exc:  # pluggy validation of the hook signatures
+            self._fail(source, f"invalid hook implementation: {exc}")
+            return []
+        impls = [i for i in self._pm.hook.register_fusion_families.get_hookimpls() if i.plugin is plugin]
+        if not impls:
+            self._fail(source, "defines no register_fusion_families hook implementation")
+            return []
+        added: list[str] = []
+        for impl in impls:
+            self._call_hook(impl.function, source, added)
+        return added
+
+    def _call_hook(self, function: Callable[..., Any], source: PluginSource, added: list[str]) -> None:
+        pending: list[object] = []
+        try:
+            result = function(register=pending.append)
+        except Exception as exc:
+            self._fail(source, f"register_fusion_families raised {type(exc).__name__}: {exc}")
+            return
+        if result is not None:
+            self._fail(source, f"register_fusion_families must call register(spec) and return None, got {result!r}")
+        for spec in pending:
+            name = getattr(spec, "name", None)
+            try:
+                added.append(self.register_family(spec, source=source).name)
+            except PluginError as exc:
+                self._fail(source, str(exc).removeprefix(f"{source}: "), family=name if isinstance(name, str) else None)
+
+    def _fail(self, source: PluginSource, reason: str, family: str | None = None) -> None:
+        failure = PluginFailure(source, reason, family)
+        if self.strict:
+            raise PluginError(f"{failure} ({STRICT_ENV}=1)")
+        self.failures.append(failure)
+
+    def load_entry_points(self) -> None:
+        """Import every ``fusion_core`` entry point and register its families, one by one."""
+        allowed_raw = os.environ.get(ALLOWED_ENV, "").strip()
+        allowed = {_normalize(d) for d in allowed_raw.split(",") if d.strip()} if allowed_raw else None
+        for entry_point in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            dist = entry_point.dist
+            source = PluginSource(
+                entry_point.name,
+                dist.name if dist is not None else "<unknown distribution>",
+                dist.version if dist is not None else "?",
+            )
+            if allowed is not None and _normalize(source.distribution or "") not in allowed:
+                self.failures.append(PluginFailure(source, f"not loaded: distribution not in {ALLOWED_ENV}"))
+                continue
+            try:
+                plugin = entry_point.load()
+            except Exception as exc:
+                self._fail(source, f"import of {entry_point.value!r} failed: {type(exc).__name__}: {exc}")
+                continue
+            self.register_plugin(plugin, source=source)
+
+
+def _normalize(distribution: str) -> str:
+    return re.sub(r"[-_.]+", "-", distribution).lower()
+
+
+_registry: FamilyRegistry | None = None
+_registry_lock = threading.Lock()
+
+
+def get_registry() -> FamilyRegistry:
+    """The process-wide registry, created (and entry points loaded) on first use."""
+    global _registry
+    if _registry is None:
+        with _registry_lock:
+            if _registry is None:
+                registry = FamilyRegistry()
+                if not _env_flag(DISABLE_AUTOLOAD_ENV):
+                    registry.load_entry_points()
+                _registry = registry
+    return _registry
+
+
+def reset_registry() -> None:
+    """Forget the process-wide registry; the next :func:`get_registry` reloads (tests use this)."""
+    global _registry
+    with _registry_lock:
+        _registry = None
+
+
+def register_family(spec: object) -> RegisteredFamily:
+    """Register a family in the process-wide registry without packaging it (tests, notebooks)."""
+    return get_registry().register_family(spec)
+
+
+def unregister_family(name: str) -> RegisteredFamily:
+    """Remove a family from the process-wide registry."""
+    return get_registry().unregister_family(name)

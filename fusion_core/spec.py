@@ -1,0 +1,105 @@
+"""The protocol a fusion family implements, its options base, and a convenient base class.
+
+A family answers four questions, each a method here: which modules may it fuse
+(:meth:`ModuleFusionSpec.is_fusable`, pre-filtered by ``target_modules_patterns``), what runs
+instead (:meth:`~ModuleFusionSpec.make_fused_class`), and how checkpoint tensors move between
+the original and the fused layout (:meth:`~ModuleFusionSpec.make_transforms`). Options are a
+pydantic model of the family's own, validated by :class:`fusion_core.FusionConfig` and handed
+to every method.
+
+**The fused class contract.** ``make_fused_class(original_cls, options)`` returns a *subclass*
+of ``original_cls`` that does not override ``__init__``. fusion-core builds each selected
+instance with the original ``__init__`` (so any checkpoint loader fills it in the original
+layout), switches its class, applies the family's transforms to its tensors, and then calls
+``fusion_finalize()`` (see :class:`FusedModule`) so the instance can set up whatever its fused
+``forward`` needs. The forward must compute what the original computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from fusion_core.transforms import WeightTransform
+
+
+class FamilyOptions(BaseModel):
+    """Options every family accepts; a family subclasses this to add its own.
+
+    ``target_modules`` and ``exclude_modules`` are regular expressions searched in module paths
+    (``model.visual.patch_embed.proj``), the way PEFT scopes adapters: a module is considered only
+    when it matches one of ``target_modules`` (when given) and none of ``exclude_modules``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target_modules: tuple[str, ...] | None = Field(
+        default=None, description="Regexes; only module paths matching one of them are considered."
+    )
+    exclude_modules: tuple[str, ...] = Field(
+        default=(), description="Regexes; module paths matching any of them are left alone."
+    )
+
+
+@runtime_checkable
+class ModuleFusionSpec(Protocol):
+    """What the registry checks a registered family against."""
+
+    name: str
+    description: str
+    options_model: type[FamilyOptions]
+    target_modules_patterns: Sequence[str]
+
+    def is_fusable(self, module: nn.Module, options: Any) -> bool:
+        """Can this (meta-device) module instance be replaced by the fused class exactly?"""
+        ...
+
+    def make_fused_class(self, original_cls: type[nn.Module], options: Any) -> type[nn.Module]:
+        """The runtime replacement class: a subclass of ``original_cls`` (see the module docs)."""
+        ...
+
+    def make_transforms(self, config: Any, options: Any) -> Sequence[WeightTransform]:
+        """Module-relative weight transforms from the original layout to the fused layout."""
+        ...
+
+
+class FusionFamily:
+    """A base class with the defaults most families want; subclass it and fill in the rest.
+
+    ``description`` defaults to the first line of the class docstring.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    options_model: ClassVar[type[FamilyOptions]] = FamilyOptions
+    target_modules_patterns: ClassVar[Sequence[str]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not cls.__dict__.get("description") and cls.__doc__:
+            cls.description = cls.__doc__.strip().splitlines()[0]
+
+    def is_fusable(self, module: nn.Module, options: Any) -> bool:
+        raise NotImplementedError(f"family {self.name!r} must implement is_fusable")
+
+    def make_fused_class(self, original_cls: type[nn.Module], options: Any) -> type[nn.Module]:
+        raise NotImplementedError(f"family {self.name!r} must implement make_fused_class")
+
+    def make_transforms(self, config: Any, options: Any) -> Sequence[WeightTransform]:
+        return ()
+
+    def __repr__(self) -> str:
+        return f"<fusion family {self.name!r} ({type(self).__module__}.{type(self).__qualname__})>"
+
+
+class FusedModule(nn.Module):
+    """Optional mixin for fused classes; documents the one hook fusion-core calls on them."""
+
+    def fusion_finalize(self) -> None:
+        """Called once the loaded tensors are in the fused layout, before the model is returned.
+
+        Set up here what ``forward`` needs beyond the tensors (views, merged sub-modules).
+        """

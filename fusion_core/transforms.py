@@ -1,0 +1,344 @@
+"""Invertible weight transforms and the plans built from them.
+
+A family describes how the tensors of one original module become the tensors of its fused
+replacement as :class:`WeightTransform` s over *module-relative* leaf names (``"weight"``,
+``"q_proj.bias"``). Prefixes that transformers renames between checkpoint and model never
+reach a family. Binding the transforms to one module instance (:func:`bind_transforms`) infers
+every output shape from the input shapes, so a whole :class:`FusionPlan` is checked before a
+single weight is read.
+
+Every operation is invertible given the source shapes the plan recorded: that is what lets a
+fused model save its original checkpoint layout byte for byte.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from fusion_core.errors import PlanError
+
+Shape = tuple[int, ...]
+
+
+class TransformOp(ABC):
+    """One invertible operation from ``arity[0]`` source tensors to ``arity[1]`` target tensors."""
+
+    arity: tuple[int, int] = (1, 1)
+
+    @abstractmethod
+    def forward_shapes(self, shapes: Sequence[Shape]) -> tuple[Shape, ...]:
+        """Target shapes for the given source shapes; raise ``ValueError`` when they do not fit."""
+
+    @abstractmethod
+    def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Original layout -> fused layout."""
+
+    @abstractmethod
+    def inverse(
+        self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]
+    ) -> tuple[torch.Tensor, ...]:
+        """Fused layout -> original layout, given the source shapes recorded in the plan."""
+
+
+@dataclass(frozen=True)
+class Identity(TransformOp):
+    """Moves a tensor unchanged; with different source and target names it is a rename."""
+
+    def forward_shapes(self, shapes: Sequence[Shape]) -> tuple[Shape, ...]:
+        return (tuple(shapes[0]),)
+
+    def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return (tensors[0],)
+
+    def inverse(
+        self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]
+    ) -> tuple[torch.Tensor, ...]:
+        return (tensors[0],)
+
+
+@dataclass(frozen=True)
+class Flatten(TransformOp):
+    """Flattens dimensions ``start_dim`` to the last one; a view for a contiguous tensor."""
+
+    start_dim: int = 1
+
+    def forward_shapes(self, shapes: Sequence[Shape]) -> tuple[Shape, ...]:
+        shape = tuple(shapes[0])
+        if not 0 <= self.start_dim < len(shape):
+            raise ValueError(f"cannot flatten from dim {self.start_dim} a tensor of shape {shape}")
+        return (shape[: self.start_dim] + (math.prod(shape[self.start_dim :]),),)
+
+    def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        (tensor,) = tensors
+        return (tensor.reshape(self.forward_shapes([tuple(tensor.shape)])[0]),)
+
+    def inverse(
+        self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]
+    ) -> tuple[torch.Tensor, ...]:
+        return (tensors[0].reshape(source_shapes[0]),)
+
+
+@dataclass(frozen=True)
+class Transpose(TransformOp):
+    """Swaps two dimensions; the result is made contiguous so it can be saved and multiplied."""
+
+    dim0: int = 0
+    dim1: int = 1
+
+    def forward_shapes(self, shapes: Sequence[Shape]) -> tuple[Shape, ...]:
+        shape = list(shapes[0])
+        try:
+            shape[self.dim0], shape[self.dim1] = shape[self.dim1], shape[self.dim0]
+        except IndexError:
+            raise ValueError(f"cannot transpose dims {self.dim0},{self.dim1} of shape {tuple(shapes[0])}") from None
+        return (tuple(shape),)
+
+    def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return (tensors[0].transpose(self.dim0, self.dim1).contiguous(),)
+
+    def inverse(
+        self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]
+    ) -> tuple[torch.Tensor, ...]:
+        return (tensors[0].transpose(self.dim0, self.dim1).contiguous(),)
+
+
+@dataclass(frozen=True)
+class Concat(TransformOp):
+    """Many-to-one: concatenates ``n`` sources along ``dim`` (q/k/v -> qkv). Inverse: split."""
+
+    n: int = 2
+    dim: int = 0
+
+    @property
+    def arity(self) -> tuple[int, int]:  # type: ignore[override]
+        return (self.n, 1)
+
+    def forward_shapes(self, shapes: Sequence[Shape]) -> tuple[Shape, ...]:
+        first = tuple(shapes[0])
+        if not 0 <= self.dim < len(first):
+            raise ValueError(f"cannot concatenate along dim {self.dim} tensors of shape {first}")
+        for shape in shapes[1:]:
+            rest = tuple(s for i, s in enumerate(shape) if i != self.dim)
+            if len(shape) != len(first) or rest != tuple(s for i, s in enumerate(first) if i != self.dim):
+                raise ValueError(f"shapes {[tuple(s) for s in shapes]} differ outside dim {self.dim}")
+        total = sum(shape[self.dim] for shape in shapes)
+        return (first[: self.dim] + (total,) + first[self.dim + 1 :],)
+
+    def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return (torch.cat(list(tensors), dim=self.dim),)
+
+    def inverse(
+        self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]
+    ) -> tuple[torch.Tensor, ...]:
+        sizes = [shape[self.dim] for shape in source_shapes]
+        # Clones: slices of one storage would be saved as shared tensors, which checkpoints refuse.
+        return tuple(part.clone() for part in torch.split(tensors[0], sizes, dim=self.dim))
+
+
+@dataclass(frozen=True)
+class Split(TransformOp):
+    """One-to-many: splits one source along ``dim`` into parts of ``sizes``. Inverse: concat."""
+
+    sizes: tuple[int, ...] = ()
+    dim: int = 0
+
+    @property
+    def arity(self) -> tuple[int, int]:  # type: ignore[override]
+        return (1, len(self.sizes))
+
+    def forward_shapes(self, shapes: Sequence[Shape]) -> tuple[Shape, ...]:
+        shape = tuple(shapes[0])
+        if not 0 <= self.dim < len(shape) or sum(self.sizes) != shape[self.dim]:
+            raise ValueError(f"cannot split shape {shape} along dim {self.dim} into {self.sizes}")
+        return tuple(shape[: self.dim] + (size,) + shape[self.dim + 1 :] for size in self.sizes)
+
+    def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return tuple(part.clone() for part in torch.split(tensors[0], list(self.sizes), dim=self.dim))
+
+    def inverse(
+        self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]
+    ) -> tuple[torch.Tensor, ...]:
+        return (torch.cat(list(tensors), dim=self.dim),)
+
+
+@dataclass(frozen=True)
+class WeightTransform:
+    """What a family declares: module-relative ``sources`` become ``targets`` through ``op``.
+
+    ``optional`` transforms are skipped when none of their sources exist on an instance (a bias
+    some checkpoints have and others do not); partly present sources are always an error.
+    """
+
+    sources: tuple[str, ...]
+    targets: tuple[str, ...]
+    op: TransformOp = field(default_factory=Identity)
+    optional: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sources, str) or isinstance(self.targets, str):
+            raise TypeError("WeightTransform sources and targets are tuples of leaf names, not strings")
+        if (len(self.sources), len(self.targets)) != tuple(self.op.arity):
+            raise ValueError(
+                f"{type(self.op).__name__} takes {self.op.arity[0]} source(s) and gives {self.op.arity[1]} "
+                f"target(s); got sources={self.sources} targets={self.targets}"
+            )
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """A module-relative tensor name with its shape."""
+
+    name: str
+    shape: Shape
+
+
+@dataclass(frozen=True)
+class BoundTransform:
+    """A :class:`WeightTransform` bound to one module instance, with every shape known."""
+
+    sources: tuple[LeafSpec, ...]
+    targets: tuple[LeafSpec, ...]
+    op: TransformOp
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """Everything fusion does to one module instance: which class it becomes, which tensors move."""
+
+    family: str
+    path: str
+    original_class: type
+    fused_class: type
+    transforms: tuple[BoundTransform, ...]
+    original_leaves: tuple[str, ...] = ()
+    """Every tensor of the original module, in its state-dict order (kept on save)."""
+
+    def full_key(self, leaf: str) -> str:
+        return f"{self.path}.{leaf}" if self.path else leaf
+
+    @property
+    def original_keys(self) -> tuple[str, ...]:
+        return tuple(self.full_key(s.name) for t in self.transforms for s in t.sources)
+
+    @property
+    def fused_keys(self) -> tuple[str, ...]:
+        return tuple(self.full_key(s.name) for t in self.transforms for s in t.targets)
+
+
+@dataclass(frozen=True)
+class FusionPlan:
+    """All module plans of one load, in model order; checked for overlapping claims on creation."""
+
+    modules: tuple[ModulePlan, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_conflicts(self.modules)
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(m.family for m in self.modules))
+
+    def by_path(self) -> dict[str, ModulePlan]:
+        return {m.path: m for m in self.modules}
+
+    def describe(self) -> list[dict[str, object]]:
+        """Plain data for printing, JSON and tests: one row per transformed tensor group."""
+        rows: list[dict[str, object]] = []
+        for module in self.modules:
+            for bound in module.transforms:
+                rows.append(
+                    {
+                        "family": module.family,
+                        "module": module.path,
+                        "original_class": _qualname(module.original_class),
+                        "fused_class": _qualname(module.fused_class),
+                        "op": repr(bound.op),
+                        "original": {module.full_key(s.name): list(s.shape) for s in bound.sources},
+                        "fused": {module.full_key(s.name): list(s.shape) for s in bound.targets},
+                    }
+                )
+        return rows
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def check_conflicts(modules: Iterable[ModulePlan]) -> None:
+    """Raise :class:`PlanError` when two module plans claim the same tensor or module."""
+    claims: dict[str, tuple[str, str]] = {}
+    module_owner: dict[str, str] = {}
+    for plan in modules:
+        if plan.path in module_owner and module_owner[plan.path] != plan.family:
+            raise PlanError(
+                f"families {module_owner[plan.path]!r} and {plan.family!r} both replace module {plan.path!r}"
+            )
+        if plan.path in module_owner:
+            raise PlanError(f"family {plan.family!r} plans module {plan.path!r} twice")
+        module_owner[plan.path] = plan.family
+        for key in plan.original_keys:
+            if key in claims:
+                other_family, other_path = claims[key]
+                raise PlanError(
+                    f"checkpoint key {key!r} is claimed by family {other_family!r} (module {other_path!r}) "
+                    f"and by family {plan.family!r} (module {plan.path!r})"
+                )
+            claims[key] = (plan.family, plan.path)
+
+
+def bind_transforms(
+    family: str,
+    path: str,
+    leaf_shapes: Mapping[str, Shape],
+    transforms: Sequence[WeightTransform],
+) -> tuple[BoundTransform, ...]:
+    """Bind ``transforms`` to one instance whose original tensors have ``leaf_shapes``.
+
+    Checks, naming family, module and leaf: every required source exists, no leaf is consumed
+    twice, every op accepts its shapes, and no target overwrites a tensor that stays.
+    """
+    where = f"family {family!r}, module {path or '<root>'!r}"
+    bound: list[BoundTransform] = []
+    consumed: set[str] = set()
+    produced: set[str] = set()
+    for transform in transforms:
+        present = [name for name in transform.sources if name in leaf_shapes]
+        if not present and transform.optional:
+            continue
+        missing = [name for name in transform.sources if name not in leaf_shapes]
+        if missing:
+            raise PlanError(
+                f"{where}: transform {transform.sources} -> {transform.targets} needs tensor(s) {missing}, "
+                f"which the module does not have (it has {sorted(leaf_shapes)})"
+            )
+        twice = consumed.intersection(transform.sources)
+        if twice:
+            raise PlanError(f"{where}: tensor(s) {sorted(twice)} are consumed by two transforms")
+        consumed.update(transform.sources)
+        shapes = [tuple(leaf_shapes[name]) for name in transform.sources]
+        try:
+            target_shapes = transform.op.forward_shapes(shapes)
+        except ValueError as exc:
+            raise PlanError(f"{where}: {type(transform.op).__name__} rejects shapes {shapes}: {exc}") from None
+        if len(target_shapes) != len(transform.targets):
+            raise PlanError(f"{where}: {transform.op!r} gave {len(target_shapes)} shapes for {transform.targets}")
+        dup = produced.intersection(transform.targets)
+        if dup:
+            raise PlanError(f"{where}: tensor(s) {sorted(dup)} are produced by two transforms")
+        produced.update(transform.targets)
+        bound.append(
+            BoundTransform(
+                sources=tuple(LeafSpec(n, s) for n, s in zip(transform.sources, shapes, strict=True)),
+                targets=tuple(LeafSpec(n, s) for n, s in zip(transform.targets, target_shapes, strict=True)),
+                op=transform.op,
+            )
+        )
+    clobbered = produced.intersection(set(leaf_shapes) - consumed)
+    if clobbered:
+        raise PlanError(f"{where}: target(s) {sorted(clobbered)} would overwrite tensors that are not transformed")
+    return tuple(bound)
