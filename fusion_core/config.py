@@ -72,7 +72,7 @@ class FusionConfig(RootModel[dict[str, Any]]):
                     for detail in exc.errors():
                         errors.append(_error(
                             "family_option",
-                            "family {family!r}: {msg}",
+                            "family '{family}': {msg}",
                             (name, *detail["loc"]),
                             detail.get("input"),
                             family=name,
@@ -81,7 +81,7 @@ class FusionConfig(RootModel[dict[str, Any]]):
             else:
                 errors.append(_error(
                     "family_setting_type",
-                    "family {family!r}: expected True, False or a mapping of options, got {type_name}",
+                    "family '{family}': expected True, False or a mapping of options, got {type_name}",
                     (name,), setting, family=name, type_name=type(setting).__name__,
                 ))
         if errors:

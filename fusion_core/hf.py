@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 from collections.abc import Iterable
 from contextlib import nullcontext
 from pathlib import Path
@@ -51,6 +52,11 @@ LEGACY_KEY = "fusion_config"
 CONFIG_NAME = "config.json"
 FUSED_CONFIG_NAME = "fused_config.json"
 PLAN_ATTRIBUTE = "_fusion_plan"
+
+# transformers' loading is not thread-safe (4.57 patches nn.Module.register_parameter and 5.x
+# sets the global default dtype while a model is built), so the loads fusion-core makes run
+# one at a time. Class patching itself is per thread (see patching.py).
+_LOAD_LOCK = threading.RLock()
 
 _HUB_KWARGS = (
     "revision", "cache_dir", "force_download", "local_files_only", "token", "subfolder", "proxies",
@@ -132,13 +138,14 @@ def from_pretrained(
             f"loaded with that fusion_config, not {fusion.model_dump()} (convert it to the original layout first)"
         )
     if not fusion.enabled_names():
-        result = model_cls.from_pretrained(name_or_path, config=config, output_loading_info=want_info, **kwargs)
-        return result
-    discovery = discover(model_cls, config, fusion, registry)
+        with _LOAD_LOCK:
+            return model_cls.from_pretrained(name_or_path, config=config, output_loading_info=want_info, **kwargs)
+    with _LOAD_LOCK:
+        discovery = discover(model_cls, config, fusion, registry)
     if local.is_dir():
         _check_checkpoint(local / kwargs.get("subfolder", ""), discovery.plan, fused_dir)
     on_built = convert_to_fused if fused_dir else None
-    with class_patch_scope(discovery.routes, on_built=on_built) as scope:
+    with _LOAD_LOCK, class_patch_scope(discovery.routes, on_built=on_built) as scope:
         model, info = model_cls.from_pretrained(name_or_path, config=config, output_loading_info=True, **kwargs)
     _verify_build(model, scope, discovery)
     _verify_loading_info(info, discovery.plan, fused_dir)

@@ -1,0 +1,34 @@
+# Shared set-up for scripts/demo.sh and scripts/test.sh: one virtual environment per
+# transformers line, created on first use, reused while its requirements are unchanged.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+TORCH_SPEC="torch==2.13.0"
+TF4_SPEC="transformers>=4.57,<4.58"
+TF5_SPEC="transformers>=5,<6"
+TOOLS_SPEC="pytest>=8 hypothesis>=6.100 accelerate>=1.0 ruff>=0.6"
+
+# ensure_env NAME TRANSFORMERS_SPEC -> prints the environment's python
+ensure_env() {
+    local name="$1" tf_spec="$2"
+    local venv="$ROOT/.venvs/$name"
+    local stamp="$venv/.fusion-stamp"
+    local want="$TORCH_SPEC|$tf_spec|$TOOLS_SPEC|$(cat "$ROOT/pyproject.toml" "$ROOT"/fusion_plugins/*/pyproject.toml | cksum)"
+    if [[ ! -x "$venv/bin/python" ]] || [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
+        echo "setting up $venv ($tf_spec)" >&2
+        rm -rf "$venv"
+        "$PYTHON" -m venv "$venv" >&2
+        "$venv/bin/python" -m pip install -q --upgrade pip >&2
+        # torch first and pinned: the CPU wheel on this machine, never a multi-GB CUDA build.
+        "$venv/bin/python" -m pip install -q "$TORCH_SPEC" >&2
+        "$venv/bin/python" -m pip install -q "$TORCH_SPEC" "$tf_spec" $TOOLS_SPEC >&2
+        local editables=(-e "$ROOT")
+        for plugin in "$ROOT"/fusion_plugins/*/; do
+            editables+=(-e "$plugin")
+        done
+        "$venv/bin/python" -m pip install -q "$TORCH_SPEC" "${editables[@]}" >&2
+        echo "$want" > "$stamp"
+    fi
+    echo "$venv/bin/python"
+}
