@@ -98,7 +98,9 @@ def read_checkpoint_index(directory: Path) -> dict[str, TensorInfo]:
         for key, shard in weight_map.items():
             info = headers[shard].get(key)
             if info is None:
-                raise CheckpointError(f"{index_path}: key {key!r} is indexed in shard {shard!r}, which does not hold it")
+                raise CheckpointError(
+                    f"{index_path}: key {key!r} is indexed in shard {shard!r}, which does not hold it"
+                )
             tensors[key] = info
         return tensors
     if single.is_file():

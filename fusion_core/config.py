@@ -53,8 +53,10 @@ class FusionConfig(RootModel[dict[str, Any]]):
         settings: dict[str, FamilySetting] = {}
         for name, setting in value.items():
             if not isinstance(name, str):
-                errors.append(_error("family_name_type", "family names are strings, got {type_name}", (repr(name),), name,
-                                     type_name=type(name).__name__))
+                errors.append(_error(
+                    "family_name_type", "family names are strings, got {type_name}", (repr(name),), name,
+                    type_name=type(name).__name__,
+                ))
                 continue
             if name not in registry:
                 errors.append(_error("unknown_family", "{message}", (name,), setting,

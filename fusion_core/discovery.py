@@ -109,9 +109,13 @@ def _fused_class(family: RegisteredFamily, original: type[nn.Module], options: F
     try:
         fused = family.spec.make_fused_class(original, options)
     except Exception as exc:
-        raise DiscoveryError(f"{where}: make_fused_class({original.__name__}) raised {type(exc).__name__}: {exc}") from exc
+        raise DiscoveryError(
+            f"{where}: make_fused_class({original.__name__}) raised {type(exc).__name__}: {exc}"
+        ) from exc
     if not (isinstance(fused, type) and issubclass(fused, original)):
-        raise DiscoveryError(f"{where}: make_fused_class({original.__name__}) must return a subclass of it, got {fused!r}")
+        raise DiscoveryError(
+            f"{where}: make_fused_class({original.__name__}) must return a subclass of it, got {fused!r}"
+        )
     if "__init__" in fused.__dict__:
         raise DiscoveryError(
             f"{where}: fused class {fused.__qualname__} defines __init__; fused classes are built by the "

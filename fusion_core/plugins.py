@@ -116,7 +116,9 @@ def validate_spec(spec: object) -> ModuleFusionSpec:
         try:
             re.compile(pattern)
         except (re.error, TypeError) as exc:
-            raise ValueError(f"family {spec.name!r}: invalid target_modules_patterns entry {pattern!r}: {exc}") from None
+            raise ValueError(
+                f"family {spec.name!r}: invalid target_modules_patterns entry {pattern!r}: {exc}"
+            ) from None
     return spec
 
 

@@ -71,7 +71,7 @@ class Flatten(TransformOp):
         shape = tuple(shapes[0])
         if not 0 <= self.start_dim < len(shape):
             raise ValueError(f"cannot flatten from dim {self.start_dim} a tensor of shape {shape}")
-        return (shape[: self.start_dim] + (math.prod(shape[self.start_dim :]),),)
+        return ((*shape[:self.start_dim], math.prod(shape[self.start_dim:])),)
 
     def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         (tensor,) = tensors
@@ -127,7 +127,7 @@ class Concat(TransformOp):
             if len(shape) != len(first) or rest != tuple(s for i, s in enumerate(first) if i != self.dim):
                 raise ValueError(f"shapes {[tuple(s) for s in shapes]} differ outside dim {self.dim}")
         total = sum(shape[self.dim] for shape in shapes)
-        return (first[: self.dim] + (total,) + first[self.dim + 1 :],)
+        return ((*first[:self.dim], total, *first[self.dim + 1:]),)
 
     def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return (torch.cat(list(tensors), dim=self.dim),)
@@ -155,7 +155,7 @@ class Split(TransformOp):
         shape = tuple(shapes[0])
         if not 0 <= self.dim < len(shape) or sum(self.sizes) != shape[self.dim]:
             raise ValueError(f"cannot split shape {shape} along dim {self.dim} into {self.sizes}")
-        return tuple(shape[: self.dim] + (size,) + shape[self.dim + 1 :] for size in self.sizes)
+        return tuple((*shape[:self.dim], size, *shape[self.dim + 1:]) for size in self.sizes)
 
     def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return tuple(part.clone() for part in torch.split(tensors[0], list(self.sizes), dim=self.dim))

@@ -13,9 +13,10 @@ TOOLS_SPEC="pytest>=8 hypothesis>=6.100 accelerate>=1.0 ruff>=0.6"
 ensure_env() {
     local name="$1" tf_spec="$2"
     local venv="$ROOT/.venvs/$name"
-    local stamp="$venv/.fusion-stamp"
-    local want="$TORCH_SPEC|$tf_spec|$TOOLS_SPEC|$(cat "$ROOT/pyproject.toml" "$ROOT"/fusion_plugins/*/pyproject.toml | cksum)"
-    if [[ ! -x "$venv/bin/python" ]] || [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
+    local base_want="$TORCH_SPEC|$tf_spec|$TOOLS_SPEC"
+    local pkg_want
+    pkg_want="$(cat "$ROOT/pyproject.toml" "$ROOT"/fusion_plugins/*/pyproject.toml | cksum)"
+    if [[ ! -x "$venv/bin/python" ]] || [[ "$(cat "$venv/.fusion-base" 2>/dev/null)" != "$base_want" ]]; then
         echo "setting up $venv ($tf_spec)" >&2
         rm -rf "$venv"
         "$PYTHON" -m venv "$venv" >&2
@@ -23,12 +24,16 @@ ensure_env() {
         # torch first and pinned: the CPU wheel on this machine, never a multi-GB CUDA build.
         "$venv/bin/python" -m pip install -q "$TORCH_SPEC" >&2
         "$venv/bin/python" -m pip install -q "$TORCH_SPEC" "$tf_spec" $TOOLS_SPEC >&2
+        echo "$base_want" > "$venv/.fusion-base"
+    fi
+    if [[ "$(cat "$venv/.fusion-packages" 2>/dev/null)" != "$pkg_want" ]]; then
+        # The core and every plugin distribution, editable: a new family is picked up here.
         local editables=(-e "$ROOT")
         for plugin in "$ROOT"/fusion_plugins/*/; do
             editables+=(-e "$plugin")
         done
-        "$venv/bin/python" -m pip install -q "$TORCH_SPEC" "${editables[@]}" >&2
-        echo "$want" > "$stamp"
+        "$venv/bin/python" -m pip install -q "$TORCH_SPEC" "$tf_spec" "${editables[@]}" >&2
+        echo "$pkg_want" > "$venv/.fusion-packages"
     fi
     echo "$venv/bin/python"
 }

@@ -7,6 +7,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,19 +20,19 @@ from fusion_core.testing.kit import TOLERANCES, fuse_module
 from fusion_core.testing.tiny_models import TINY_MODELS, save_tiny_model
 
 
-def _median_ms(fn, repeats: int) -> float:
+def _vision_output(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        out = model.model.visual(**inputs)
+    return getattr(out, "last_hidden_state", out)
+
+
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2] * 1e3
-
-
-def _vision_output(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    with torch.no_grad():
-        out = model.model.visual(**inputs)
-    return getattr(out, "last_hidden_state", out)
 
 
 def patch_embedding_speedup(patches: int = 1024, width: int = 1280) -> tuple[float, float]:
@@ -61,13 +62,13 @@ def main() -> int:
     shutil.rmtree(source, ignore_errors=True)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    ok = True
-    print(f"fusion-core {fusion_core.__version__} demo (torch {torch.__version__}, transformers {transformers.__version__})")
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    print(f"fusion-core {fusion_core.__version__} demo ({versions})")
 
     tiny = TINY_MODELS["qwen2_vl"]
     reference = save_tiny_model(tiny, source)
-    n_tensors = len(read_checkpoint_index(source))
-    print(f"1. built a tiny random Qwen2-VL checkpoint locally: {source} ({n_tensors} tensors)")
+    tensors = len(read_checkpoint_index(source))
+    print(f"1. built a tiny random Qwen2-VL checkpoint locally: {source} ({tensors} tensors)")
 
     model, info = fusion_core.from_pretrained(
         AutoModelForImageTextToText, source, fusion_config={"patch_embeddings": True}, output_loading_info=True
@@ -79,71 +80,24 @@ def main() -> int:
         print(f"     {before_key}: {before} -> {after}")
     counts = {k: len(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     print(f"   transformers' loading report: {counts}")
-    ok &= not any(counts.values())
+    ok = not any(counts.values())
 
     inputs = tiny.make_vision_input(reference.config, torch.Generator().manual_seed(0))
     expected = _vision_output(reference, inputs)
     diff = float((expected - _vision_output(model, inputs)).abs().max())
-    print(f"3. vision tower, fused vs unfused: max |diff| = {diff:.2e} (float32 tolerance {TOLERANCES[torch.float32]:g})")
-    ok &= diff <= TOLERANCES[torch.float32]
-
-    conv_ms, fused_ms = [], []
-    with torch.no_grad():
-        for _ in range(3):
-            conv(x), fused(x)
-        for _ in range(5):
-            conv_ms.append(_median_ms(lambda: conv(x), 3))
-            fused_ms.append(_median_ms(lambda: fused(x), 3))
-    return sorted(conv_ms)[2], sorted(fused_ms)[2]
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--workdir", type=Path, help="keep the checkpoints here instead of a temp dir")
-    args = parser.parse_args()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fusion-demo-"))
-    source, saved = workdir / "source", workdir / "saved"
-    shutil.rmtree(source, ignore_errors=True)
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    ok = True
-    print(f"fusion-core {fusion_core.__version__} demo (torch {torch.__version__}, transformers {transformers.__version__})")
-
-    tiny = TINY_MODELS["qwen2_vl"]
-    reference = save_tiny_model(tiny, source)
-    n_tensors = len(read_checkpoint_index(source))
-    print(f"1. built a tiny random Qwen2-VL checkpoint locally: {source} ({n_tensors} tensors)")
-
-    model, info = fusion_core.from_pretrained(
-        AutoModelForImageTextToText, source, fusion_config={"patch_embeddings": True}, output_loading_info=True
-    )
-    print('2. loaded with fusion_config={"patch_embeddings": True}; fused modules:')
-    for row in fusion_core.get_fusion_plan(model).describe():
-        (before_key, before), (_, after) = next(iter(row["original"].items())), next(iter(row["fused"].items()))
-        print(f"   {row['module']}: {row['original_class']} -> {row['fused_class']}")
-        print(f"     {before_key}: {before} -> {after}")
-    counts = {k: len(info.get(k) or ()) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    print(f"   transformers' loading report: {counts}")
-    ok &= not any(counts.values())
-
-    inputs = tiny.make_vision_input(reference.config, torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        expected = reference.model.visual(**inputs)
-        got = model.model.visual(**inputs)
-    expected = getattr(expected, "last_hidden_state", expected)
-    got = getattr(got, "last_hidden_state", got)
-    diff = float((expected - got).abs().max())
-    print(f"3. vision tower, fused vs unfused: max |diff| = {diff:.2e} (float32 tolerance {TOLERANCES[torch.float32]:g})")
-    ok &= diff <= TOLERANCES[torch.float32]
+    tolerance = TOLERANCES[torch.float32]
+    print(f"3. vision tower, fused vs unfused: max |diff| = {diff:.2e} (float32 tolerance {tolerance:g})")
+    ok &= diff <= tolerance
 
     conv_ms, fused_ms = patch_embedding_speedup()
-    print(f"4. patch embedding at Qwen2-VL width (3x2x14x14 -> 1280), 1024 patches, float32, {torch.get_num_threads()} "
-          f"threads:\n   Conv3d {conv_ms:.2f} ms, fused Linear {fused_ms:.2f} ms: {conv_ms / fused_ms:.1f}x faster")
+    print(f"4. patch embedding at Qwen2-VL width (3x2x14x14 -> 1280), 1024 patches, float32, "
+          f"{torch.get_num_threads()} threads:")
+    print(f"   Conv3d {conv_ms:.2f} ms, fused Linear {fused_ms:.2f} ms: {conv_ms / fused_ms:.1f}x faster")
 
     fusion_core.save_pretrained(model, saved)
     identical = (saved / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
-    print(f"5. fusion_core.save_pretrained -> {saved}\n   model.safetensors byte-identical to the source: "
-          f"{'yes' if identical else 'NO'}")
+    print(f"5. fusion_core.save_pretrained -> {saved}")
+    print(f"   model.safetensors byte-identical to the source: {'yes' if identical else 'NO'}")
     ok &= identical
 
     plain = AutoModelForImageTextToText.from_pretrained(saved)

@@ -9,7 +9,7 @@ TF5_PY="$(ensure_env tf5 "$TF5_SPEC")"
 TF4_PY="$(ensure_env tf4 "$TF4_SPEC")"
 
 echo "== ruff"
-"$TF5_PY" -m ruff check fusion_core fusion_plugins tests scripts benchmarks
+"$TF5_PY" -m ruff check .
 
 status=0
 for py in "$TF5_PY" "$TF4_PY"; do

@@ -6,12 +6,12 @@ import threading
 
 import pytest
 import torch
+from fusion_patch_embeddings.family import PatchLinearMixin
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 import fusion_core
 from fusion_core.patching import installed_classes
-from fusion_patch_embeddings.family import PatchLinearMixin
 
 
 class TwoTowerConfig(PretrainedConfig):

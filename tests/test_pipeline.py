@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from fusion_patch_embeddings.family import PatchLinearMixin
 from safetensors import safe_open
 
 import fusion_core
 from fusion_core.testing.kit import TOLERANCES
 from fusion_core.testing.tiny_models import TINY_MODELS, auto_class
-from fusion_patch_embeddings.family import PatchLinearMixin
 
 PATCH = {"patch_embeddings": True}
 ALL_MODELS = list(TINY_MODELS)

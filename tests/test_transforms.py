@@ -47,7 +47,12 @@ def test_concat_inverse_does_not_share_storage():
 
 @pytest.mark.parametrize(
     ("op", "shapes"),
-    [(Flatten(5), [(2, 3)]), (Concat(2, 1), [(4, 3), (5, 5)]), (Split((3, 3), 0), [(8, 4)]), (Transpose(0, 4), [(2, 2)])],
+    [
+        (Flatten(5), [(2, 3)]),
+        (Concat(2, 1), [(4, 3), (5, 5)]),
+        (Split((3, 3), 0), [(8, 4)]),
+        (Transpose(0, 4), [(2, 2)]),
+    ],
 )
 def test_shape_errors_are_value_errors(op, shapes):
     with pytest.raises(ValueError):

@@ -55,7 +55,7 @@ class PatchLinearMixin(FusedModule):
     weight: torch.Tensor
     bias: torch.Tensor | None
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - Conv3d's name
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         kernel = tuple(self.kernel_size)
         if input.dim() == 5 and tuple(input.shape[2:]) == kernel:

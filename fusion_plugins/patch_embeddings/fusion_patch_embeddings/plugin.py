@@ -4,7 +4,6 @@ from collections.abc import Callable
 from typing import Any
 
 import fusion_core
-
 from fusion_patch_embeddings.family import PatchEmbeddingsFamily
 
 
