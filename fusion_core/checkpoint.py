@@ -12,7 +12,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,27 +114,34 @@ def read_checkpoint_index(directory: Path) -> dict[str, TensorInfo]:
     raise CheckpointError(f"{directory}: no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME} found")
 
 
-def match_keys(model_keys: list[str], checkpoint_keys: list[str]) -> dict[str, str]:
-    """Map model keys to checkpoint keys when a known prefix was renamed (``visual.`` -> ``model.visual.``).
+class KeyMatcher:
+    """Finds the checkpoint key of a model key when a prefix was renamed (``visual.`` -> ``model.visual.``).
 
     A model key matches the checkpoint key with which it shares the longest dotted suffix, if
-    that match is unique and covers at least the last two components. Unmatched keys are absent.
+    that match is unique and covers at least the last two components. Built once per checkpoint.
     """
-    by_suffix: dict[str, list[str]] = {}
-    for key in checkpoint_keys:
-        parts = key.split(".")
-        for i in range(len(parts)):
-            by_suffix.setdefault(".".join(parts[i:]), []).append(key)
-    mapping: dict[str, str] = {}
-    for key in model_keys:
-        parts = key.split(".")
+
+    def __init__(self, checkpoint_keys: Iterable[str]) -> None:
+        self._by_suffix: dict[str, list[str]] = {}
+        for key in checkpoint_keys:
+            parts = key.split(".")
+            for i in range(len(parts)):
+                self._by_suffix.setdefault(".".join(parts[i:]), []).append(key)
+
+    def lookup(self, model_key: str) -> str | None:
+        parts = model_key.split(".")
         for i in range(len(parts) - 1):
-            candidates = by_suffix.get(".".join(parts[i:]))
+            candidates = self._by_suffix.get(".".join(parts[i:]))
             if candidates:
-                if len(candidates) == 1:
-                    mapping[key] = candidates[0]
-                break
-    return mapping
+                return candidates[0] if len(candidates) == 1 else None
+        return None
+
+
+def match_keys(model_keys: Iterable[str], checkpoint_keys: Iterable[str]) -> dict[str, str]:
+    """Map each model key to its checkpoint key (see :class:`KeyMatcher`); unmatched keys are absent."""
+    matcher = KeyMatcher(checkpoint_keys)
+    found = {key: matcher.lookup(key) for key in model_keys}
+    return {key: value for key, value in found.items() if value is not None}
 
 
 @contextmanager

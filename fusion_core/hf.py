@@ -34,9 +34,9 @@ from torch import nn
 
 from fusion_core.checkpoint import (
     FLOAT_DTYPES,
+    KeyMatcher,
     TensorInfo,
     atomic_directory,
-    match_keys,
     read_checkpoint_index,
 )
 from fusion_core.config import parse_fusion_config
@@ -162,14 +162,14 @@ def from_pretrained(
 def _check_checkpoint(directory: Path, plan: FusionPlan, fused_dir: bool) -> None:
     """Check the plan against the checkpoint's headers before transformers reads any data."""
     tensors = read_checkpoint_index(directory)
+    matcher = KeyMatcher(tensors)
     layout = "fused" if fused_dir else "original"
     for module in plan.modules:
         planned = _planned_tensors(module, fused_dir)
-        mapping = match_keys(list(planned), list(tensors))
         prefixes: set[str] = set()
         for model_key, (leaf, shape) in planned.items():
             where = f"family {module.family!r}, module {module.path!r}"
-            ckpt_key = mapping.get(model_key)
+            ckpt_key = matcher.lookup(model_key)
             if ckpt_key is None:
                 raise CheckpointError(
                     f"{where}: the checkpoint in {directory} has no tensor for {model_key!r} ({layout} layout)"
