@@ -238,3 +238,52 @@ def test_exclude_modules_option_is_honoured(tiny_checkpoint):
         cls, directory, fusion_config={"patch_embeddings": {"target_modules": ["patch_embed\\.proj$"]}}
     )
     assert [m.path for m in fusion_core.get_fusion_plan(model).modules] == ["model.visual.patch_embed.proj"]
+
+
+def _rewrite_tensor(source: Path, target: Path, key: str, tensor: torch.Tensor | None) -> None:
+    """Copy a single-file checkpoint, replacing (or dropping, for None) one tensor."""
+    from safetensors.torch import save_file
+
+    target.mkdir()
+    for file in source.iterdir():
+        if file.name != "model.safetensors":
+            (target / file.name).write_bytes(file.read_bytes())
+    tensors = _tensors(source)
+    if tensor is None:
+        del tensors[key]
+    else:
+        tensors[key] = tensor
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda w: w[:, :, :1].contiguous(), r"has shape \[32, 3, 1, 14, 14\], expected \[32, 3, 2, 14, 14\]"),
+        (lambda w: (w * 100).to(torch.int32), "is stored as I32; a floating-point dtype is expected"),
+        (lambda w: None, r"has no tensor for 'model.visual.patch_embed.proj.weight'"),
+    ],
+    ids=["shape", "dtype", "missing"],
+)
+def test_bad_fused_tensor_raises_naming_key_module_and_family(change, message, tiny_checkpoint, tmp_path):
+    directory, _ = tiny_checkpoint("qwen2_vl")
+    key = "visual.patch_embed.proj.weight"
+    _rewrite_tensor(directory, tmp_path / "bad", key, change(_tensors(directory)[key]))
+    with pytest.raises(fusion_core.CheckpointError, match=message) as info:
+        fusion_core.from_pretrained(auto_class(TINY_MODELS["qwen2_vl"]), tmp_path / "bad", fusion_config=PATCH)
+    assert "family 'patch_embeddings', module 'model.visual.patch_embed.proj'" in str(info.value)
+
+
+def test_extra_tensor_in_a_fused_module_raises(tiny_checkpoint, tmp_path):
+    directory, _ = tiny_checkpoint("qwen2_vl")
+    _rewrite_tensor(directory, tmp_path / "bad", "visual.patch_embed.proj.scale", torch.ones(32))
+    with pytest.raises(fusion_core.CheckpointError, match="unexpected tensor 'visual.patch_embed.proj.scale'"):
+        fusion_core.from_pretrained(auto_class(TINY_MODELS["qwen2_vl"]), tmp_path / "bad", fusion_config=PATCH)
+
+
+def test_torch_dtype_keyword_is_passed_through(tiny_checkpoint):
+    directory, _ = tiny_checkpoint("glm4v")
+    model = fusion_core.from_pretrained(auto_class(TINY_MODELS["glm4v"]), directory, fusion_config=PATCH,
+                                        torch_dtype=torch.bfloat16)
+    conv = _patch_modules(model)[0]
+    assert isinstance(conv, PatchLinearMixin) and conv.weight.dtype == torch.bfloat16
