@@ -167,3 +167,37 @@ def _version() -> str:
     import transformers
 
     return transformers.__version__
+
+
+# -- text-only decoder models (the qkv and gate_up families) ---------------------------------
+
+
+@dataclass(frozen=True)
+class TinyTextModel:
+    """A tiny decoder-only language model: its config factory and the class that loads it."""
+
+    name: str
+    auto_class: str
+    make_config: Callable[[], Any]
+
+
+def _text_config(class_name: str, **overrides: Any) -> Callable[[], Any]:
+    def make() -> Any:
+        cls = _import(class_name)
+        return cls and cls(**dict(_TEXT, **overrides))
+
+    return make
+
+
+TEXT_MODELS: dict[str, TinyTextModel] = {
+    "llama": TinyTextModel("llama", "AutoModelForCausalLM", _text_config("LlamaConfig")),
+    "llama_bias": TinyTextModel(
+        "llama_bias", "AutoModelForCausalLM", _text_config("LlamaConfig", attention_bias=True, mlp_bias=True)
+    ),
+    "mistral": TinyTextModel("mistral", "AutoModelForCausalLM", _text_config("MistralConfig", head_dim=8)),
+    "qwen2": TinyTextModel("qwen2", "AutoModelForCausalLM", _text_config("Qwen2Config")),
+    "qwen3": TinyTextModel("qwen3", "AutoModelForCausalLM", _text_config("Qwen3Config", head_dim=8)),
+    "gemma": TinyTextModel(
+        "gemma", "AutoModelForCausalLM", _text_config("GemmaConfig", head_dim=8, hidden_act="gelu_pytorch_tanh")
+    ),
+}

@@ -1,0 +1,152 @@
+"""One GEMM shared by several projections that read the same input (q/k/v, gate/up).
+
+The fused parent keeps its original ``forward``. Its projection children (``q_proj``, ...) are
+replaced by :class:`MergedSlice` modules that all read one merged weight (the ``[q; k; v]``
+rows, concatenated on load). The first slice called with an input computes the whole merged
+GEMM once and keeps the output; a sibling called with the *same* tensor (same object, same
+version counter, same grad mode) gets its columns of that output, a view, without another GEMM.
+Any other input is answered from the slice's own rows of the weight, so the result is always
+the projection the original ``nn.Linear`` computed, whatever order or inputs the parent uses.
+
+The cache is dropped once every sibling has taken its part. If a merged output is ever left
+partly unused (a sibling ran on another input, as in cross-attention, or was skipped, as in
+layers that reuse another layer's keys and values), that group stops merging and every slice
+runs its own GEMM from then on: a merged GEMM that is not fully used would only cost time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def _version(tensor: torch.Tensor) -> int:
+    # Inference tensors have no version counter; in-place writes to them are only possible inside
+    # inference mode, and no attention or MLP forward writes its input between two projections.
+    return -1 if tensor.is_inference() else tensor._version
+
+
+class MergedLinear:
+    """The merged projection of one fused module: weight owner, part boundaries and the output cache.
+
+    A plain object (not an ``nn.Module``), so it adds nothing to ``state_dict``, ``parameters``
+    or ``named_modules``; it reads the tensors from ``owner`` (the fused module's ``qkv_proj`` /
+    ``gate_up_proj`` container) at every call, so ``.to()``, ``load_state_dict`` and device maps
+    that replace the parameters are seen at once.
+    """
+
+    def __init__(self, owner: nn.Module, sizes: tuple[int, ...]) -> None:
+        self.owner = owner
+        self.sizes = tuple(sizes)
+        starts = [0]
+        for size in self.sizes[:-1]:
+            starts.append(starts[-1] + size)
+        self.bounds = tuple((start, start + size) for start, size in zip(starts, self.sizes, strict=True))
+        self.merging = True
+        self.merged_gemms = 0
+        self.own_gemms = 0
+        self._all = frozenset(range(len(self.sizes)))
+        self._cache: tuple[Any, ...] | None = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.owner.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return getattr(self.owner, "bias", None)
+
+    def part(self, tensor: torch.Tensor | None, index: int) -> torch.Tensor | None:
+        """Rows ``index`` of a merged weight or bias: a view, no copy."""
+        if tensor is None:
+            return None
+        start, stop = self.bounds[index]
+        return tensor[start:stop]
+
+    def __call__(self, index: int, input: torch.Tensor) -> torch.Tensor:
+        start, stop = self.bounds[index]
+        cache = self._cache
+        if cache is not None:
+            cached_input, version, grad, output, pending = cache
+            if cached_input is input and grad == torch.is_grad_enabled() and version == _version(input):
+                rest = pending - {index}
+                self._cache = (cached_input, version, grad, output, rest) if rest else None
+                return output[..., start:stop]
+            # A merged output left partly unused: merging does not pay for this module.
+            self._cache = None
+            self.merging = False
+        if not self.merging:
+            self.own_gemms += 1
+            return F.linear(input, self.part(self.weight, index), self.part(self.bias, index))
+        output = F.linear(input, self.weight, self.bias)
+        self.merged_gemms += 1
+        rest = self._all - {index}
+        if rest:
+            self._cache = (input, _version(input), torch.is_grad_enabled(), output, rest)
+        return output[..., start:stop]
+
+    def clear(self) -> None:
+        """Drop a cached output (it is dropped by itself once all parts were taken)."""
+        self._cache = None
+
+
+class MergedSlice(nn.Module):
+    """Stands where one original projection ``nn.Linear`` was; computes exactly what it computed.
+
+    ``weight`` and ``bias`` are views of the merged tensors (read-only properties, not
+    parameters: the merged container owns them), so code that inspects ``proj.weight.dtype``
+    keeps working. It is deliberately not an ``nn.Linear``: initialisers that match
+    ``isinstance(m, nn.Linear)`` must not write into the merged weight through a view.
+    """
+
+    def __init__(self, merged: MergedLinear, index: int, in_features: int) -> None:
+        super().__init__()
+        self.__dict__["merged"] = merged  # not a sub-module: the fused parent owns the tensors
+        self.index = index
+        self.in_features = in_features
+        self.out_features = merged.sizes[index]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.merged.part(self.merged.weight, self.index)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.merged.part(self.merged.bias, self.index)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self.merged(self.index, input)
+
+    def extra_repr(self) -> str:
+        start, stop = self.merged.bounds[self.index]
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.merged.bias is not None}, rows={start}:{stop} of the merged projection"
+        )
+
+
+def merge_children(parent: nn.Module, names: tuple[str, ...], container: str) -> MergedLinear:
+    """Replace ``parent``'s children ``names`` by slices of ``parent.<container>``'s merged tensors.
+
+    Called from ``fusion_finalize`` after fusion-core concatenated the children's tensors into
+    the container. The children's sizes come from the (now empty) original ``nn.Linear`` s, or
+    from existing slices when the module is finalised again.
+    """
+    owner = parent._modules.get(container)
+    if owner is None or "weight" not in owner._parameters:
+        raise RuntimeError(f"{type(parent).__name__}: no merged {container}.weight to run {names} from")
+    children = [parent._modules[name] for name in names]
+    sizes = tuple(int(child.out_features) for child in children)
+    in_features = int(children[0].in_features)
+    if sum(sizes) != owner.weight.shape[0] or owner.weight.shape[-1] != in_features:
+        raise RuntimeError(
+            f"{type(parent).__name__}: merged {container}.weight has shape {tuple(owner.weight.shape)}, "
+            f"expected ({sum(sizes)}, {in_features}) for {dict(zip(names, sizes, strict=True))}"
+        )
+    merged = MergedLinear(owner, sizes)
+    for index, name in enumerate(names):
+        parent._modules[name] = MergedSlice(merged, index, in_features)
+    return merged
