@@ -1,0 +1,180 @@
+"""The gate_up family on its own: which MLPs it takes, and that the fused ones are exact."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+from fusion_gate_up import GateUpFamily, GateUpMixin, MergedSlice
+from fusion_gate_up.family import refusal
+from torch import nn
+
+import fusion_core
+from fusion_core.testing.kit import (
+    TOLERANCES,
+    assert_numerically_equivalent,
+    assert_state_dict_round_trip,
+    fuse_module,
+)
+from fusion_core.testing.tiny_models import TEXT_MODELS
+
+FAMILY = GateUpFamily()
+OPTIONS = FAMILY.options_model()
+TEXT = list(TEXT_MODELS)
+
+
+def _mlp(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(TEXT_MODELS[name].make_config()).model.layers[0].mlp.eval()
+
+
+def _inputs(dtype: torch.dtype):
+    return [torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1)).to(dtype)]
+
+
+@pytest.mark.parametrize("name", TEXT)
+def test_mlp_matches_the_original(name):
+    errors = assert_numerically_equivalent(lambda: _mlp(name), _inputs, FAMILY,
+                                           dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    assert errors[torch.float32] <= TOLERANCES[torch.float32]
+
+
+@pytest.mark.parametrize("name", TEXT)
+def test_state_dict_round_trip_is_exact(name):
+    assert_state_dict_round_trip(_mlp(name), FAMILY)
+
+
+def test_one_merged_gemm_per_forward_and_the_original_forward_runs():
+    original = _mlp("llama_bias")
+    fused = fuse_module(original, FAMILY)
+    assert isinstance(fused, GateUpMixin) and type(fused).__name__ == type(original).__name__
+    assert type(fused).forward is type(original).forward  # the MLP's own forward, not a copy
+    assert isinstance(fused.gate_proj, MergedSlice) and isinstance(fused.up_proj, MergedSlice)
+    assert type(fused.down_proj) is nn.Linear
+    assert fused.gate_up_proj.weight.shape == (128, 32) and fused.gate_up_proj.bias.shape == (128,)
+    merged = fused.fused_projection
+    with torch.no_grad():
+        for step in range(3):
+            x = _inputs(torch.float32)[0]
+            assert torch.allclose(fused(x), original(x), atol=1e-6)
+            assert (merged.merged_gemms, merged.own_gemms, merged._cache) == (step + 1, 0, None)
+
+
+class _UpFirstMLP(nn.Module):
+    """A gated MLP whose forward calls up before gate and scales between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(16, 24), nn.Linear(16, 24), nn.Linear(24, 16)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        up = self.up_proj(x)
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * up * 0.5)
+
+
+class _TwoInputMLP(_UpFirstMLP):
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x.flip(0)))
+
+
+@pytest.mark.parametrize("cls", [_UpFirstMLP, _TwoInputMLP])
+def test_any_forward_is_computed_exactly(cls):
+    errors = assert_numerically_equivalent(cls, lambda dtype: [torch.randn(3, 16).to(dtype)], FAMILY)
+    assert errors[torch.float32] <= TOLERANCES[torch.float32]
+
+
+def test_two_input_forward_stops_merging():
+    original = _TwoInputMLP()
+    fused = fuse_module(original, FAMILY)
+    for _ in range(3):
+        x = torch.randn(3, 16)
+        assert torch.allclose(fused(x), original(x), atol=1e-6)
+    assert fused.fused_projection.merging is False and fused.fused_projection.merged_gemms == 1
+
+
+def test_gradients_and_copies():
+    original = _mlp("llama_bias")
+    fused = fuse_module(original, FAMILY)
+    x = torch.randn(4, 32)
+    original(x).square().sum().backward()
+    fused(x).square().sum().backward()
+    assert torch.allclose(fused.gate_up_proj.weight.grad,
+                          torch.cat([original.gate_proj.weight.grad, original.up_proj.weight.grad]), atol=1e-5)
+    assert torch.allclose(fused.down_proj.weight.grad, original.down_proj.weight.grad, atol=1e-5)
+    clone = copy.deepcopy(fused)
+    with torch.no_grad():
+        clone.gate_up_proj.weight.zero_()
+    assert clone.up_proj.weight.eq(0).all() and not fused.up_proj.weight.eq(0).all()
+
+
+class _Custom(nn.Module):
+    def forward(self, x):
+        return x * torch.sigmoid(x) * 1.5
+
+
+class _CustomLinear(nn.Linear):
+    def forward(self, input):
+        return super().forward(input) + 1
+
+
+def _set_act(mlp: nn.Module, act) -> None:
+    del mlp.act_fn  # a child module cannot be overwritten by a plain function
+    mlp.act_fn = act
+
+
+def _mutated(mutate) -> nn.Module:
+    mlp = _mlp("llama_bias")
+    mutate(mlp)
+    return mlp
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (lambda m: setattr(m, "act_fn", _Custom()), "unknown activation"),
+        (lambda m: setattr(m, "act_fn", nn.GLU()), "unknown activation"),
+        (lambda m: setattr(m, "act_fn", nn.Softmax(-1)), "unknown activation"),
+        (lambda m: _set_act(m, lambda x: x * 2), "unknown activation"),
+        (lambda m: delattr(m, "act_fn"), "no activation"),
+        (lambda m: setattr(m, "up_proj", _CustomLinear(32, 64)), "plain nn.Linear"),
+        (lambda m: setattr(m, "up_proj", nn.Linear(32, 48)), "differ in shape"),
+        (lambda m: setattr(m, "down_proj", nn.Linear(32, 32)), "down_proj"),
+        (lambda m: m.up_proj.to(torch.float16), "dtype"),
+        (lambda m: m.up_proj.register_parameter("bias", None), "bias on one"),
+        (lambda m: setattr(m, "up_proj", m.gate_proj), "share"),
+        (lambda m: setattr(m, "gate_up_proj", nn.Linear(32, 128)), "already has"),
+        (lambda m: delattr(m, "down_proj"), "no gate_proj"),
+    ],
+    ids=["custom-activation", "glu", "softmax", "lambda", "no-activation", "custom-linear", "gate-up-shapes",
+         "down-width", "dtype", "partial-bias", "shared", "existing-gate_up_proj", "no-down_proj"],
+)
+def test_refuses_what_it_does_not_recognise(mutate, reason):
+    mlp = _mutated(mutate)
+    assert FAMILY.is_fusable(mlp, OPTIONS) is False
+    assert reason in refusal(mlp)
+
+
+@pytest.mark.parametrize("act", [nn.SiLU(), nn.GELU(approximate="tanh"), nn.ReLU(), torch.nn.functional.silu])
+def test_accepts_known_elementwise_activations(act):
+    mlp = _mlp("llama")
+    _set_act(mlp, act)
+    assert FAMILY.is_fusable(mlp, OPTIONS) is True
+
+
+def test_refuses_mlps_that_are_not_gated():
+    gpt2 = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64)
+    phi3 = transformers.Phi3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                   vocab_size=64, pad_token_id=0)
+    with torch.device("meta"):
+        models = [transformers.GPT2LMHeadModel(gpt2), transformers.Phi3ForCausalLM(phi3)]
+    for model in models:
+        assert not any(FAMILY.is_fusable(m, OPTIONS) for m in model.modules()), type(model).__name__
+
+
+def test_registered_through_its_entry_point():
+    family = fusion_core.get_registry().get("gate_up")
+    assert family.source.distribution == "fusion-gate-up" and family.source.plugin == "gate_up"
+    assert isinstance(family.spec, GateUpFamily)
