@@ -144,8 +144,11 @@ def _worker(args: dict[str, Any]) -> dict[str, Any]:
     path = args["path"]
     # Import the model's modeling module up front (transformers imports it lazily on first use), so
     # that no contender's first load pays for it and the fused one's discovery does not absorb it.
-    architecture = json.loads((Path(path) / "config.json").read_text())["architectures"][0]
-    getattr(transformers, architecture)
+    architectures = json.loads((Path(path) / "config.json").read_text()).get("architectures")
+    if architectures:
+        getattr(transformers, architectures[0])
+    else:  # 4.57 leaves "architectures" out of a composite config: ask the Auto class's mapping
+        AutoModelForImageTextToText._model_mapping[type(transformers.AutoConfig.from_pretrained(path))]
     out: dict[str, Any] = {"import_s": time.perf_counter() - start, "rss_after_import_mb": rss_mb()}
     dtype = torch.bfloat16
     fusion = {"patch_embeddings": True}
