@@ -8,8 +8,11 @@ a usable dtype) before transformers reads any tensor data.
 from __future__ import annotations
 
 import json
+import math
 import os
+import secrets
 import shutil
+import stat
 import struct
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -24,6 +27,10 @@ SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 PICKLE_WEIGHTS_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+DTYPE_SIZES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}
 _MAX_HEADER = 100 * 1024 * 1024
 
 
@@ -64,10 +71,23 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
             dtype, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupt safetensors header entry for {key!r}") from None
+        if not (
+            isinstance(dtype, str)
+            and all(type(d) is int and d >= 0 for d in shape)
+            and type(start) is int
+            and type(end) is int
+        ):
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for {key!r}: {entry!r}")
         if not (0 <= start <= end <= data_len):
             raise CheckpointError(
                 f"{path}: tensor {key!r} lies at bytes {start}-{end} but the file holds {data_len} data bytes "
                 "(truncated or corrupt file)"
+            )
+        itemsize = DTYPE_SIZES.get(dtype)
+        if itemsize is not None and end - start != itemsize * math.prod(shape):
+            raise CheckpointError(
+                f"{path}: tensor {key!r} is {dtype} {list(shape)} ({itemsize * math.prod(shape)} bytes) but its data "
+                f"offsets span {end - start} bytes (corrupt header)"
             )
         infos[key] = TensorInfo(key, dtype, shape, path.name)
     return infos
@@ -156,7 +176,11 @@ def atomic_directory(target: Path) -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists() and not target.is_dir():
         raise SaveError(f"{target} exists and is not a directory")
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.fusion-tmp-", dir=target.parent))
+    # os.mkdir, not mkdtemp (always 0o700): the new directory gets the old one's mode, or the umask's.
+    staging = target.parent / f".{target.name}.fusion-tmp-{secrets.token_hex(6)}"
+    os.mkdir(staging)
+    if target.is_dir():
+        os.chmod(staging, stat.S_IMODE(target.stat().st_mode))
     try:
         yield staging
     except BaseException:

@@ -191,20 +191,43 @@ def _discover(
     for original, (_, fused) in class_owner.items():
         instances = tuple(by_path.get(path) for path, module in modules if type(module) is original)
         routes[original] = ClassRoute(original, fused, instances)
-    _rehearse(meta_model, plan)
+    _rehearse(meta_model, plan, {family.name: family.source for family, _ in families})
     return Discovery(type(meta_model), plan, routes, len(modules))
 
 
-def _rehearse(meta_model: nn.Module, plan: FusionPlan) -> None:
-    """Run every conversion on the meta model, so a broken family fails before any data is read."""
+def _rehearse(meta_model: nn.Module, plan: FusionPlan, sources: Mapping[str, Any]) -> None:
+    """Run every conversion on the meta model, so a broken family fails before any data is read.
+
+    Each op also runs backwards there: an op whose output shapes differ from what it declared, or
+    whose inverse does not give the source shapes back, could not save the original layout.
+    """
     for module_plan in plan.modules:
         module = meta_model.get_submodule(module_plan.path)
+        where = f"family {module_plan.family!r} ({sources.get(module_plan.family, 'unknown source')})"
         try:
+            _rehearse_inverse(module, module_plan)
             module.__class__ = module_plan.fused_class
             convert_to_fused(module, module_plan)
             finalize(module, module_plan)
         except Exception as exc:
             raise DiscoveryError(
-                f"family {module_plan.family!r}: fusing module {module_plan.path!r} "
-                f"({module_plan.original_class.__qualname__}) failed on the meta device: {type(exc).__name__}: {exc}"
+                f"{where}: fusing module {module_plan.path!r} ({module_plan.original_class.__qualname__}) "
+                f"failed on the meta device: {type(exc).__name__}: {exc}"
             ) from exc
+
+
+def _rehearse_inverse(module: nn.Module, module_plan: ModulePlan) -> None:
+    leaves = module.state_dict(keep_vars=True)
+    for bound in module_plan.transforms:
+        sources = [leaves[s.name].detach() for s in bound.sources]
+        with torch.no_grad():
+            outputs = bound.op.forward(sources)
+            got = [tuple(t.shape) for t in outputs]
+            if got != [t.shape for t in bound.targets]:
+                raise PlanError(f"{bound.op!r} produced shapes {got}, it declared {[t.shape for t in bound.targets]}")
+            back = [tuple(t.shape) for t in bound.op.inverse(outputs, [s.shape for s in bound.sources])]
+        if back != [s.shape for s in bound.sources]:
+            raise PlanError(
+                f"{bound.op!r} is not invertible: its inverse gives shapes {back}, the sources have "
+                f"{[s.shape for s in bound.sources]}"
+            )

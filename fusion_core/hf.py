@@ -125,13 +125,15 @@ def from_pretrained(
     """
     kwargs = dict(transformers_kwargs)
     want_info = bool(kwargs.pop("output_loading_info", False))
+    registry = get_registry()
+    # An explicit fusion_config is checked first, before any file is read.
+    explicit = parse_fusion_config(fusion_config, registry) if fusion_config is not None else None
     local = Path(name_or_path)
     fused_dir = _is_fused_layout_dir(local)
     config = _load_config(model_cls, name_or_path, fused_dir, kwargs)
     record, legacy = _pop_record(config)
-    registry = get_registry()
     stored = (record or {}).get("fusion_config", legacy)
-    fusion = parse_fusion_config(fusion_config if fusion_config is not None else (stored or {}), registry)
+    fusion = explicit if explicit is not None else parse_fusion_config(stored or {}, registry)
     if fused_dir and fusion.model_dump() != parse_fusion_config(stored or {}, registry).model_dump():
         raise CheckpointError(
             f"{name_or_path} holds a fused-layout checkpoint made with fusion_config={stored}; it can only be "
@@ -149,14 +151,38 @@ def from_pretrained(
         model, info = model_cls.from_pretrained(name_or_path, config=config, output_loading_info=True, **kwargs)
     _verify_build(model, scope, discovery)
     _verify_loading_info(info, discovery.plan, fused_dir)
-    for module, plan in scope.built:
-        if not fused_dir:
-            _check_loaded(module, plan)
-            convert_to_fused(module, plan)
-        finalize(module, plan)
+    # Under the lock too: while another load runs, 4.57's init_empty_weights sends every parameter
+    # registered in *any* thread to the meta device, the fused ones created here included.
+    with _LOAD_LOCK:
+        _convert_built(scope, fused_dir, registry)
     setattr(model.config, RECORD_KEY, {"fusion_config": fusion.model_dump()})
     model.__dict__[PLAN_ATTRIBUTE] = discovery.plan
     return (model, info) if want_info else model
+
+
+def _convert_built(scope: BuildScope, fused_dir: bool, registry: Any) -> None:
+    """Bring every loaded fused instance into its fused layout and let it finalize; errors name the family."""
+    verified: set[tuple[object, ...]] = set()
+    for module, plan in scope.built:
+        source = registry.get(plan.family).source if plan.family in registry else "unknown source"
+        try:
+            if not fused_dir:
+                _check_loaded(module, plan)
+                convert_to_fused(module, plan, verified)
+            finalize(module, plan)
+        except FusionLoadError as exc:
+            raise FusionLoadError(f"{exc} [{source}]") from None
+        except Exception as exc:  # the family's fusion_finalize or op, on real data
+            raise FusionLoadError(
+                f"family {plan.family!r} ({source}), module {plan.path!r}: fusing the loaded "
+                f"{plan.original_class.__qualname__} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        on_meta = [name for name, tensor in module.state_dict(keep_vars=True).items() if tensor.is_meta]
+        if on_meta:
+            raise FusionLoadError(
+                f"family {plan.family!r} ({source}), module {plan.path!r}: tensors {on_meta} are on the meta device "
+                "after fusing (a transformers load in another thread patched parameter registration?)"
+            )
 
 
 def _check_checkpoint(directory: Path, plan: FusionPlan, fused_dir: bool) -> None:

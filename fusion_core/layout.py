@@ -66,8 +66,20 @@ def _pop_leaf(module: nn.Module, leaf: str) -> tuple[torch.Tensor, bool, bool]:
     raise AttributeError(f"{leaf!r} is neither a parameter nor a buffer")
 
 
-def convert_to_fused(module: nn.Module, plan: ModulePlan) -> None:
-    """Apply ``plan``'s forward transforms to ``module``'s tensors in place (meta tensors too)."""
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bytes (NaN payloads and -0.0 included), unlike ``torch.equal``."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+
+
+def convert_to_fused(module: nn.Module, plan: ModulePlan, verified: set[tuple[object, ...]] | None = None) -> None:
+    """Apply ``plan``'s forward transforms to ``module``'s tensors in place (meta tensors too).
+
+    With ``verified`` (a set kept for one load), the first conversion of each (family, op, shapes,
+    dtype) is run backwards and compared bit for bit with the loaded tensors: an op whose inverse
+    loses data fails the load instead of a later save silently writing other bytes.
+    """
     for bound in plan.transforms:
         tensors = []
         kinds = []
@@ -88,6 +100,8 @@ def convert_to_fused(module: nn.Module, plan: ModulePlan) -> None:
             kinds.append((is_param, requires_grad))
         with torch.no_grad():
             outputs = bound.op.forward(tensors)
+            if verified is not None:
+                _verify_inverse(plan, bound, tensors, outputs, verified)
         is_param = kinds[0][0]
         requires_grad = any(rg for _, rg in kinds)
         for spec, output in zip(bound.targets, outputs, strict=True):
@@ -96,6 +110,22 @@ def convert_to_fused(module: nn.Module, plan: ModulePlan) -> None:
                 owner.register_parameter(name, nn.Parameter(output, requires_grad=requires_grad))
             else:
                 owner.register_buffer(name, output)
+
+
+def _verify_inverse(
+    plan: ModulePlan, bound: Any, tensors: list[torch.Tensor], outputs: Any, verified: set[tuple[object, ...]]
+) -> None:
+    key = (plan.family, repr(bound.op), tuple(s.shape for s in bound.sources), tuple(t.dtype for t in tensors))
+    if key in verified:
+        return
+    back = bound.op.inverse(list(outputs), [s.shape for s in bound.sources])
+    for spec, original, restored in zip(bound.sources, tensors, back, strict=True):
+        if not same_bits(original, restored):
+            raise FusionLoadError(
+                f"family {plan.family!r}, module {plan.path!r}: {bound.op!r} is not invertible: its inverse does not "
+                f"restore tensor {plan.full_key(spec.name)!r} bit for bit, so saving would not reproduce the checkpoint"
+            )
+    verified.add(key)
 
 
 def _present_original(

@@ -14,6 +14,7 @@ Environment:
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import threading
@@ -128,6 +129,7 @@ class FamilyRegistry:
     def __init__(self) -> None:
         self._families: dict[str, RegisteredFamily] = {}
         self.failures: list[PluginFailure] = []
+        self._ambiguous: set[str] = set()
         self.strict = _env_flag(STRICT_ENV)
         self._pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self._pm.add_hookspecs(hookspecs)
@@ -152,10 +154,14 @@ class FamilyRegistry:
     def unknown_family_message(self, name: str) -> str:
         installed = ", ".join(sorted(self._families)) or "none"
         message = f"unknown fusion family {name!r}; installed families: {installed}"
+        close = difflib.get_close_matches(name, list(self._families), n=1)
+        if close:
+            message += f". Did you mean {close[0]!r}?"
         provider = KNOWN_PROVIDERS.get(name)
         if provider:
             message += f". Family {name!r} is provided by the distribution {provider!r}: pip install {provider}"
-        failed = [f for f in self.failures if f.family == name]
+        # A plugin whose import failed names no family; its entry point usually has the family's name.
+        failed = [f for f in self.failures if f.family == name or (f.family is None and f.source.plugin == name)]
         if failed:
             message += f". It failed to load: {failed[0]}"
         return message
@@ -206,17 +212,21 @@ class FamilyRegistry:
         pending: list[object] = []
         try:
             result = function(register=pending.append)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a plugin calling sys.exit() must not end the host
             self._fail(source, f"register_fusion_families raised {type(exc).__name__}: {exc}")
             return
         if result is not None:
             self._fail(source, f"register_fusion_families must call register(spec) and return None, got {result!r}")
         for spec in pending:
             name = getattr(spec, "name", None)
+            family = name if isinstance(name, str) else None
+            first = self._families.get(family) if family is not None else None
             try:
                 added.append(self.register_family(spec, source=source).name)
             except PluginError as exc:
-                self._fail(source, str(exc).removeprefix(f"{source}: "), family=name if isinstance(name, str) else None)
+                self._fail(source, str(exc).removeprefix(f"{source}: "), family=family)
+                if first is not None and first.source.distribution is not None:
+                    self._ambiguous.add(first.name)
 
     def _fail(self, source: PluginSource, reason: str, family: str | None = None) -> None:
         failure = PluginFailure(source, reason, family)
@@ -240,10 +250,22 @@ class FamilyRegistry:
                 continue
             try:
                 plugin = entry_point.load()
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:  # a plugin calling sys.exit() must not end the host
                 self._fail(source, f"import of {entry_point.value!r} failed: {type(exc).__name__}: {exc}")
                 continue
             self.register_plugin(plugin, source=source)
+        self._disable_ambiguous()
+
+    def _disable_ambiguous(self) -> None:
+        """A family name two plugins claim is usable from neither: which one runs must never depend on
+        entry-point order (a second plugin could otherwise shadow, or be shadowed by, the one the user meant)."""
+        for name in sorted(self._ambiguous):
+            first = self._families.pop(name, None)
+            if first is not None:
+                self._fail(first.source, f"family name {name!r} is also registered by another plugin (see the other "
+                           f"failure); the family is disabled until one is uninstalled or left out with {ALLOWED_ENV}",
+                           family=name)
+        self._ambiguous.clear()
 
 
 def _normalize(distribution: str) -> str:

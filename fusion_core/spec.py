@@ -17,10 +17,11 @@ layout), switches its class, applies the family's transforms to its tensors, and
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
 from fusion_core.transforms import WeightTransform
@@ -42,6 +43,17 @@ class FamilyOptions(BaseModel):
     exclude_modules: tuple[str, ...] = Field(
         default=(), description="Regexes; module paths matching any of them are left alone."
     )
+
+    @field_validator("target_modules", "exclude_modules")
+    @classmethod
+    def _patterns_compile(cls, patterns: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        """A bad regex is a config error here, not a ``re.error`` from deep inside discovery."""
+        for pattern in patterns or ():
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"invalid regular expression {pattern!r}: {exc}") from None
+        return patterns
 
 
 @runtime_checkable
