@@ -91,6 +91,8 @@ class PluginFailure:
 
 def validate_spec(spec: object) -> ModuleFusionSpec:
     """Check that ``spec`` satisfies :class:`ModuleFusionSpec`; raise ``TypeError``/``ValueError`` why not."""
+    if isinstance(spec, type):  # the class has every attribute, but its methods would be called unbound
+        raise TypeError(f"register an instance of {spec.__qualname__}, not the class itself")
     if not isinstance(spec, ModuleFusionSpec):
         missing = [
             attr
@@ -161,7 +163,7 @@ class FamilyRegistry:
         if provider:
             message += f". Family {name!r} is provided by the distribution {provider!r}: pip install {provider}"
         # A plugin whose import failed names no family; its entry point usually has the family's name.
-        failed = [f for f in self.failures if f.family == name or (f.family is None and f.source.plugin == name)]
+        failed = [f for f in self.failures if name in (f.family, f.source.plugin)]
         if failed:
             message += f". It failed to load: {failed[0]}"
         return message
@@ -237,7 +239,7 @@ class FamilyRegistry:
     def load_entry_points(self) -> None:
         """Import every ``fusion_core`` entry point and register its families, one by one."""
         allowed_raw = os.environ.get(ALLOWED_ENV, "").strip()
-        allowed = {_normalize(d) for d in allowed_raw.split(",") if d.strip()} if allowed_raw else None
+        allowed = {_normalize(d.strip()) for d in allowed_raw.split(",") if d.strip()} if allowed_raw else None
         for entry_point in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
             dist = entry_point.dist
             source = PluginSource(

@@ -1,0 +1,391 @@
+"""Reliability: broken plugins fail alone, loudly, naming their distribution, version and family.
+
+Every plugin here is a real distribution: a ``<name>-<version>.dist-info`` directory (``METADATA``,
+``entry_points.txt`` in the ``fusion_core`` group) plus its module, in a temporary directory put on
+``sys.path``, so ``importlib.metadata`` finds it exactly as it finds a pip-installed plugin.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from fusion_patch_embeddings.family import PatchLinearMixin
+from pydantic import ValidationError
+
+import fusion_core
+from fusion_core import cli
+from fusion_core.patching import installed_classes
+from fusion_core.testing.tiny_models import TINY_MODELS, auto_class
+
+QWEN = auto_class(TINY_MODELS["qwen2_vl"])
+PATCH = {"patch_embeddings": True}
+
+
+class Site:
+    """A directory on ``sys.path`` holding throwaway plugin distributions."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.prefix = f"relplug_{uuid.uuid4().hex[:8]}_"
+        self.modules: list[str] = []
+
+    def add(self, dist: str, version: str, plugins: dict[str, str], modules: dict[str, str]) -> dict[str, str]:
+        """Write a distribution; module names get a unique prefix. Returns the real module names."""
+        names = {short: self.prefix + dist.replace("-", "_") + "_" + short for short in modules}
+        info = self.root / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        lines = [f"{ep} = {_rename(target, names)}\n" for ep, target in plugins.items()]
+        (info / "entry_points.txt").write_text("[fusion_core]\n" + "".join(lines))
+        for short, source in modules.items():
+            (self.root / f"{names[short]}.py").write_text(textwrap.dedent(source))
+        self.modules.extend(names.values())
+        fusion_core.reset_registry()
+        return names
+
+    def family(self, dist: str, name: str, version: str = "0.3.1", body: str = "", register: str | None = None) -> None:
+        """A one-family plugin distribution; ``body`` overrides parts of a working family."""
+        source = FAMILY_TEMPLATE.format(name=name, body=textwrap.indent(textwrap.dedent(body), "    "))
+        source += textwrap.dedent(register or "\n@fusion_core.hookimpl\ndef register_fusion_families(register):\n"
+                                              "    register(Family())\n")
+        self.add(dist, version, {name: "plugin"}, {"plugin": source})
+
+
+FAMILY_TEMPLATE = '''\
+import fusion_core
+import torch
+from torch import nn
+from fusion_core import Flatten, FusionFamily, TransformOp, WeightTransform
+from fusion_patch_embeddings.family import PatchLinearMixin, is_non_overlapping_conv3d
+
+
+class Family(FusionFamily):
+    """A family built to fail in one way."""
+
+    name = "{name}"
+
+    def is_fusable(self, module, options):
+        return is_non_overlapping_conv3d(module)
+
+    def make_fused_class(self, original_cls, options):
+        return type(original_cls.__name__, (PatchLinearMixin, original_cls), {{}})
+
+    def make_transforms(self, config, options):
+        return [WeightTransform(("weight",), ("weight",), Flatten(start_dim=1))]
+{body}
+'''
+
+
+def _rename(target: str, names: dict[str, str]) -> str:
+    module, sep, attr = target.partition(":")
+    return names.get(module, module) + sep + attr
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    root = tmp_path / "site-packages"
+    root.mkdir()
+    monkeypatch.syspath_prepend(str(root))
+    result = Site(root)
+    yield result
+    for name in result.modules:
+        sys.modules.pop(name, None)
+    fusion_core.reset_registry()
+
+
+@pytest.fixture
+def qwen_dir(tiny_checkpoint):
+    return tiny_checkpoint("qwen2_vl")[0]
+
+
+def _patch_embeddings_still_works(directory: Path) -> None:
+    model = fusion_core.from_pretrained(QWEN, directory, fusion_config=PATCH)
+    assert isinstance(model.model.visual.patch_embed.proj, PatchLinearMixin)
+    assert installed_classes() == []
+
+
+def _failures_text() -> str:
+    return "\n".join(str(f) for f in fusion_core.get_registry().failures)
+
+
+# -- faults while the registry collects families -------------------------------------------------------
+
+_HOOK = "\n@fusion_core.hookimpl\ndef register_fusion_families(register):\n"
+_GOOD_FAMILY = FAMILY_TEMPLATE.format(name="{name}", body="")
+
+# (case id, plugin module source (a "{name}" placeholder is the family/entry-point name), text the report contains)
+REGISTRATION_FAULTS: list[tuple[str, str, str]] = [
+    ("import-error", "import fusion_core\nimport torchfoo_does_not_exist\n", "ModuleNotFoundError"),
+    ("import-raises", "raise ImportError('needs CUDA 99')\n", "needs CUDA 99"),
+    ("syntax-error", "def broken(:\n", "SyntaxError"),
+    ("exit-on-import", "import sys\nsys.exit(3)\n", "SystemExit"),
+    ("no-hook", "import fusion_core\nX = 1\n", "defines no register_fusion_families hook"),
+    ("wrong-hook-signature", "import fusion_core\n@fusion_core.hookimpl\ndef register_fusion_families(registry):\n"
+                             "    pass\n", "invalid hook implementation"),
+    ("hook-raises", "import fusion_core" + _HOOK + "    raise RuntimeError('boom in hook')\n", "boom in hook"),
+    ("hook-exits", "import fusion_core, sys" + _HOOK + "    sys.exit(1)\n", "SystemExit"),
+    ("hook-returns-specs", _GOOD_FAMILY + _HOOK + "    return [Family()]\n",
+     "must call register(spec) and return None"),
+    ("registers-object", "import fusion_core" + _HOOK + "    register(object())\n", "is not a ModuleFusionSpec"),
+    ("registers-string", "import fusion_core" + _HOOK + "    register('{name}')\n", "is not a ModuleFusionSpec"),
+    ("registers-none", "import fusion_core" + _HOOK + "    register(None)\n", "is not a ModuleFusionSpec"),
+    ("registers-class", _GOOD_FAMILY + _HOOK + "    register(Family)\n", "not the class itself"),
+    ("missing-method", "import fusion_core\nclass Family:\n    name = '{name}'\n    description = ''\n"
+                       + _HOOK + "    register(Family())\n", "missing: options_model"),
+    ("invalid-name", _GOOD_FAMILY.replace('name = "{name}"', 'name = "{name}-x"') + _HOOK + "    register(Family())\n",
+     "is not an identifier"),
+    ("invalid-regex", _GOOD_FAMILY.replace('"""A family built to fail in one way."""',
+                                           'target_modules_patterns = ("proj(",)') + _HOOK + "    register(Family())\n",
+     "invalid target_modules_patterns entry 'proj('"),
+    ("patterns-as-str", _GOOD_FAMILY.replace('"""A family built to fail in one way."""',
+                                             'target_modules_patterns = "proj"') + _HOOK + "    register(Family())\n",
+     "not a str"),
+    ("options-not-familyoptions", "from pydantic import BaseModel\n" + _GOOD_FAMILY.replace(
+        '"""A family built to fail in one way."""', 'options_model = BaseModel') + _HOOK + "    register(Family())\n",
+     "must subclass fusion_core.FamilyOptions"),
+    ("options-allow-extra", "from pydantic import ConfigDict\n" + _GOOD_FAMILY.replace(
+        '"""A family built to fail in one way."""',
+        'class options_model(fusion_core.FamilyOptions):\n        model_config = ConfigDict(extra="allow")'
+    ) + _HOOK + "    register(Family())\n", "keep extra='forbid'"),
+    ("description-not-str", _GOOD_FAMILY.replace('"""A family built to fail in one way."""', "description = 3")
+     + _HOOK + "    register(Family())\n", "description must be a string"),
+    ("entry-point-attribute-missing", "import fusion_core\n", "has no attribute"),
+]
+
+
+@pytest.mark.parametrize(
+    ("source", "text"),
+    [c[1:] for c in REGISTRATION_FAULTS], ids=[c[0] for c in REGISTRATION_FAULTS])
+def test_broken_plugin_is_reported_with_its_distribution_and_others_keep_working(source, text, site, qwen_dir):
+    name = "brokenfam"
+    target = "plugin:missing_attribute" if text == "has no attribute" else "plugin"
+    site.add("fusion-broken-thing", "2.7.1", {name: target}, {"plugin": source.replace("{name}", name)})
+    registry = fusion_core.get_registry()  # must not raise (not strict), must not exit
+    assert name not in registry
+    report = _failures_text()
+    assert "fusion-broken-thing 2.7.1" in report and f"plugin {name!r}" in report and text in report, report
+    # asking for the family names the distribution that failed to provide it
+    with pytest.raises(ValidationError) as info:
+        fusion_core.from_pretrained(QWEN, qwen_dir, fusion_config={name: True})
+    assert "fusion-broken-thing 2.7.1" in str(info.value)
+    _patch_embeddings_still_works(qwen_dir)
+
+
+@pytest.mark.parametrize(
+    ("source", "text"),
+    [c[1:] for c in REGISTRATION_FAULTS], ids=[c[0] for c in REGISTRATION_FAULTS])
+def test_strict_mode_turns_the_report_into_an_error(source, text, site, monkeypatch):
+    name = "brokenfam"
+    target = "plugin:missing_attribute" if text == "has no attribute" else "plugin"
+    site.add("fusion-broken-thing", "2.7.1", {name: target}, {"plugin": source.replace("{name}", name)})
+    monkeypatch.setenv("FUSION_CORE_STRICT_PLUGINS", "1")
+    fusion_core.reset_registry()
+    with pytest.raises(fusion_core.PluginError, match=r"(?s)fusion-broken-thing 2\.7\.1.*FUSION_CORE_STRICT_PLUGINS=1"):
+        fusion_core.get_registry()
+
+
+def test_one_bad_family_does_not_take_down_its_siblings(site, qwen_dir):
+    source = _GOOD_FAMILY.replace("{name}", "goodfam") + _HOOK + "    register(object())\n    register(Family())\n"
+    site.add("fusion-mixed", "1.0", {"mixed": "plugin"}, {"plugin": source})
+    registry = fusion_core.get_registry()
+    assert "goodfam" in registry and "patch_embeddings" in registry
+    assert "fusion-mixed 1.0" in _failures_text()
+    model = fusion_core.from_pretrained(QWEN, qwen_dir, fusion_config={"goodfam": True})
+    assert isinstance(model.model.visual.patch_embed.proj, PatchLinearMixin)
+
+
+def test_duplicate_family_names_disable_the_name_and_name_both_distributions(site, qwen_dir):
+    for dist, version in (("fusion-dup-a", "1.0"), ("fusion-dup-b", "2.0")):
+        site.family(dist, "dupfam", version=version)
+    registry = fusion_core.get_registry()
+    assert "dupfam" not in registry and "patch_embeddings" in registry
+    with pytest.raises(ValidationError) as info:
+        fusion_core.from_pretrained(QWEN, qwen_dir, fusion_config={"dupfam": True})
+    message = str(info.value)
+    assert "fusion-dup-a 1.0" in message and "fusion-dup-b 2.0" in message
+    _patch_embeddings_still_works(qwen_dir)
+
+
+def test_a_plugin_claiming_an_installed_family_name_never_silently_replaces_it(site, qwen_dir):
+    """Entry-point order must not decide which 'patch_embeddings' runs: the name becomes unusable, loudly."""
+    site.family("aaa-squatter", "patch_embeddings", version="9.9")
+    registry = fusion_core.get_registry()
+    assert "patch_embeddings" not in registry
+    with pytest.raises(ValidationError) as info:
+        fusion_core.from_pretrained(QWEN, qwen_dir, fusion_config=PATCH)
+    assert "aaa-squatter 9.9" in str(info.value) and "fusion-patch-embeddings" in str(info.value)
+
+
+def test_allow_list_keeps_the_squatter_out(site, qwen_dir, monkeypatch):
+    site.family("aaa-squatter", "patch_embeddings", version="9.9")
+    monkeypatch.setenv("FUSION_CORE_ALLOWED_PLUGINS", "fusion-patch-embeddings")
+    fusion_core.reset_registry()
+    assert fusion_core.get_registry().get("patch_embeddings").source.distribution == "fusion-patch-embeddings"
+    _patch_embeddings_still_works(qwen_dir)
+
+
+# -- faults of a registered family, met when it is used -----------------------------------------------------
+
+# (case id, class body overriding the working family, error type, text the error contains)
+USE_FAULTS: list[tuple[str, str, type, str]] = [
+    ("is-fusable-raises", "def is_fusable(self, module, options):\n    raise KeyError('no such attr')\n",
+     fusion_core.DiscoveryError, "is_fusable raised KeyError on module"),
+    ("is-fusable-not-bool", "def is_fusable(self, module, options):\n    return 'yes'\n",
+     fusion_core.DiscoveryError, "is_fusable must return a bool"),
+    ("nothing-fusable", "def is_fusable(self, module, options):\n    return False\n",
+     fusion_core.DiscoveryError, "found nothing to fuse"),
+    ("make-fused-class-raises", "def make_fused_class(self, cls, options):\n    raise RuntimeError('no class')\n",
+     fusion_core.DiscoveryError, "make_fused_class(Conv3d) raised RuntimeError"),
+    ("fused-class-not-subclass", "def make_fused_class(self, cls, options):\n    return nn.Linear\n",
+     fusion_core.DiscoveryError, "must return a subclass of it"),
+    ("fused-class-not-a-class", "def make_fused_class(self, cls, options):\n    return 'Linear'\n",
+     fusion_core.DiscoveryError, "must return a subclass of it"),
+    ("fused-class-defines-init", "def make_fused_class(self, cls, options):\n"
+     "    return type(cls.__name__, (cls,), {'__init__': lambda self, *a, **k: None})\n",
+     fusion_core.DiscoveryError, "defines __init__"),
+    ("finalize-raises", "def make_fused_class(self, cls, options):\n    def fusion_finalize(self):\n"
+     "        raise ValueError('cannot finalize')\n"
+     "    return type(cls.__name__, (PatchLinearMixin, cls), {'fusion_finalize': fusion_finalize})\n",
+     fusion_core.DiscoveryError, "failed on the meta device: ValueError: cannot finalize"),
+    ("finalize-raises-on-real-data", "def make_fused_class(self, cls, options):\n    def fusion_finalize(self):\n"
+     "        if not self.weight.is_meta:\n            raise ValueError('real data refused')\n"
+     "    return type(cls.__name__, (PatchLinearMixin, cls), {'fusion_finalize': fusion_finalize})\n",
+     fusion_core.FusionLoadError, "real data refused"),
+    ("make-transforms-raises", "def make_transforms(self, config, options):\n    return config.no_such_attr\n",
+     fusion_core.DiscoveryError, "make_transforms raised AttributeError"),
+    ("make-transforms-garbage", "def make_transforms(self, config, options):\n    return ['weight']\n",
+     fusion_core.DiscoveryError, "not a WeightTransform"),
+    ("transform-missing-leaf", "def make_transforms(self, config, options):\n"
+     "    return [WeightTransform(('weights',), ('weight',), Flatten(1))]\n",
+     fusion_core.PlanError, "needs tensor(s) ['weights']"),
+    ("transform-bad-shapes", "def make_transforms(self, config, options):\n"
+     "    return [WeightTransform(('weight',), ('weight',), Flatten(7))]\n",
+     fusion_core.PlanError, "Flatten rejects shapes"),
+    ("transform-consumes-twice", "def make_transforms(self, config, options):\n"
+     "    return [WeightTransform(('weight',), ('a',), Flatten(1)), WeightTransform(('weight',), ('b',))]\n",
+     fusion_core.PlanError, "consumed by two transforms"),
+    ("op-lies-about-shapes", "def make_transforms(self, config, options):\n"
+     "    class Liar(Flatten):\n        def forward(self, tensors):\n            return (tensors[0].flatten(),)\n"
+     "    return [WeightTransform(('weight',), ('weight',), Liar(1))]\n",
+     fusion_core.DiscoveryError, "it declared"),
+    ("inverse-wrong-shape", "def make_transforms(self, config, options):\n"
+     "    class OneWay(Flatten):\n        def inverse(self, tensors, source_shapes):\n"
+     "            return (tensors[0],)\n"
+     "    return [WeightTransform(('weight',), ('weight',), OneWay(1))]\n",
+     fusion_core.DiscoveryError, "is not invertible"),
+    ("inverse-loses-data", "def make_transforms(self, config, options):\n"
+     "    class Lossy(Flatten):\n        def inverse(self, tensors, source_shapes):\n"
+     "            return (torch.zeros(source_shapes[0], dtype=tensors[0].dtype, device=tensors[0].device),)\n"
+     "    return [WeightTransform(('weight',), ('weight',), Lossy(1))]\n",
+     fusion_core.FusionLoadError, "is not invertible: its inverse does not restore tensor"),
+    ("inverse-raises", "def make_transforms(self, config, options):\n"
+     "    class NoWayBack(Flatten):\n        def inverse(self, tensors, source_shapes):\n"
+     "            raise NotImplementedError('one way only')\n"
+     "    return [WeightTransform(('weight',), ('weight',), NoWayBack(1))]\n",
+     fusion_core.DiscoveryError, "one way only"),
+]
+
+
+@pytest.mark.parametrize(("body", "error", "text"), [c[1:] for c in USE_FAULTS], ids=[c[0] for c in USE_FAULTS])
+def test_broken_family_fails_its_load_naming_distribution_version_and_family(body, error, text, site, qwen_dir):
+    site.family("fusion-faulty", "faultyfam", version="0.3.1", body=body)
+    assert "faultyfam" in fusion_core.get_registry()
+    with pytest.raises(error) as info:
+        fusion_core.from_pretrained(QWEN, qwen_dir, fusion_config={"faultyfam": True})
+    message = str(info.value)
+    assert text in message, message
+    assert "'faultyfam'" in message and "fusion-faulty 0.3.1" in message, message
+    assert installed_classes() == []
+    _patch_embeddings_still_works(qwen_dir)
+
+
+def test_the_working_template_family_loads(site, qwen_dir):
+    """Control for the cases above: without a fault the template family fuses and round-trips."""
+    site.family("fusion-faulty", "faultyfam", version="0.3.1")
+    model = fusion_core.from_pretrained(QWEN, qwen_dir, fusion_config={"faultyfam": True})
+    assert isinstance(model.model.visual.patch_embed.proj, PatchLinearMixin)
+
+
+# -- trust: what gets imported at all ---------------------------------------------------------------------
+
+_MARKER_PLUGIN = """\
+import pathlib
+pathlib.Path({marker!r}).write_text("imported")
+""" + _GOOD_FAMILY.replace("{name}", "markerfam") + _HOOK + "    register(Family())\n"
+
+
+def _marker_plugin(marker: Path) -> dict[str, str]:
+    """A plugin module that leaves a file behind when it is imported."""
+    return {"plugin": _MARKER_PLUGIN.replace("{marker!r}", repr(str(marker)))}
+
+
+def test_disable_autoload_imports_no_plugin_at_all(site, tmp_path, monkeypatch, qwen_dir):
+    marker = tmp_path / "imported"
+    site.add("fusion-marker", "1.0", {"markerfam": "plugin"}, _marker_plugin(marker))
+    monkeypatch.setenv("FUSION_CORE_DISABLE_PLUGIN_AUTOLOAD", "1")
+    fusion_core.reset_registry()
+    registry = fusion_core.get_registry()
+    assert registry.names() == [] and registry.failures == []
+    assert not marker.exists()
+    with pytest.raises(ValidationError, match="pip install fusion-patch-embeddings"):
+        fusion_core.from_pretrained(QWEN, qwen_dir, fusion_config=PATCH)
+    # families can still be registered by hand
+    from fusion_patch_embeddings import PatchEmbeddingsFamily
+
+    fusion_core.register_family(PatchEmbeddingsFamily())
+    _patch_embeddings_still_works(qwen_dir)
+
+
+@pytest.mark.parametrize(
+    "allowed", ["fusion-patch-embeddings", "Fusion_Patch.Embeddings", " fusion-patch-embeddings ,x"]
+)
+def test_allow_list_never_imports_other_distributions(allowed, site, tmp_path, monkeypatch, qwen_dir):
+    marker = tmp_path / "imported"
+    site.add("fusion-marker", "1.0", {"markerfam": "plugin"}, _marker_plugin(marker))
+    monkeypatch.setenv("FUSION_CORE_ALLOWED_PLUGINS", allowed)
+    fusion_core.reset_registry()
+    registry = fusion_core.get_registry()
+    assert "markerfam" not in registry and "patch_embeddings" in registry
+    assert not marker.exists()
+    assert "fusion-marker 1.0" in _failures_text() and "FUSION_CORE_ALLOWED_PLUGINS" in _failures_text()
+    _patch_embeddings_still_works(qwen_dir)
+
+
+def test_allow_list_admits_what_it_names(site, tmp_path, monkeypatch):
+    marker = tmp_path / "imported"
+    site.add("fusion-marker", "1.0", {"markerfam": "plugin"}, _marker_plugin(marker))
+    monkeypatch.setenv("FUSION_CORE_ALLOWED_PLUGINS", "fusion-marker")
+    fusion_core.reset_registry()
+    registry = fusion_core.get_registry()
+    assert "markerfam" in registry and "patch_embeddings" not in registry and marker.exists()
+
+
+def test_fusion_list_json_shows_active_and_failed_plugins_with_their_distribution(site, capsys):
+    site.add("fusion-broken-thing", "2.7.1", {"brokenfam": "plugin"}, {"plugin": "raise ImportError('nope')\n"})
+    site.family("fusion-faulty", "faultyfam", version="0.3.1")
+    assert cli.main(["list", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    active = {f["name"]: f for f in data["families"]}
+    assert active["patch_embeddings"]["distribution"] == "fusion-patch-embeddings"
+    assert (active["faultyfam"]["distribution"], active["faultyfam"]["version"]) == ("fusion-faulty", "0.3.1")
+    failed = [f for f in data["failed_plugins"] if f["distribution"] == "fusion-broken-thing"]
+    assert failed and failed[0]["version"] == "2.7.1" and failed[0]["plugin"] == "brokenfam"
+    assert "ImportError: nope" in failed[0]["reason"]
+    assert cli.main(["list"]) == 0
+    text = capsys.readouterr().out
+    assert "fusion-faulty" in text and "fusion-broken-thing" in text
+
+
+def test_plugin_registry_is_usable_on_every_model_after_failures(site, qwen_dir):
+    """A failing load of a broken family leaves nothing behind: a later plain load is plain."""
+    site.family("fusion-faulty", "faultyfam", body=USE_FAULTS[-1][1])
+    with pytest.raises(fusion_core.DiscoveryError):
+        fusion_core.from_pretrained(QWEN, qwen_dir, fusion_config={"faultyfam": True})
+    plain = QWEN.from_pretrained(qwen_dir)
+    assert type(plain.model.visual.patch_embed.proj) is torch.nn.Conv3d
