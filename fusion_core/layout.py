@@ -59,7 +59,11 @@ def _pop_leaf(module: nn.Module, leaf: str) -> tuple[torch.Tensor, bool, bool]:
     """Remove a tensor; return it, whether it was a parameter, and its requires_grad."""
     owner, name = _owner(module, leaf)
     if name in owner._parameters and owner._parameters[name] is not None:
-        param = owner._parameters.pop(name)
+        # Leave the attribute as None (the ``bias=None`` convention), not absent: a sub-module that
+        # gave its tensors away (q_proj -> qkv_proj) stays readable for code that inspects
+        # ``module.bias`` while the model is still being loaded (transformers 5.x initialisation).
+        param = owner._parameters[name]
+        owner._parameters[name] = None
         return param.detach(), True, param.requires_grad
     if name in owner._buffers and owner._buffers[name] is not None:
         return owner._buffers.pop(name), False, False
