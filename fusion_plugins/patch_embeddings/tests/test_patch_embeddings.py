@@ -118,3 +118,16 @@ def test_registered_through_its_entry_point():
     assert family.source.distribution == "fusion-patch-embeddings"
     assert family.source.plugin == "patch_embeddings"
     assert isinstance(family.spec, PatchEmbeddingsFamily)
+
+
+def _rows(dtype: torch.dtype) -> list[torch.Tensor]:
+    return [torch.randn(11, 3, 2, 14, 14, generator=torch.Generator().manual_seed(0)).to(dtype)]
+
+
+@pytest.mark.parametrize("tiny_model", ["qwen2_vl", "glm4v"])
+def test_conformance_kit(fusion_conformance, tiny_model):
+    """fusion-core's pytest plugin: options schema, numerics per dtype, round trips, discovery, fused load."""
+    fusion_conformance.check_family(
+        FAMILY, lambda: _conv(3, 32, (2, 14, 14), True), _rows, tiny_model=tiny_model,
+        dtypes=(torch.float32, torch.bfloat16, torch.float16),
+    )

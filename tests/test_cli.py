@@ -1,0 +1,257 @@
+"""The ``fusion`` command driven as a user drives it: subprocesses on real tiny checkpoints.
+
+``fusion plan`` is compared with what a fused load actually does (``get_fusion_plan``),
+``fusion check`` must fail on a family that computes something else, and ``fusion convert``
+must give what ``save_pretrained(save_original_format=False)`` gives, and come back exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fusion_patch_embeddings import PatchEmbeddingsFamily
+from fusion_patch_embeddings.family import PatchLinearMixin
+from safetensors import safe_open
+
+import fusion_core
+from fusion_core import cli
+from fusion_core.checkpoint import read_checkpoint_index
+from fusion_core.testing.tiny_models import TINY_MODELS, auto_class
+
+PATCH = "patch_embeddings"
+
+
+def fusion(*args: str, check: bool | None = True) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_CORE_")}
+    result = subprocess.run([sys.executable, "-m", "fusion_core", *map(str, args)], capture_output=True, text=True,
+                            env=env, timeout=600)
+    if check and result.returncode != 0:
+        raise AssertionError(f"fusion {args} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def fusion_json(*args: str, check: bool | None = True) -> tuple[int, dict]:
+    result = fusion(*args, "--json", check=check)
+    return result.returncode, json.loads(result.stdout)
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            out.update({k: handle.get_tensor(k) for k in handle.keys()})
+    return out
+
+
+@pytest.fixture
+def llama_dir(tmp_path: Path) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "llama")
+    return tmp_path / "llama"
+
+
+# -- plan ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["qwen2_vl", "glm4v", "videomae"])
+def test_plan_is_what_a_fused_load_does(name, tiny_checkpoint):
+    directory, _ = tiny_checkpoint(name)
+    code, plan = fusion_json("plan", directory, "-f", PATCH)
+    assert code == 0 and plan["ok"] and plan["checkpoint"] == {"checked": True, "error": None}
+    model = fusion_core.from_pretrained(auto_class(TINY_MODELS[name]), directory, fusion_config={PATCH: True})
+    loaded = fusion_core.get_fusion_plan(model)
+    assert [m["module"] for m in plan["modules"]] == [m.path for m in loaded.modules]
+    described = [{k: v for k, v in row.items() if k not in ("checkpoint_keys", "dtype", "file")}
+                 for row in plan["transforms"]]
+    assert described == json.loads(json.dumps(loaded.describe()))
+    index = read_checkpoint_index(directory)
+    for row in plan["transforms"]:
+        for model_key, shape in row["original"].items():
+            ckpt_key = row["checkpoint_keys"][model_key]
+            assert list(index[ckpt_key].shape) == shape and row["dtype"] == index[ckpt_key].dtype
+        for model_key, shape in row["fused"].items():
+            assert len(shape) == 2 and row["checkpoint_keys"][model_key].endswith(model_key.split(".")[-1])
+
+
+def test_plan_human_output_is_a_table(tiny_checkpoint):
+    directory, _ = tiny_checkpoint("qwen2_vl")
+    out = fusion("plan", directory, "-f", PATCH).stdout
+    assert "MODULE" in out and "FUSED CLASS" in out and "ORIGINAL KEY" in out
+    line = next(li for li in out.splitlines() if li.startswith("visual.patch_embed.proj.weight"))
+    assert "[32, 3, 2, 14, 14]" in line and "[32, 1176]" in line and "Flatten" in line
+    header = next(li for li in out.splitlines() if li.startswith("ORIGINAL KEY"))
+    assert header.index("FUSED KEY") == line.index("visual.patch_embed.proj.weight", 5)  # aligned columns
+
+
+def test_plan_says_why_nothing_matches(llama_dir):
+    result = fusion("plan", llama_dir, "-f", PATCH, check=False)
+    assert result.returncode == 1
+    assert "Nothing to fuse" in result.stdout and "found nothing to fuse in LlamaForCausalLM" in result.stdout
+    code, plan = fusion_json("plan", llama_dir, "-f", PATCH, check=False)
+    assert code == 1 and plan["ok"] is False and plan["error_type"] == "DiscoveryError" and plan["modules"] == []
+
+
+def test_plan_options_and_config_file(tiny_checkpoint, tmp_path):
+    directory, _ = tiny_checkpoint("qwen2_vl")
+    code, plan = fusion_json("plan", directory, "--options", json.dumps({PATCH: {"exclude_modules": ["visual"]}}),
+                             check=False)
+    assert code == 1 and "none is fusable" in plan["error"]
+    config = tmp_path / "fusion.json"
+    config.write_text(json.dumps({"fusion_config": {PATCH: {"target_modules": ["patch_embed"]}}}))
+    _, plan = fusion_json("plan", directory, "--config", config)
+    assert plan["fusion_config"] == {PATCH: {"target_modules": ["patch_embed"]}} and len(plan["modules"]) == 1
+
+
+def test_unknown_family_and_bad_options_are_errors(tiny_checkpoint):
+    directory, _ = tiny_checkpoint("qwen2_vl")
+    result = fusion("plan", directory, "-f", "no_such_family", check=False)
+    assert result.returncode == 1 and "unknown fusion family 'no_such_family'" in result.stderr
+    result = fusion("plan", directory, "--options", json.dumps({PATCH: {"bogus": 1}}), "--json", check=False)
+    assert result.returncode == 1 and "bogus" in json.loads(result.stdout)["error"]
+    result = fusion("plan", directory, check=False)
+    assert result.returncode == 2 and "no fusion family given" in result.stderr
+
+
+# -- check ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["qwen2_vl", "vivit"])
+def test_check_passes_and_reports_every_part(name, tiny_checkpoint):
+    directory, _ = tiny_checkpoint(name)
+    code, report = fusion_json("check", directory, "-f", PATCH, "--repeats", "1")
+    assert code == 0 and report["ok"]
+    assert [m["module"] for m in report["modules"]] and all(m["ok"] and m["input_sets"] for m in report["modules"])
+    assert all(m["max_abs_error"] < 1e-3 for m in report["modules"])
+    assert report["round_trip"]["ok"] and report["round_trip"]["tensors"] > 10
+    assert report["forward_time_ratio"] > 0
+    if name == "vivit":  # a video model is driven whole; a VL model is driven through its text path
+        assert report["whole_model"]["ran"] and report["whole_model"]["inputs"] == {"pixel_values": [1, 4, 3, 32, 32]}
+    human = fusion("check", directory, "-f", PATCH, "--repeats", "1").stdout
+    assert "MAX ABS" in human and "Round trip: ok" in human and human.rstrip().endswith("PASS")
+
+
+def test_check_bfloat16(tiny_checkpoint):
+    directory, _ = tiny_checkpoint("videomae")
+    code, report = fusion_json("check", directory, "-f", PATCH, "--dtype", "bfloat16", "--repeats", "1")
+    assert code == 0 and report["dtype"] == "bfloat16" and report["modules"][0]["tolerance"] == 3e-2
+    assert report["round_trip"]["ok"]
+
+
+class _OffByOne(PatchLinearMixin):
+    def forward(self, input):
+        return super().forward(input) + 1e-2
+
+
+class _BrokenFamily(PatchEmbeddingsFamily):
+    """Like patch_embeddings, but computes something else."""
+
+    name = "broken_patch"
+
+    def make_fused_class(self, original_cls, options):
+        return type(original_cls.__name__, (_OffByOne, original_cls), {})
+
+
+def test_check_fails_on_a_family_that_computes_something_else(tiny_checkpoint, fusion_registered, capsys):
+    directory, _ = tiny_checkpoint("vivit")
+    fusion_registered(_BrokenFamily())
+    assert cli.main(["check", str(directory), "-f", "broken_patch", "--repeats", "1", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["ok"] and not report["modules"][0]["ok"] and "exceeds" in report["modules"][0]["note"]
+    assert report["round_trip"]["ok"]  # the weights themselves are still saved exactly
+    assert cli.main(["check", str(directory), "-f", "broken_patch", "--repeats", "1"]) == 1
+    assert capsys.readouterr().out.rstrip().endswith("FAIL")
+
+
+# -- convert -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shards", [None, "20KB"])
+def test_convert_round_trip_matches_save_pretrained_and_loads(shards, tiny_checkpoint, tmp_path):
+    kwargs = {"max_shard_size": shards} if shards else {}
+    directory, reference = tiny_checkpoint("qwen2_vl", **kwargs)
+    cls = auto_class(TINY_MODELS["qwen2_vl"])
+    fused_dir, back_dir = tmp_path / "fused", tmp_path / "back"
+    code, result = fusion_json("convert", directory, fused_dir, "-f", PATCH, "--to", "fused", "--verify")
+    assert code == 0 and result["verify"]["ok"] and result["transformed_groups"] == 1
+    assert (fused_dir / "fused_config.json").is_file() and not (fused_dir / "config.json").exists()
+    # The same tensors as a fused-layout save_pretrained writes.
+    model = fusion_core.from_pretrained(cls, directory, fusion_config={PATCH: True})
+    fusion_core.save_pretrained(model, tmp_path / "saved", save_original_format=False)
+    converted, saved = _tensors(fused_dir), _tensors(tmp_path / "saved")
+    assert converted.keys() == saved.keys()
+    assert all(torch.equal(converted[k], saved[k]) and converted[k].dtype == saved[k].dtype for k in saved)
+    record = json.loads((fused_dir / "fused_config.json").read_text())["fusion_core"]
+    assert record == json.loads((tmp_path / "saved" / "fused_config.json").read_text())["fusion_core"]
+    # It loads, fused, and computes what the reference computes.
+    again = fusion_core.from_pretrained(cls, fused_dir)
+    tiny = TINY_MODELS["qwen2_vl"]
+    inputs = tiny.make_vision_input(reference.config, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = _first(again.model.visual(**inputs)), _first(reference.model.visual(**inputs))
+    assert isinstance(again.model.visual.patch_embed.proj, PatchLinearMixin) and torch.allclose(got, want, atol=1e-4)
+    # And back: every shard and the index byte for byte.
+    fusion("convert", fused_dir, back_dir, "--to", "original")
+    for file in directory.glob("*.safetensors*"):
+        assert (back_dir / file.name).read_bytes() == file.read_bytes(), file.name
+    config = json.loads((back_dir / "config.json").read_text())
+    assert config["fusion_core"] == {"fusion_config": {PATCH: True}}
+    plain = cls.from_pretrained(back_dir)
+    assert type(plain.model.visual.patch_embed.proj) is torch.nn.Conv3d
+
+
+def _first(output):
+    return output if isinstance(output, torch.Tensor) else output[0]
+
+
+def test_convert_refuses_and_leaves_nothing_behind(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    directory, _ = tiny_checkpoint("videomae")
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "keep.txt").write_text("precious")
+    result = fusion("convert", directory, target, "-f", PATCH, check=False)
+    assert result.returncode == 2 and "--overwrite" in result.stderr
+    result = fusion("convert", directory, tmp_path / "x", "--to", "original", "-f", PATCH, check=False)
+    assert result.returncode == 2 and "already in the original layout" in result.stderr
+    import safetensors.torch
+
+    calls = []
+
+    def failing_save(tensors, path, metadata=None):
+        calls.append(path)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", failing_save)
+    assert cli.main(["convert", str(directory), str(target), "-f", PATCH, "--overwrite"]) == 1
+    assert calls and "disk full" in capsys.readouterr().err
+    assert [p.name for p in target.iterdir()] == ["keep.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging directory left
+
+
+def test_convert_shows_progress_on_request(tiny_checkpoint, tmp_path):
+    directory, _ = tiny_checkpoint("videomae")
+    result = fusion("convert", directory, tmp_path / "out", "-f", PATCH, "--progress")
+    assert "convert to fused" in result.stderr and "shard" in result.stderr
+    quiet = fusion("convert", directory, tmp_path / "out2", "-f", PATCH)
+    assert quiet.stderr == ""
+
+
+# -- list ----------------------------------------------------------------------------------------
+def test_list_shows_where_each_family_comes_from():
+    _, listing = fusion_json("list")
+    family = next(f for f in listing["families"] if f["name"] == PATCH)
+    assert family["distribution"] == "fusion-patch-embeddings" and family["version"]
+    assert family["module"] == "fusion_patch_embeddings.family" and family["spec_class"] == "PatchEmbeddingsFamily"
+    assert Path(family["location"]).is_file() and Path(family["location"]).name == "family.py"
+    out = fusion("list").stdout
+    assert "LOCATION" in out and family["location"] in out
+
+
+def test_every_command_takes_json():
+    parser = cli.build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    assert set(commands) == {"list", "plan", "check", "convert", "new-family"}
+    for name, sub in commands.items():
+        assert any("--json" in action.option_strings for action in sub._actions), name
