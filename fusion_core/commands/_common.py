@@ -55,6 +55,8 @@ def resolve_checkpoint(directory: str | Path, model_class: str | None = None) ->
         raise CheckpointError(f"{config_file}: not valid JSON: {exc}") from None
     names = [model_class] if model_class else list(raw.get("architectures") or [])
     if not names:
+        names = _class_for_model_type(raw.get("model_type"))
+    if not names:
         raise UsageError(f"{config_file} names no architecture; pass --model-class (e.g. AutoModel)")
     model_cls = getattr(transformers, names[0], None)
     if model_cls is None:
@@ -66,6 +68,25 @@ def resolve_checkpoint(directory: str | Path, model_class: str | None = None) ->
     record, legacy = _pop_record(config)
     stored = (record or {}).get("fusion_config", legacy)
     return Checkpoint(path, fused, model_cls, config, stored, raw)
+
+
+# Task classes tried, in order, for a config.json without "architectures" (transformers 4.57 omits it
+# for some composite models built with from_config).
+_AUTO_MAPPINGS = (
+    "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "MODEL_MAPPING_NAMES",
+)
+
+
+def _class_for_model_type(model_type: str | None) -> list[str]:
+    from transformers.models.auto import modeling_auto
+
+    for mapping in _AUTO_MAPPINGS:
+        name = getattr(modeling_auto, mapping, {}).get(model_type or "")
+        if isinstance(name, str):
+            return [name]
+    return []
 
 
 def fusion_config_from_args(
