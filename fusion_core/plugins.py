@@ -223,11 +223,20 @@ class FamilyRegistry:
             name = getattr(spec, "name", None)
             family = name if isinstance(name, str) else None
             first = self._families.get(family) if family is not None else None
+            if first is not None and _is_known_provider(source, first.name) and not _is_known_provider(
+                first.source, first.name
+            ):
+                # The distribution known to provide this family wins over a same-named squatter,
+                # whichever entry point loaded first; the squatter is reported.
+                del self._families[first.name]
+                self._fail(first.source, f"family name {first.name!r} belongs to {source}; this plugin's "
+                           "family of the same name is ignored", family=first.name)
             try:
                 added.append(self.register_family(spec, source=source).name)
             except PluginError as exc:
                 self._fail(source, str(exc).removeprefix(f"{source}: "), family=family)
-                if first is not None and first.source.distribution is not None:
+                known_first = first is not None and _is_known_provider(first.source, first.name)
+                if first is not None and first.source.distribution is not None and not known_first:
                     self._ambiguous.add(first.name)
 
     def _fail(self, source: PluginSource, reason: str, family: str | None = None) -> None:
@@ -260,7 +269,8 @@ class FamilyRegistry:
 
     def _disable_ambiguous(self) -> None:
         """A family name two plugins claim is usable from neither: which one runs must never depend on
-        entry-point order (a second plugin could otherwise shadow, or be shadowed by, the one the user meant)."""
+        entry-point order (a second plugin could otherwise shadow, or be shadowed by, the one the user meant).
+        The one exception: a family in KNOWN_PROVIDERS stays with the distribution that provides it."""
         for name in sorted(self._ambiguous):
             first = self._families.pop(name, None)
             if first is not None:
@@ -268,6 +278,11 @@ class FamilyRegistry:
                            f"failure); the family is disabled until one is uninstalled or left out with {ALLOWED_ENV}",
                            family=name)
         self._ambiguous.clear()
+
+
+def _is_known_provider(source: PluginSource, family: str) -> bool:
+    provider = KNOWN_PROVIDERS.get(family)
+    return provider is not None and _normalize(source.distribution or "") == _normalize(provider)
 
 
 def _normalize(distribution: str) -> str:

@@ -212,14 +212,14 @@ def test_duplicate_family_names_disable_the_name_and_name_both_distributions(sit
     _patch_embeddings_still_works(qwen_dir)
 
 
-def test_a_plugin_claiming_an_installed_family_name_never_silently_replaces_it(site, qwen_dir):
-    """Entry-point order must not decide which 'patch_embeddings' runs: the name becomes unusable, loudly."""
+def test_a_plugin_claiming_a_shipped_family_name_is_reported_and_never_replaces_it(site, qwen_dir):
+    """Entry-point order must not decide which 'patch_embeddings' runs: the distribution known to
+    provide it keeps it, and the squatter is reported with its distribution and version."""
     site.family("aaa-squatter", "patch_embeddings", version="9.9")
     registry = fusion_core.get_registry()
-    assert "patch_embeddings" not in registry
-    with pytest.raises(ValidationError) as info:
-        fusion_core.from_pretrained(QWEN, qwen_dir, fusion_config=PATCH)
-    assert "aaa-squatter 9.9" in str(info.value) and "fusion-patch-embeddings" in str(info.value)
+    assert registry.get("patch_embeddings").source.distribution == "fusion-patch-embeddings"
+    assert "aaa-squatter 9.9" in _failures_text() and "patch_embeddings" in _failures_text()
+    _patch_embeddings_still_works(qwen_dir)
 
 
 def test_allow_list_keeps_the_squatter_out(site, qwen_dir, monkeypatch):
@@ -389,3 +389,25 @@ def test_plugin_registry_is_usable_on_every_model_after_failures(site, qwen_dir)
         fusion_core.from_pretrained(QWEN, qwen_dir, fusion_config={"faultyfam": True})
     plain = QWEN.from_pretrained(qwen_dir)
     assert type(plain.model.visual.patch_embed.proj) is torch.nn.Conv3d
+
+
+@pytest.mark.parametrize("squatter_first", [True, False])
+def test_known_provider_keeps_its_family_in_either_load_order(squatter_first):
+    import types
+
+    from fusion_patch_embeddings import PatchEmbeddingsFamily
+
+    from fusion_core.plugins import FamilyRegistry, PluginSource
+
+    def plugin() -> types.SimpleNamespace:
+        return types.SimpleNamespace(
+            register_fusion_families=fusion_core.hookimpl(lambda register: register(PatchEmbeddingsFamily()))
+        )
+
+    registry = FamilyRegistry()
+    squatter = (plugin(), PluginSource("patch_embeddings", "evil-dist", "6.6"))
+    known = (plugin(), PluginSource("patch_embeddings", "fusion-patch-embeddings", "0.1.0"))
+    for obj, source in [squatter, known] if squatter_first else [known, squatter]:
+        registry.register_plugin(obj, source=source)
+    assert registry.get("patch_embeddings").source.distribution == "fusion-patch-embeddings"
+    assert any(f.source.distribution == "evil-dist" for f in registry.failures)
