@@ -12,6 +12,7 @@ from fusion_gate_up.family import refusal
 from torch import nn
 
 import fusion_core
+from fusion_core.testing import kit
 from fusion_core.testing.kit import (
     TOLERANCES,
     assert_numerically_equivalent,
@@ -178,3 +179,26 @@ def test_registered_through_its_entry_point():
     family = fusion_core.get_registry().get("gate_up")
     assert family.source.distribution == "fusion-gate-up" and family.source.plugin == "gate_up"
     assert isinstance(family.spec, GateUpFamily)
+
+
+def test_options_schema_and_transforms_through_the_kit():
+    kit.assert_options_schema(FAMILY)
+    for name in TEXT:
+        mlp = _mlp(name)
+        bound = kit.assert_transform_round_trip(mlp, FAMILY)
+        assert [t.targets[0].name for t in bound] == (
+            ["gate_up_proj.weight", "gate_up_proj.bias"] if mlp.gate_proj.bias is not None else ["gate_up_proj.weight"]
+        )
+
+
+@pytest.mark.parametrize("name", TEXT)
+def test_discovery_plans_every_mlp(name):
+    config = TEXT_MODELS[name].make_config()
+    kit.assert_discovers(FAMILY, (transformers.AutoModelForCausalLM, config),
+                         expected_modules=[f"model.layers.{i}.mlp" for i in range(2)])
+
+
+@pytest.mark.parametrize("tiny", ["qwen2_vl", "qwen3_vl"])
+def test_fused_load_through_the_kit(tiny, tmp_path):
+    comparison = kit.assert_fused_load(FAMILY, tiny, tmp_path)
+    assert comparison.modules and all("language_model" in m.module for m in comparison.modules)

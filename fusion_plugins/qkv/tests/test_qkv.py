@@ -13,6 +13,7 @@ from fusion_qkv.family import CROSS_ATTENTION_PATHS, refusal
 from torch import nn
 
 import fusion_core
+from fusion_core.testing import kit
 from fusion_core.testing.kit import (
     TOLERANCES,
     assert_numerically_equivalent,
@@ -221,3 +222,27 @@ def test_registered_through_its_entry_point():
     family = fusion_core.get_registry().get("qkv")
     assert family.source.distribution == "fusion-qkv" and family.source.plugin == "qkv"
     assert isinstance(family.spec, QkvFamily)
+
+
+def test_options_schema_and_transforms_through_the_kit():
+    kit.assert_options_schema(FAMILY)
+    for name in TEXT:
+        attn = _model(name).model.layers[0].self_attn
+        bound = kit.assert_transform_round_trip(attn, FAMILY)
+        assert [t.targets[0].name for t in bound] == (
+            ["qkv_proj.weight", "qkv_proj.bias"] if attn.q_proj.bias is not None else ["qkv_proj.weight"]
+        )
+
+
+@pytest.mark.parametrize("name", TEXT)
+def test_discovery_plans_every_self_attention(name):
+    config = TEXT_MODELS[name].make_config()
+    plan = kit.assert_discovers(FAMILY, (transformers.AutoModelForCausalLM, config),
+                                expected_modules=[f"model.layers.{i}.self_attn" for i in range(2)])
+    assert all(m.fused_class.__name__ == m.original_class.__name__ for m in plan.modules)
+
+
+@pytest.mark.parametrize("tiny", ["qwen2_vl", "qwen3_vl"])
+def test_fused_load_through_the_kit(tiny, tmp_path):
+    comparison = kit.assert_fused_load(FAMILY, tiny, tmp_path)
+    assert comparison.modules and all(".visual." not in m.module for m in comparison.modules)
