@@ -280,3 +280,24 @@ def test_encoder_decoder_cross_attention_is_left_alone(checkpoint_root):
     assert not isinstance(model.model.decoder.layers[0].encoder_attn, QkvMixin)
     inputs = {"input_ids": _ids(2, 6) % 64, "decoder_input_ids": _ids(2, 4) % 64}
     _close(_logits(reference, **inputs), _logits(model, **inputs), torch.float32)
+
+
+def test_gate_up_fuses_the_qwen2_5_vl_vision_mlps_too(tiny_checkpoint, tmp_path):
+    """Qwen2.5-VL's vision blocks use gated MLPs as well: they are fused and checked on the vision tower."""
+    directory, reference = tiny_checkpoint("qwen2_5_vl")
+    tiny = TINY_MODELS["qwen2_5_vl"]
+    model = fusion_core.from_pretrained(auto_class(tiny), directory, fusion_config={"gate_up": True})
+    paths = _fused(model, GateUpMixin)
+    vision = [p for p in paths if ".visual." in p]
+    assert len(vision) == reference.config.vision_config.depth and len(paths) > len(vision)
+    inputs = tiny.make_vision_input(reference.config, torch.Generator().manual_seed(0))
+
+    def tower(m: torch.nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            out = m.get_submodule(tiny.vision_path)(**inputs)
+        return (out if isinstance(out, torch.Tensor) else out[0]).float()
+
+    _close(tower(reference), tower(model), torch.float32)
+    assert all(model.get_submodule(p).fused_projection.merged_gemms == 1 for p in vision)
+    fusion_core.save_pretrained(model, tmp_path / "out")
+    _assert_same_checkpoint(directory, tmp_path / "out")
