@@ -195,6 +195,13 @@ def cmd_check(args: argparse.Namespace) -> int:
               f"{'ok' if whole['ok'] else 'FAIL'}")
     else:
         print(f"\nWhole model: {whole['note']}")
+    for path, tower in whole.get("towers", {}).items():
+        if tower.get("ok") is None:
+            print(f"{path}: {tower['note']}")
+        else:
+            inputs = ", ".join(f"{k}{_shape(v)}" for k, v in tower["inputs"].items())
+            print(f"{path} ({inputs}): max abs {_num(tower['max_abs_error'])}, max rel "
+                  f"{_num(tower['max_rel_error'])}: {'ok' if tower['ok'] else 'FAIL'}")
     trip = result["round_trip"]
     if trip["ok"]:
         print(f"Round trip: ok ({trip['tensors']} tensors identical to the source)")

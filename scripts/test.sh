@@ -11,6 +11,9 @@ TF4_PY="$(ensure_env tf4 "$TF4_SPEC")"
 echo "== ruff"
 "$TF5_PY" -m ruff check .
 
+echo "== docs (mkdocs, strict: a broken link or a bad reference fails)"
+"$(dirname "$TF5_PY")/mkdocs" build --strict --site-dir "$(mktemp -d)" -q
+
 status=0
 for py in "$TF5_PY" "$TF4_PY"; do
     echo "== pytest with $("$py" -c 'import transformers, torch; print(f"transformers {transformers.__version__}, torch {torch.__version__}")')"

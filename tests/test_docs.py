@@ -1,0 +1,86 @@
+"""The documentation builds (mkdocs, strict: a broken link fails), its Python runs, and it is current."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusion_core import cli
+from fusion_core.testing import compat
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+def python_blocks(page: str) -> list[str]:
+    return FENCE.findall((DOCS / page).read_text())
+
+
+@pytest.mark.parametrize("page", ["index.md", "writing-a-family.md"])
+def test_python_snippets_run(page, tmp_path):
+    blocks = python_blocks(page)
+    assert blocks, f"{page} has no python block"
+    script = tmp_path / "snippets.py"
+    script.write_text("\n\n".join(blocks))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_CORE_")}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, env=env,
+                            timeout=600)
+    assert result.returncode == 0, f"{page}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+
+
+def test_snippet_failures_are_caught(tmp_path):
+    # The runner above must be able to fail: a block that raises makes the script exit non-zero.
+    script = tmp_path / "bad.py"
+    script.write_text("\n\n".join(["x = 1", "assert x == 2"]))
+    assert subprocess.run([sys.executable, str(script)], capture_output=True).returncode != 0
+
+
+def test_cli_reference_covers_every_command_and_option():
+    text = (DOCS / "cli.md").read_text()
+    commands = cli.build_parser()._subparsers._group_actions[0].choices
+    for name, parser in commands.items():
+        assert f"## `fusion {name}" in text, name
+        for action in parser._actions:
+            for option in action.option_strings:
+                if option not in ("-h", "--help"):
+                    assert f"`{option}" in text or f" {option}" in text, f"{name} {option}"
+
+
+def test_readme_links_the_docs_it_promises():
+    readme = (ROOT / "README.md").read_text()
+    for page in ("docs/index.md", "docs/writing-a-family.md"):
+        assert page in readme and (ROOT / page).is_file()
+
+
+def test_mkdocs_build_is_strict_and_passes(tmp_path):
+    mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent))
+    assert mkdocs, "mkdocs is part of the test tools (scripts/_env.sh TOOLS_SPEC)"
+    config = (ROOT / "mkdocs.yml").read_text()
+    assert "strict: true" in config
+    result = subprocess.run([mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    assert "from_pretrained" in api and "ModuleFusionSpec" in api  # generated from the docstrings
+
+
+def test_compatibility_matrix_is_current():
+    matrix = compat.run_matrix()
+    recorded = compat.recorded()
+    hint = f"regenerate with: {sys.executable} -m fusion_core.testing.compat --write"
+    assert matrix["line"] in recorded, hint
+    stored = recorded[matrix["line"]]
+    assert (stored["families"], stored["results"]) == (matrix["families"], matrix["results"]), (
+        f"{hint}\nrecorded {json.dumps(stored['results'])}\nnow      {json.dumps(matrix['results'])}"
+    )
+    assert (DOCS / "compatibility.md").read_text() == compat.render(recorded), hint
+    assert all(cell == "pass" for cell in (r["patch_embeddings"] for r in matrix["results"].values())
+               if cell != "absent")
