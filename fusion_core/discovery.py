@@ -18,7 +18,8 @@ import copy
 import hashlib
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,12 +46,45 @@ class Discovery:
 
 
 def build_meta_model(model_cls: Any, config: Any) -> nn.Module:
-    """Instantiate ``model_cls`` (an Auto class or a concrete model class) on the meta device."""
-    with torch.device("meta"), no_routing():
-        config = copy.deepcopy(config)
-        if isinstance(model_cls, type) and issubclass(model_cls, nn.Module):
-            return model_cls(config)
-        return model_cls.from_config(config)
+    """Instantiate ``model_cls`` (an Auto class or a concrete model class) without real weights.
+
+    Everything is built on the meta device. A model whose ``__init__`` reads a tensor's value
+    (Apertus' xIELU activation calls ``.item()``) cannot be built there; it is built again with
+    only its parameters on the meta device, the way transformers' own empty-weights init does.
+    """
+    try:
+        with torch.device("meta"), no_routing():
+            return _instantiate(model_cls, config)
+    except (NotImplementedError, RuntimeError) as exc:
+        if "meta" not in str(exc):
+            raise
+    with _parameters_on_meta(), no_routing():
+        return _instantiate(model_cls, config)
+
+
+def _instantiate(model_cls: Any, config: Any) -> nn.Module:
+    config = copy.deepcopy(config)
+    if isinstance(model_cls, type) and issubclass(model_cls, nn.Module):
+        return model_cls(config)
+    return model_cls.from_config(config)
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Register every new parameter on the meta device (process-wide while active: callers hold the load lock)."""
+    original = nn.Module.register_parameter
+
+    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+            module._parameters[name] = meta
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 def config_fingerprint(config: Any) -> str:

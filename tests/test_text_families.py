@@ -301,3 +301,20 @@ def test_gate_up_fuses_the_qwen2_5_vl_vision_mlps_too(tiny_checkpoint, tmp_path)
     assert all(model.get_submodule(p).fused_projection.merged_gemms == 1 for p in vision)
     fusion_core.save_pretrained(model, tmp_path / "out")
     _assert_same_checkpoint(directory, tmp_path / "out")
+
+
+def test_model_whose_init_reads_a_tensor_value_is_discovered_and_fused(tmp_path):
+    """Apertus' xIELU activation calls .item() on a buffer in __init__, which the meta device
+    cannot answer; discovery falls back to building only the parameters on the meta device."""
+    config_class = getattr(transformers, "ApertusConfig", None)
+    if config_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no Apertus")
+    config = config_class(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=128)
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(config).eval()
+    reference.save_pretrained(tmp_path)
+    model = fusion_core.from_pretrained(transformers.AutoModelForCausalLM, tmp_path, fusion_config={"qkv": True})
+    assert len(_fused(model, QkvMixin)) == 2
+    ids = _ids()
+    _close(_logits(reference, input_ids=ids), _logits(model, input_ids=ids), torch.float32)
