@@ -4,7 +4,7 @@ A gated MLP ``down_proj(act(gate_proj(x)) * up_proj(x))`` (SwiGLU, GeGLU: Llama,
 Qwen, Gemma and most decoder LLMs) reads ``x`` twice; the fused module computes
 ``x @ [Wgate; Wup]^T`` once. The family does not copy any MLP ``forward``: the fused class keeps
 the original one, and its ``fusion_finalize`` replaces ``gate_proj`` and ``up_proj`` by slices
-of one merged projection (see :mod:`fusion_gate_up.merged`). The two calls on the same input
+of one merged projection (see :mod:`fusion_core.merged`). The two calls on the same input
 share one GEMM; any other call is answered from that projection's own rows, so the activation,
 the product and ``down_proj`` run exactly as before. ``down_proj`` is untouched.
 
@@ -41,7 +41,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fusion_core import Concat, FamilyOptions, FusedModule, FusionFamily, WeightTransform
-from fusion_gate_up.merged import MergedLinear, merge_children
+from fusion_core.merged import MergedLinear, merge_children
 
 PROJECTIONS = ("gate_proj", "up_proj")
 MERGED = "gate_up_proj"

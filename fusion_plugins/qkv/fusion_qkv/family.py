@@ -5,7 +5,7 @@ states computes ``x @ [Wq; Wk; Wv]^T (+ [bq; bk; bv])`` once instead of three GE
 (grouped-query shapes, where k and v are narrower than q, included). The family does not copy
 any architecture's attention ``forward``: the fused class keeps the original one, and its
 ``fusion_finalize`` replaces the three projection children by slices of one merged projection
-(see :mod:`fusion_qkv.merged`). The q/k/v calls on the same input tensor share one GEMM; any
+(see :mod:`fusion_core.merged`). The q/k/v calls on the same input tensor share one GEMM; any
 other call is answered from that projection's own rows, so the module computes what it
 computed before, on every architecture and every code path (eager, sdpa, with or without a
 cache).
@@ -33,7 +33,7 @@ from typing import Any
 from torch import nn
 
 from fusion_core import Concat, FamilyOptions, FusedModule, FusionFamily, WeightTransform
-from fusion_qkv.merged import MergedLinear, merge_children
+from fusion_core.merged import MergedLinear, merge_children
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 MERGED = "qkv_proj"

@@ -1,4 +1,4 @@
-"""One GEMM shared by several projections that read the same input (q/k/v, gate/up).
+"""A building block for families: one GEMM shared by several projections that read the same input.
 
 The fused parent keeps its original ``forward``. Its projection children (``q_proj``, ...) are
 replaced by :class:`MergedSlice` modules that all read one merged weight (the ``[q; k; v]``
