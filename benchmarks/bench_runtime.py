@@ -125,7 +125,7 @@ def run_patch_embeddings(plan: RuntimePlan, log: Callable[[str], None]) -> tuple
     table = Table(
         "Runtime: patch_embeddings (seconds per call; median [p10-p90] of interleaved rounds)",
         ["shape", "patches", "dtype", "mode", "conv3d ms", "fused ms", "floor ms", "speedup conv/fused",
-         "fused/floor", "floor GFLOP/s", "max|diff|"],
+         "fused/floor", "floor GFLOP/s", "max abs diff"],
     )
     results: list[dict[str, Any]] = []
     configs: list[tuple[PatchShape, int, str, bool]] = []
@@ -165,7 +165,7 @@ def run_patch_embeddings(plan: RuntimePlan, log: Callable[[str], None]) -> tuple
             f"torch.compile rows cover {', '.join(map(str, plan.compile_patches))} patches only "
             "(the full grid is run eager), to keep the whole benchmark within ~10 minutes on 2 cores"
         )
-    table.notes.append("max|diff| is the largest absolute difference of fused and floor outputs from Conv3d's")
+    table.notes.append("max abs diff is the largest absolute difference of fused and floor outputs from Conv3d's")
     return table, results
 
 

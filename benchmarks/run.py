@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tables: list[Table] = []
     budgets: list[Any] = []
 
-    def section(name: str, fn: Callable[[], tuple[Table | None, Any, list[Any]]]) -> None:
+    def section(name: str, fn: Callable[[], tuple[Any, Any, list[Any]]]) -> None:
         if name not in sections:
             return
         _log(f"== {name} (load average {loadavg()})")
@@ -71,11 +71,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         table, data, found = fn()
         report["sections"][name] = {"seconds": time.perf_counter() - t, "loadavg_after": loadavg(), "data": data}
         budgets.extend(found)
-        if table is not None:
-            tables.append(table)
-            print(table.text() + "\n", flush=True)
+        for t in table if isinstance(table, list) else [table]:
+            if t is not None:
+                tables.append(t)
+                print(t.text() + "\n", flush=True)
 
-    def runtime() -> tuple[Table, Any, list[Any]]:
+    def runtime() -> tuple[list[Table | None], Any, list[Any]]:
         import bench_runtime as rt
 
         plan = rt.plan_for(args.quick, compile_enabled=not args.no_compile)
@@ -87,10 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         text_table, text_results, notes = rt.run_text_families(args.quick, _log)
         for note in notes:
             print(f"note: {note}", flush=True)
-        if text_table is not None:
-            tables.append(text_table)
-            print(text_table.text() + "\n", flush=True)
-        return table, {"patch_embeddings": results, "text_families": text_results, "notes": notes}, found
+        return [table, text_table], {"patch_embeddings": results, "text_families": text_results, "notes": notes}, found
 
     def io(kind: str) -> Callable[[], tuple[Table, Any, list[Any]]]:
         def run() -> tuple[Table, Any, list[Any]]:
