@@ -261,15 +261,22 @@ def _rewrite_tensor(source: Path, target: Path, key: str, tensor: torch.Tensor |
     [
         (lambda w: w[:, :, :1].contiguous(), r"has shape \[32, 3, 1, 14, 14\], expected \[32, 3, 2, 14, 14\]"),
         (lambda w: (w * 100).to(torch.int32), "is stored as I32; a floating-point dtype is expected"),
-        (lambda w: None, r"has no tensor for 'model.visual.patch_embed.proj.weight'"),
     ],
-    ids=["shape", "dtype", "missing"],
+    ids=["shape", "dtype"],
 )
 def test_bad_fused_tensor_raises_naming_key_module_and_family(change, message, tiny_checkpoint, tmp_path):
     directory, _ = tiny_checkpoint("qwen2_vl")
     key = "visual.patch_embed.proj.weight"
     _rewrite_tensor(directory, tmp_path / "bad", key, change(_tensors(directory)[key]))
     with pytest.raises(fusion_core.CheckpointError, match=message) as info:
+        fusion_core.from_pretrained(auto_class(TINY_MODELS["qwen2_vl"]), tmp_path / "bad", fusion_config=PATCH)
+    assert "family 'patch_embeddings', module 'model.visual.patch_embed.proj'" in str(info.value)
+
+
+def test_missing_fused_tensor_raises_naming_key_module_and_family(tiny_checkpoint, tmp_path):
+    directory, _ = tiny_checkpoint("qwen2_vl")
+    _rewrite_tensor(directory, tmp_path / "bad", "visual.patch_embed.proj.weight", None)
+    with pytest.raises(fusion_core.FusionLoadError, match=r"missing key '(model\.)?visual.patch_embed.proj.weight'") as info:
         fusion_core.from_pretrained(auto_class(TINY_MODELS["qwen2_vl"]), tmp_path / "bad", fusion_config=PATCH)
     assert "family 'patch_embeddings', module 'model.visual.patch_embed.proj'" in str(info.value)
 
