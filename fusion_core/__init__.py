@@ -7,77 +7,105 @@
 
 Families (``patch_embeddings``, ...) are separate plugin distributions found through the
 ``fusion_core`` entry-point group; ``fusion list`` shows what is installed.
+
+The public names below are imported on first use (PEP 562), so ``import fusion_core`` costs a
+few milliseconds; pydantic, pluggy and the pipeline load when a name is first touched.
 """
 
 from __future__ import annotations
 
-from importlib import metadata
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from fusion_core.config import FusionConfig, parse_fusion_config
-from fusion_core.errors import (
-    CheckpointError,
-    DiscoveryError,
-    FusionError,
-    FusionLoadError,
-    PlanError,
-    PluginError,
-    SaveError,
-    UnknownFamilyError,
-)
-from fusion_core.hf import from_pretrained, get_fusion_plan, save_pretrained
-from fusion_core.hookspecs import hookimpl
-from fusion_core.layout import fused_layout
-from fusion_core.plugins import get_registry, register_family, reset_registry, unregister_family
-from fusion_core.spec import FamilyOptions, FusedModule, FusionFamily, ModuleFusionSpec
-from fusion_core.transforms import (
-    Concat,
-    Flatten,
-    FusionPlan,
-    Identity,
-    ModulePlan,
-    Split,
-    TransformOp,
-    Transpose,
-    WeightTransform,
-)
+# public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    "FusionConfig": "fusion_core.config",
+    "parse_fusion_config": "fusion_core.config",
+    "CheckpointError": "fusion_core.errors",
+    "DiscoveryError": "fusion_core.errors",
+    "FusionError": "fusion_core.errors",
+    "FusionLoadError": "fusion_core.errors",
+    "PlanError": "fusion_core.errors",
+    "PluginError": "fusion_core.errors",
+    "SaveError": "fusion_core.errors",
+    "UnknownFamilyError": "fusion_core.errors",
+    "from_pretrained": "fusion_core.hf",
+    "get_fusion_plan": "fusion_core.hf",
+    "save_pretrained": "fusion_core.hf",
+    "hookimpl": "fusion_core.hookspecs",
+    "fused_layout": "fusion_core.layout",
+    "get_registry": "fusion_core.plugins",
+    "register_family": "fusion_core.plugins",
+    "reset_registry": "fusion_core.plugins",
+    "unregister_family": "fusion_core.plugins",
+    "FamilyOptions": "fusion_core.spec",
+    "FusedModule": "fusion_core.spec",
+    "FusionFamily": "fusion_core.spec",
+    "ModuleFusionSpec": "fusion_core.spec",
+    "Concat": "fusion_core.transforms",
+    "Flatten": "fusion_core.transforms",
+    "FusionPlan": "fusion_core.transforms",
+    "Identity": "fusion_core.transforms",
+    "ModulePlan": "fusion_core.transforms",
+    "Split": "fusion_core.transforms",
+    "TransformOp": "fusion_core.transforms",
+    "Transpose": "fusion_core.transforms",
+    "WeightTransform": "fusion_core.transforms",
+}
 
-try:
-    __version__ = metadata.version("fusion-core")
-except metadata.PackageNotFoundError:  # running from a source tree that is not installed
-    __version__ = "0+unknown"
+__all__ = sorted([*_EXPORTS, "__version__"])
 
-__all__ = [
-    "CheckpointError",
-    "Concat",
-    "DiscoveryError",
-    "FamilyOptions",
-    "Flatten",
-    "FusedModule",
-    "FusionConfig",
-    "FusionError",
-    "FusionFamily",
-    "FusionLoadError",
-    "FusionPlan",
-    "Identity",
-    "ModuleFusionSpec",
-    "ModulePlan",
-    "PlanError",
-    "PluginError",
-    "SaveError",
-    "Split",
-    "TransformOp",
-    "Transpose",
-    "UnknownFamilyError",
-    "WeightTransform",
-    "__version__",
-    "from_pretrained",
-    "fused_layout",
-    "get_fusion_plan",
-    "get_registry",
-    "hookimpl",
-    "parse_fusion_config",
-    "register_family",
-    "reset_registry",
-    "save_pretrained",
-    "unregister_family",
-]
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        from importlib import metadata
+
+        try:
+            value: Any = metadata.version("fusion-core")
+        except metadata.PackageNotFoundError:  # a source tree that is not installed
+            value = "0+unknown"
+    elif name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    else:
+        try:  # submodules as attributes: fusion_core.discovery, fusion_core.testing, ...
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # the same names, for type checkers and IDEs
+    from fusion_core.config import FusionConfig, parse_fusion_config
+    from fusion_core.errors import (
+        CheckpointError,
+        DiscoveryError,
+        FusionError,
+        FusionLoadError,
+        PlanError,
+        PluginError,
+        SaveError,
+        UnknownFamilyError,
+    )
+    from fusion_core.hf import from_pretrained, get_fusion_plan, save_pretrained
+    from fusion_core.hookspecs import hookimpl
+    from fusion_core.layout import fused_layout
+    from fusion_core.plugins import get_registry, register_family, reset_registry, unregister_family
+    from fusion_core.spec import FamilyOptions, FusedModule, FusionFamily, ModuleFusionSpec
+    from fusion_core.transforms import (
+        Concat,
+        Flatten,
+        FusionPlan,
+        Identity,
+        ModulePlan,
+        Split,
+        TransformOp,
+        Transpose,
+        WeightTransform,
+    )
+
+    __version__: str

@@ -15,6 +15,7 @@ import shutil
 import stat
 import struct
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,8 +45,33 @@ class TensorInfo:
     file: str
 
 
+_header_cache: dict[Path, tuple[tuple[int, int, int], dict[str, TensorInfo]]] = {}
+_header_cache_lock = threading.Lock()
+
+
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse and check one safetensors header; raise :class:`CheckpointError` naming the file."""
+    """Parse and check one safetensors header; raise :class:`CheckpointError` naming the file.
+
+    Parsed headers are kept per file while its inode, size and modification time stay the same,
+    so a repeated load of the same checkpoint does not read every shard header again.
+    """
+    try:
+        status = path.stat()
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read checkpoint file: {exc}") from exc
+    stamp = (status.st_ino, status.st_size, status.st_mtime_ns)
+    key = path.absolute()
+    with _header_cache_lock:
+        cached = _header_cache.get(key)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    infos = _parse_safetensors_header(path)
+    with _header_cache_lock:
+        _header_cache[key] = (stamp, infos)
+    return infos
+
+
+def _parse_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     try:
         size = path.stat().st_size
         with path.open("rb") as handle:
@@ -124,7 +150,7 @@ def read_checkpoint_index(directory: Path) -> dict[str, TensorInfo]:
             tensors[key] = info
         return tensors
     if single.is_file():
-        return read_safetensors_header(single)
+        return dict(read_safetensors_header(single))
     if any((directory / name).is_file() for name in PICKLE_WEIGHTS_NAMES):
         raise CheckpointError(
             f"{directory}: only a pickle checkpoint (pytorch_model.bin) is present. fusion-core never unpickles "

@@ -319,6 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Subcommands that load transformers models (and so import transformers anyway).
+MODEL_COMMANDS = frozenset({"plan", "check", "convert"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from pydantic import ValidationError
@@ -326,7 +330,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fusion_core.commands._common import UsageError
     from fusion_core.errors import FusionError
 
-    if not (sys.stderr.isatty() if getattr(args, "progress", None) is None else args.progress):
+    quiet = not (sys.stderr.isatty() if getattr(args, "progress", None) is None else args.progress)
+    if quiet and args.command in MODEL_COMMANDS:  # `fusion list` must not pay for importing transformers
         import transformers
 
         transformers.logging.disable_progress_bar()

@@ -276,7 +276,8 @@ def test_bad_fused_tensor_raises_naming_key_module_and_family(change, message, t
 def test_missing_fused_tensor_raises_naming_key_module_and_family(tiny_checkpoint, tmp_path):
     directory, _ = tiny_checkpoint("qwen2_vl")
     _rewrite_tensor(directory, tmp_path / "bad", "visual.patch_embed.proj.weight", None)
-    with pytest.raises(fusion_core.FusionLoadError, match=r"missing key '(model\.)?visual.patch_embed.proj.weight'") as info:
+    missing = r"missing key '(model\.)?visual.patch_embed.proj.weight'"
+    with pytest.raises(fusion_core.FusionLoadError, match=missing) as info:
         fusion_core.from_pretrained(auto_class(TINY_MODELS["qwen2_vl"]), tmp_path / "bad", fusion_config=PATCH)
     assert "family 'patch_embeddings', module 'model.visual.patch_embed.proj'" in str(info.value)
 
