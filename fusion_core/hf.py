@@ -56,7 +56,7 @@ PLAN_ATTRIBUTE = "_fusion_plan"
 # transformers' loading is not thread-safe (4.57 patches nn.Module.register_parameter and 5.x
 # sets the global default dtype while a model is built), so the loads fusion-core makes run
 # one at a time. Class patching itself is per thread (see patching.py).
-_LOAD_LOCK = threading.RLock()
+LOAD_LOCK = threading.RLock()
 
 _HUB_KWARGS = (
     "revision", "cache_dir", "force_download", "local_files_only", "token", "subfolder", "proxies",
@@ -69,11 +69,11 @@ def get_fusion_plan(model: nn.Module) -> FusionPlan | None:
     return model.__dict__.get(PLAN_ATTRIBUTE)
 
 
-def _is_fused_layout_dir(path: Path) -> bool:
+def is_fused_layout_dir(path: Path) -> bool:
     return path.is_dir() and (path / FUSED_CONFIG_NAME).is_file() and not (path / CONFIG_NAME).exists()
 
 
-def _load_config(model_cls: Any, name_or_path: str | Path, fused_dir: bool, kwargs: dict[str, Any]) -> Any:
+def load_config(model_cls: Any, name_or_path: str | Path, fused_dir: bool, kwargs: dict[str, Any]) -> Any:
     config = kwargs.pop("config", None)
     if config is not None and not isinstance(config, (str, Path)):
         return copy.deepcopy(config)
@@ -94,7 +94,7 @@ def _load_config(model_cls: Any, name_or_path: str | Path, fused_dir: bool, kwar
     return AutoConfig.from_pretrained(source, **hub)
 
 
-def _pop_record(config: Any) -> tuple[dict[str, Any] | None, Any]:
+def pop_fusion_record(config: Any) -> tuple[dict[str, Any] | None, Any]:
     """Remove fusion settings from ``config`` so transformers never acts on them; return them."""
     record = getattr(config, RECORD_KEY, None)
     legacy = getattr(config, LEGACY_KEY, None)
@@ -129,9 +129,9 @@ def from_pretrained(
     # An explicit fusion_config is checked first, before any file is read.
     explicit = parse_fusion_config(fusion_config, registry) if fusion_config is not None else None
     local = Path(name_or_path)
-    fused_dir = _is_fused_layout_dir(local)
-    config = _load_config(model_cls, name_or_path, fused_dir, kwargs)
-    record, legacy = _pop_record(config)
+    fused_dir = is_fused_layout_dir(local)
+    config = load_config(model_cls, name_or_path, fused_dir, kwargs)
+    record, legacy = pop_fusion_record(config)
     stored = (record or {}).get("fusion_config", legacy)
     fusion = explicit if explicit is not None else parse_fusion_config(stored or {}, registry)
     if fused_dir and fusion.model_dump() != parse_fusion_config(stored or {}, registry).model_dump():
@@ -140,20 +140,20 @@ def from_pretrained(
             f"loaded with that fusion_config, not {fusion.model_dump()} (convert it to the original layout first)"
         )
     if not fusion.enabled_names():
-        with _LOAD_LOCK:
+        with LOAD_LOCK:
             return model_cls.from_pretrained(name_or_path, config=config, output_loading_info=want_info, **kwargs)
-    with _LOAD_LOCK:
+    with LOAD_LOCK:
         discovery = discover(model_cls, config, fusion, registry)
     if local.is_dir():
-        _check_checkpoint(local / kwargs.get("subfolder", ""), discovery.plan, fused_dir)
+        check_checkpoint(local / kwargs.get("subfolder", ""), discovery.plan, fused_dir)
     on_built = convert_to_fused if fused_dir else None
-    with _LOAD_LOCK, class_patch_scope(discovery.routes, on_built=on_built) as scope:
+    with LOAD_LOCK, class_patch_scope(discovery.routes, on_built=on_built) as scope:
         model, info = model_cls.from_pretrained(name_or_path, config=config, output_loading_info=True, **kwargs)
     _verify_build(model, scope, discovery)
     _verify_loading_info(info, discovery.plan, fused_dir)
     # Under the lock too: while another load runs, 4.57's init_empty_weights sends every parameter
     # registered in *any* thread to the meta device, the fused ones created here included.
-    with _LOAD_LOCK:
+    with LOAD_LOCK:
         _convert_built(scope, fused_dir, registry)
     setattr(model.config, RECORD_KEY, {"fusion_config": fusion.model_dump()})
     model.__dict__[PLAN_ATTRIBUTE] = discovery.plan
@@ -185,7 +185,7 @@ def _convert_built(scope: BuildScope, fused_dir: bool, registry: Any) -> None:
             )
 
 
-def _check_checkpoint(directory: Path, plan: FusionPlan, fused_dir: bool) -> None:
+def check_checkpoint(directory: Path, plan: FusionPlan, fused_dir: bool) -> None:
     """Check the plan against the checkpoint's headers before transformers reads any data.
 
     Every fused tensor found in the checkpoint must have the planned shape and a floating dtype.

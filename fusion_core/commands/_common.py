@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from fusion_core.config import FusionConfig, parse_fusion_config
 from fusion_core.errors import CheckpointError, FusionError
-from fusion_core.hf import CONFIG_NAME, FUSED_CONFIG_NAME, _is_fused_layout_dir, _load_config, _pop_record
+from fusion_core.hf import CONFIG_NAME, FUSED_CONFIG_NAME, is_fused_layout_dir, load_config, pop_fusion_record
 from fusion_core.plugins import get_registry
 
 T = TypeVar("T")
@@ -45,7 +45,7 @@ def resolve_checkpoint(directory: str | Path, model_class: str | None = None) ->
     path = Path(directory)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory (fusion commands work on local checkpoints)")
-    fused = _is_fused_layout_dir(path)
+    fused = is_fused_layout_dir(path)
     config_file = path / (FUSED_CONFIG_NAME if fused else CONFIG_NAME)
     if not config_file.is_file():
         raise CheckpointError(f"{path}: no {CONFIG_NAME} (or {FUSED_CONFIG_NAME}) found")
@@ -64,8 +64,8 @@ def resolve_checkpoint(directory: str | Path, model_class: str | None = None) ->
             f"transformers {transformers.__version__} has no class {names[0]!r} (from "
             f"{'--model-class' if model_class else config_file.name + ' architectures'})"
         )
-    config = _load_config(model_cls, path, fused, {})
-    record, legacy = _pop_record(config)
+    config = load_config(model_cls, path, fused, {})
+    record, legacy = pop_fusion_record(config)
     stored = (record or {}).get("fusion_config", legacy)
     return Checkpoint(path, fused, model_cls, config, stored, raw)
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from fusion_core.commands._common import UsageError, fusion_config_from_args, resolve_checkpoint
-from fusion_core.hf import _LOAD_LOCK, from_pretrained, get_fusion_plan
+from fusion_core.hf import LOAD_LOCK, from_pretrained, get_fusion_plan
 from fusion_core.plugins import get_registry
 from fusion_core.testing.compare import compare_models, round_trip
 
@@ -43,7 +43,7 @@ def run_check(
     step = on_step or (lambda _: None)
     kwargs: dict[str, Any] = {"dtype": DTYPES[dtype] if dtype else "auto"}
     step("plain load")
-    with _LOAD_LOCK:
+    with LOAD_LOCK:
         plain = checkpoint.model_cls.from_pretrained(
             checkpoint.directory, config=copy.deepcopy(checkpoint.config), **kwargs
         )

@@ -26,7 +26,7 @@ from fusion_core.checkpoint import SAFE_WEIGHTS_INDEX_NAME, atomic_directory, ma
 from fusion_core.commands._common import UsageError, fusion_config_from_args, progress, resolve_checkpoint
 from fusion_core.discovery import discover
 from fusion_core.errors import CheckpointError
-from fusion_core.hf import CONFIG_NAME, FUSED_CONFIG_NAME, LEGACY_KEY, RECORD_KEY, _check_checkpoint
+from fusion_core.hf import CONFIG_NAME, FUSED_CONFIG_NAME, LEGACY_KEY, RECORD_KEY, check_checkpoint
 from fusion_core.plugins import get_registry
 from fusion_core.transforms import BoundTransform, FusionPlan
 
@@ -96,7 +96,7 @@ def run_convert(
         stored = checkpoint.stored_fusion_config
         raise UsageError(f"{src} was fused with fusion_config={stored}; convert it back with that one")
     plan = discover(checkpoint.model_cls, checkpoint.config, fusion, get_registry()).plan
-    _check_checkpoint(checkpoint.directory, plan, checkpoint.fused_layout)  # headers only: fail before writing
+    check_checkpoint(checkpoint.directory, plan, checkpoint.fused_layout)  # headers only: fail before writing
     index = read_checkpoint_index(checkpoint.directory)
     groups = _groups(plan, list(index), to_fused)
     shards: dict[str, list[str]] = {}

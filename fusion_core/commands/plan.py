@@ -14,7 +14,7 @@ from fusion_core.checkpoint import TensorInfo, match_keys, read_checkpoint_index
 from fusion_core.commands._common import Checkpoint, fusion_config_from_args, resolve_checkpoint
 from fusion_core.discovery import discover
 from fusion_core.errors import CheckpointError, DiscoveryError, PlanError
-from fusion_core.hf import _check_checkpoint
+from fusion_core.hf import check_checkpoint
 from fusion_core.plugins import get_registry
 from fusion_core.transforms import FusionPlan
 
@@ -67,7 +67,7 @@ def run_plan(
         return result
     result["transforms"] = describe_with_checkpoint(plan, index, checkpoint)
     try:
-        _check_checkpoint(checkpoint.directory, plan, checkpoint.fused_layout)
+        check_checkpoint(checkpoint.directory, plan, checkpoint.fused_layout)
     except CheckpointError as exc:
         result["checkpoint"] = {"checked": True, "error": str(exc)}
         result["ok"] = False

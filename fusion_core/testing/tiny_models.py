@@ -102,7 +102,7 @@ def _glm4v() -> Any:
     cls = _import("Glm4vConfig")
     return cls and cls(
         text_config=dict(
-            _TEXT, rope_scaling={"type": "default", "mrope_section": [1, 1, 2]}, partial_rotary_factor=0.5
+            _TEXT, rope_scaling={"type": "default", "mrope_section": [1, 1, 0]}, partial_rotary_factor=0.5
         ),
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3,
                            patch_size=14, temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=32,
