@@ -97,14 +97,42 @@ class FusionFamily:
     def is_fusable(self, module: nn.Module, options: Any) -> bool:
         raise NotImplementedError(f"family {self.name!r} must implement is_fusable")
 
+    fused_mixin: ClassVar[type | None] = None
+    """Set this to a mixin class (usually a :class:`FusedModule` subclass) and the default
+    :meth:`make_fused_class` returns ``fused_subclass(fused_mixin, original_cls)``."""
+
     def make_fused_class(self, original_cls: type[nn.Module], options: Any) -> type[nn.Module]:
-        raise NotImplementedError(f"family {self.name!r} must implement make_fused_class")
+        if self.fused_mixin is None:
+            raise NotImplementedError(f"family {self.name!r} must set fused_mixin or implement make_fused_class")
+        return fused_subclass(self.fused_mixin, original_cls)
 
     def make_transforms(self, config: Any, options: Any) -> Sequence[WeightTransform]:
         return ()
 
     def __repr__(self) -> str:
         return f"<fusion family {self.name!r} ({type(self).__module__}.{type(self).__qualname__})>"
+
+
+_subclasses: dict[tuple[type, type], type[nn.Module]] = {}
+
+
+def fused_subclass(mixin: type, original_cls: type[nn.Module]) -> type[nn.Module]:
+    """``mixin`` mixed into ``original_cls``, one class per pair (so ``isinstance`` holds across loads).
+
+    The class keeps the original's ``__name__``: transformers and accelerate match
+    ``_no_split_modules`` and similar lists by class name, and a renamed class drops out of them.
+    Its ``__qualname__`` (``Mixin[Original]``) tells the two apart in reprs and plans.
+    """
+    key = (mixin, original_cls)
+    fused = _subclasses.get(key)
+    if fused is None:
+        fused = type(
+            original_cls.__name__,
+            (mixin, original_cls),
+            {"__module__": mixin.__module__, "__qualname__": f"{mixin.__qualname__}[{original_cls.__qualname__}]"},
+        )
+        _subclasses[key] = fused
+    return fused
 
 
 class FusedModule(nn.Module):

@@ -134,25 +134,11 @@ class GateUpFamily(FusionFamily):
 
     name = "gate_up"
     options_model = GateUpOptions
+    fused_mixin = GateUpMixin
     target_modules_patterns = ()
-
-    def __init__(self) -> None:
-        self._classes: dict[type[nn.Module], type[nn.Module]] = {}
 
     def is_fusable(self, module: nn.Module, options: Any) -> bool:
         return refusal(module) is None
-
-    def make_fused_class(self, original_cls: type[nn.Module], options: Any) -> type[nn.Module]:
-        fused = self._classes.get(original_cls)
-        if fused is None:
-            # Same name as the original, so name-based lists (_no_split_modules) still match.
-            fused = type(
-                original_cls.__name__,
-                (GateUpMixin, original_cls),
-                {"__module__": __name__, "__qualname__": f"MergedGateUp[{original_cls.__qualname__}]"},
-            )
-            self._classes[original_cls] = fused
-        return fused
 
     def make_transforms(self, config: Any, options: Any) -> list[WeightTransform]:
         return [

@@ -86,25 +86,11 @@ class PatchEmbeddingsFamily(FusionFamily):
 
     name = "patch_embeddings"
     options_model = PatchEmbeddingsOptions
+    fused_mixin = PatchLinearMixin
     target_modules_patterns = ()
-
-    def __init__(self) -> None:
-        self._classes: dict[type[nn.Module], type[nn.Module]] = {}
 
     def is_fusable(self, module: nn.Module, options: Any) -> bool:
         return is_non_overlapping_conv3d(module)
-
-    def make_fused_class(self, original_cls: type[nn.Module], options: Any) -> type[nn.Module]:
-        fused = self._classes.get(original_cls)
-        if fused is None:
-            # Same name as the original, so name-based lists in transformers/accelerate still match.
-            fused = type(
-                original_cls.__name__,
-                (PatchLinearMixin, original_cls),
-                {"__module__": __name__, "__qualname__": f"PatchLinear[{original_cls.__qualname__}]"},
-            )
-            self._classes[original_cls] = fused
-        return fused
 
     def make_transforms(self, config: Any, options: Any) -> list[WeightTransform]:
         return [WeightTransform(("weight",), ("weight",), Flatten(start_dim=1))]
