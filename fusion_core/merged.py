@@ -16,11 +16,14 @@ runs its own GEMM from then on: a merged GEMM that is not fully used would only 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from fusion_core.spec import FusedModule
 
 
 def _version(tensor: torch.Tensor) -> int:
@@ -150,3 +153,46 @@ def merge_children(parent: nn.Module, names: tuple[str, ...], container: str) ->
     for index, name in enumerate(names):
         parent._modules[name] = MergedSlice(merged, index, in_features)
     return merged
+
+
+def is_plain_linear(module: Any) -> bool:
+    """An ``nn.Linear`` (or a subclass keeping its forward) with a 2-D weight parameter."""
+    return (
+        isinstance(module, nn.Linear)
+        and type(module).forward is nn.Linear.forward
+        and isinstance(module._parameters.get("weight"), nn.Parameter)
+        and module.weight.dim() == 2
+    )
+
+
+def merge_refusal(module: nn.Module, projections: Sequence[nn.Linear], container: str) -> str | None:
+    """The checks every merging family shares; the reason a merge is impossible, or None.
+
+    The projections' tensors must share one dtype and device (they are concatenated), and the
+    module must not already have an attribute called ``container``.
+    """
+    tensors = [t for p in projections for t in (p.weight, p.bias) if t is not None]
+    if len({t.dtype for t in tensors}) != 1 or len({t.device for t in tensors}) != 1:
+        return "projection tensors differ in dtype or device"
+    if container in module._modules or container in module._parameters or hasattr(module, container):
+        return f"the module already has a {container!r}"
+    return None
+
+
+class MergedProjectionsMixin(FusedModule):
+    """Fused behaviour for a module whose ``projections`` children share one merged GEMM.
+
+    A family's mixin subclasses this and sets ``projections`` (the children's names, in the
+    order their tensors are concatenated) and ``container`` (where the merged tensors live).
+    """
+
+    projections: ClassVar[tuple[str, ...]]
+    container: ClassVar[str]
+
+    def fusion_finalize(self) -> None:
+        self.__dict__["_fusion_merged"] = merge_children(self, self.projections, self.container)
+
+    @property
+    def fused_projection(self) -> MergedLinear:
+        """The merged projection (its counters show whether calls were merged)."""
+        return self.__dict__["_fusion_merged"]

@@ -40,8 +40,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fusion_core import Concat, FamilyOptions, FusedModule, FusionFamily, WeightTransform
-from fusion_core.merged import MergedLinear, merge_children
+from fusion_core import Concat, FamilyOptions, FusionFamily, WeightTransform
+from fusion_core.merged import MergedProjectionsMixin, is_plain_linear, merge_refusal
 
 PROJECTIONS = ("gate_proj", "up_proj")
 MERGED = "gate_up_proj"
@@ -70,15 +70,6 @@ def is_elementwise_activation(act: Any) -> bool:
         return type(act) in TORCH_ACTIVATIONS
     return any(act is fn for fn in TORCH_FUNCTIONS)
 
-
-def is_plain_linear(module: Any) -> bool:
-    """An ``nn.Linear`` (or a subclass keeping its forward) with a 2-D weight parameter."""
-    return (
-        isinstance(module, nn.Linear)
-        and type(module).forward is nn.Linear.forward
-        and isinstance(module._parameters.get("weight"), nn.Parameter)
-        and module.weight.dim() == 2
-    )
 
 
 def activation(module: nn.Module) -> Any:
@@ -109,24 +100,14 @@ def refusal(module: nn.Module) -> str | None:
         return "down_proj does not read the gate/up width"
     if (gate.bias is None) != (up.bias is None):
         return "a bias on one of gate/up but not the other"
-    tensors = [t for t in (gate.weight, up.weight, gate.bias, up.bias) if t is not None]
-    if len({t.dtype for t in tensors}) != 1 or len({t.device for t in tensors}) != 1:
-        return "gate/up tensors differ in dtype or device"
-    if MERGED in module._modules or MERGED in module._parameters or hasattr(module, MERGED):
-        return f"the module already has a {MERGED!r}"
-    return None
+    return merge_refusal(module, (gate, up), MERGED)
 
 
-class GateUpMixin(FusedModule):
+class GateUpMixin(MergedProjectionsMixin):
     """The fused behaviour mixed into an MLP subclass: gate and up share one merged GEMM."""
 
-    def fusion_finalize(self) -> None:
-        self.__dict__["gate_up_merged"] = merge_children(self, PROJECTIONS, MERGED)
-
-    @property
-    def fused_projection(self) -> MergedLinear:
-        """The merged projection (its counters show whether calls were merged)."""
-        return self.__dict__["gate_up_merged"]
+    projections = PROJECTIONS
+    container = MERGED
 
 
 class GateUpFamily(FusionFamily):

@@ -32,8 +32,8 @@ from typing import Any
 
 from torch import nn
 
-from fusion_core import Concat, FamilyOptions, FusedModule, FusionFamily, WeightTransform
-from fusion_core.merged import MergedLinear, merge_children
+from fusion_core import Concat, FamilyOptions, FusionFamily, WeightTransform
+from fusion_core.merged import MergedProjectionsMixin, is_plain_linear, merge_refusal
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 MERGED = "qkv_proj"
@@ -46,15 +46,6 @@ CROSS_ATTENTION_PATHS = r"(?i)^(?!.*(?:encoder_attn|encdecattention|cross_?attn|
 class QkvOptions(FamilyOptions):
     """Options of ``qkv``: the common ``target_modules`` / ``exclude_modules`` scoping."""
 
-
-def is_plain_linear(module: Any) -> bool:
-    """An ``nn.Linear`` (or a subclass keeping its forward) with a 2-D weight parameter."""
-    return (
-        isinstance(module, nn.Linear)
-        and type(module).forward is nn.Linear.forward
-        and isinstance(module._parameters.get("weight"), nn.Parameter)
-        and module.weight.dim() == 2
-    )
 
 
 def refusal(module: nn.Module) -> str | None:
@@ -73,24 +64,14 @@ def refusal(module: nn.Module) -> str | None:
     biases = [child.bias for child in children]
     if any(b is None for b in biases) and not all(b is None for b in biases):
         return "a bias on some projections but not all"
-    tensors = [c.weight for c in children] + [b for b in biases if b is not None]
-    if len({t.dtype for t in tensors}) != 1 or len({t.device for t in tensors}) != 1:
-        return "projection tensors differ in dtype or device"
-    if MERGED in module._modules or MERGED in module._parameters or hasattr(module, MERGED):
-        return f"the module already has a {MERGED!r}"
-    return None
+    return merge_refusal(module, children, MERGED)
 
 
-class QkvMixin(FusedModule):
+class QkvMixin(MergedProjectionsMixin):
     """The fused behaviour mixed into an attention subclass: q/k/v share one merged GEMM."""
 
-    def fusion_finalize(self) -> None:
-        self.__dict__["qkv_merged"] = merge_children(self, PROJECTIONS, MERGED)
-
-    @property
-    def fused_projection(self) -> MergedLinear:
-        """The merged projection (its counters show whether calls were merged)."""
-        return self.__dict__["qkv_merged"]
+    projections = PROJECTIONS
+    container = MERGED
 
 
 class QkvFamily(FusionFamily):
