@@ -15,8 +15,23 @@ echo "== docs (mkdocs, strict: a broken link or a bad reference fails)"
 "$(dirname "$TF5_PY")/mkdocs" build --strict --site-dir "$(mktemp -d)" -q
 
 status=0
+reports="$(mktemp -d)"
 for py in "$TF5_PY" "$TF4_PY"; do
     echo "== pytest with $("$py" -c 'import transformers, torch; print(f"transformers {transformers.__version__}, torch {torch.__version__}")')"
-    "$py" -m pytest -q "$@" || status=$?
+    "$py" -m pytest -q --junitxml="$reports/$(basename "$(dirname "$(dirname "$py")")").xml" "$@" || status=$?
 done
+
+# One closing line over both transformers lines (pytest's own lines above are per line).
+"$TF5_PY" - "$reports"/*.xml <<'PY'
+import sys
+import xml.etree.ElementTree as ET
+
+total = failed = skipped = 0
+for path in sys.argv[1:]:
+    for suite in ET.parse(path).getroot().iter("testsuite"):
+        total += int(suite.get("tests", 0))
+        failed += int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+        skipped += int(suite.get("skipped", 0))
+print(f"tests: {total - failed - skipped} passed, {failed} failed, {skipped} skipped")
+PY
 exit $status
