@@ -23,6 +23,7 @@ loading mis-shaped tensors, and :func:`from_pretrained` loads it without any con
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import threading
 from collections.abc import Iterable
@@ -167,7 +168,12 @@ def _convert_built(scope: BuildScope, fused_dir: bool, registry: Any) -> None:
         source = registry.get(plan.family).source if plan.family in registry else "unknown source"
         try:
             if not fused_dir:
-                _check_loaded(module, plan)
+                unloaded = _meta_tensors(module)
+                if unloaded:
+                    raise FusionLoadError(
+                        f"family {plan.family!r}, module {plan.path!r}: tensors {unloaded} are on the meta device "
+                        "after loading (offloaded to disk?); fused modules must be loaded onto a real device"
+                    )
                 convert_to_fused(module, plan, verified)
             finalize(module, plan)
         except FusionLoadError as exc:
@@ -177,7 +183,7 @@ def _convert_built(scope: BuildScope, fused_dir: bool, registry: Any) -> None:
                 f"family {plan.family!r} ({source}), module {plan.path!r}: fusing the loaded "
                 f"{plan.original_class.__qualname__} failed: {type(exc).__name__}: {exc}"
             ) from exc
-        on_meta = [name for name, tensor in module.state_dict(keep_vars=True).items() if tensor.is_meta]
+        on_meta = _meta_tensors(module)
         if on_meta:
             raise FusionLoadError(
                 f"family {plan.family!r} ({source}), module {plan.path!r}: tensors {on_meta} are on the meta device "
@@ -285,21 +291,9 @@ def _verify_loading_info(info: dict[str, Any], plan: FusionPlan, fused_dir: bool
                     )
 
 
-def _check_loaded(module: nn.Module, plan: ModulePlan) -> None:
-    for bound in plan.transforms:
-        for spec in bound.sources:
-            tensor = module.get_parameter(spec.name) if _is_param(module, spec.name) else module.get_buffer(spec.name)
-            if tensor.is_meta:
-                raise FusionLoadError(
-                    f"family {plan.family!r}, module {plan.path!r}: tensor {plan.full_key(spec.name)!r} is on the meta "
-                    "device after loading (offloaded to disk?); fused modules must be loaded onto a real device"
-                )
-
-
-def _is_param(module: nn.Module, leaf: str) -> bool:
-    path, _, name = leaf.rpartition(".")
-    owner = module.get_submodule(path) if path else module
-    return name in owner._parameters
+def _meta_tensors(module: nn.Module) -> list[str]:
+    """Names of the module's parameters and buffers that hold no data (meta device)."""
+    return [name for name, t in itertools.chain(module.named_parameters(), module.named_buffers()) if t.is_meta]
 
 
 def save_pretrained(
