@@ -22,7 +22,13 @@ from typing import Any
 
 import torch
 
-from fusion_core.checkpoint import SAFE_WEIGHTS_INDEX_NAME, atomic_directory, match_keys, read_checkpoint_index
+from fusion_core.checkpoint import (
+    SAFE_WEIGHTS_INDEX_NAME,
+    KeyMatcher,
+    atomic_directory,
+    match_keys,
+    read_checkpoint_index,
+)
 from fusion_core.commands._common import UsageError, fusion_config_from_args, progress, resolve_checkpoint
 from fusion_core.discovery import discover
 from fusion_core.errors import CheckpointError
@@ -52,17 +58,17 @@ class _Group:
 
 def _groups(plan: FusionPlan, checkpoint_keys: list[str], to_fused: bool) -> list[_Group]:
     groups = []
+    matcher = KeyMatcher(checkpoint_keys)  # once: one lookup per key, not an index per group
     for module in plan.modules:
         for bound in module.transforms:
             present, produced = (bound.sources, bound.targets) if to_fused else (bound.targets, bound.sources)
-            model_keys = [module.full_key(s.name) for s in present]
-            mapping = match_keys(model_keys, checkpoint_keys)
             inputs = []
-            for key in model_keys:
-                if key not in mapping:
+            for key in (module.full_key(s.name) for s in present):
+                ckpt_key = matcher.lookup(key)
+                if ckpt_key is None:
                     raise CheckpointError(f"family {module.family!r}, module {module.path!r}: no checkpoint key "
                                           f"for {key!r}")
-                inputs.append(mapping[key])
+                inputs.append(ckpt_key)
             prefix = inputs[0][: len(inputs[0]) - len(present[0].name)]
             groups.append(_Group(bound, tuple(inputs), tuple(prefix + s.name for s in produced), to_fused))
     return groups

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fusion_core.checkpoint import TensorInfo, match_keys, read_checkpoint_index
+from fusion_core.checkpoint import KeyMatcher, TensorInfo, read_checkpoint_index
 from fusion_core.commands._common import Checkpoint, fusion_config_from_args, resolve_checkpoint
 from fusion_core.discovery import discover
 from fusion_core.errors import CheckpointError, DiscoveryError, PlanError
@@ -85,10 +85,11 @@ def describe_with_checkpoint(plan: FusionPlan, index: dict[str, TensorInfo], che
     prefix with the other layout's leaf name for the other.
     """
     rows = plan.describe()
-    keys = list(index)
+    matcher = KeyMatcher(index)  # once: one lookup per key, not an index per row
     for row, (module, bound) in zip(rows, [(m, b) for m in plan.modules for b in m.transforms], strict=True):
         present = bound.targets if checkpoint.fused_layout else bound.sources
-        mapping = match_keys([module.full_key(s.name) for s in present], keys)
+        found = {module.full_key(s.name): matcher.lookup(module.full_key(s.name)) for s in present}
+        mapping = {key: value for key, value in found.items() if value is not None}
         prefix = None
         for spec in present:
             ckpt = mapping.get(module.full_key(spec.name))
