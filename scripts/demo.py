@@ -6,8 +6,6 @@ import argparse
 import shutil
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,6 +14,7 @@ from transformers import AutoModelForImageTextToText
 
 import fusion_core
 from fusion_core.checkpoint import read_checkpoint_index
+from fusion_core.testing.compare import median_seconds
 from fusion_core.testing.kit import TOLERANCES, fuse_module
 from fusion_core.testing.tiny_models import TINY_MODELS, save_tiny_model
 
@@ -26,13 +25,6 @@ def _vision_output(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> t
     return getattr(out, "last_hidden_state", out)
 
 
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e3
 
 
 def patch_embedding_speedup(patches: int = 1024, width: int = 1280) -> tuple[float, float]:
@@ -48,8 +40,8 @@ def patch_embedding_speedup(patches: int = 1024, width: int = 1280) -> tuple[flo
         for _ in range(3):
             conv(x), fused(x)
         for _ in range(5):
-            conv_ms.append(_median_ms(lambda: conv(x), 3))
-            fused_ms.append(_median_ms(lambda: fused(x), 3))
+            conv_ms.append(median_seconds(lambda: conv(x), 3) * 1e3)
+            fused_ms.append(median_seconds(lambda: fused(x), 3) * 1e3)
     return sorted(conv_ms)[2], sorted(fused_ms)[2]
 
 

@@ -17,11 +17,11 @@ import pytest
 import torch
 from fusion_patch_embeddings import PatchEmbeddingsFamily
 from fusion_patch_embeddings.family import PatchLinearMixin
-from safetensors import safe_open
 
 import fusion_core
 from fusion_core import cli
 from fusion_core.checkpoint import read_checkpoint_index
+from fusion_core.testing.compare import checkpoint_tensors
 from fusion_core.testing.tiny_models import TINY_MODELS, auto_class
 
 PATCH = "patch_embeddings"
@@ -41,12 +41,6 @@ def fusion_json(*args: str, check: bool | None = True) -> tuple[int, dict]:
     return result.returncode, json.loads(result.stdout)
 
 
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as handle:
-            out.update({k: handle.get_tensor(k) for k in handle.keys()})
-    return out
 
 
 @pytest.fixture
@@ -180,7 +174,7 @@ def test_convert_round_trip_matches_save_pretrained_and_loads(shards, tiny_check
     # The same tensors as a fused-layout save_pretrained writes.
     model = fusion_core.from_pretrained(cls, directory, fusion_config={PATCH: True})
     fusion_core.save_pretrained(model, tmp_path / "saved", save_original_format=False)
-    converted, saved = _tensors(fused_dir), _tensors(tmp_path / "saved")
+    converted, saved = checkpoint_tensors(fused_dir), checkpoint_tensors(tmp_path / "saved")
     assert converted.keys() == saved.keys()
     assert all(torch.equal(converted[k], saved[k]) and converted[k].dtype == saved[k].dtype for k in saved)
     record = json.loads((fused_dir / "fused_config.json").read_text())["fusion_core"]

@@ -18,6 +18,7 @@ from fusion_patch_embeddings.family import PatchLinearMixin
 from safetensors import safe_open
 
 import fusion_core
+from fusion_core.testing.compare import checkpoint_tensors
 from fusion_core.testing.kit import TOLERANCES
 from fusion_core.testing.tiny_models import TINY_MODELS, auto_class
 
@@ -39,13 +40,6 @@ def _inputs(tiny, model, dtype=torch.float32):
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
 
 
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    result = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as handle:
-            for key in handle.keys():
-                result[key] = handle.get_tensor(key)
-    return result
 
 
 def _patch_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -88,7 +82,7 @@ def test_save_reproduces_the_source_checkpoint_exactly(name, tiny_checkpoint, tm
     fusion_core.save_pretrained(model, tmp_path / "out")
     for file in directory.glob("*.safetensors"):
         assert (tmp_path / "out" / file.name).read_bytes() == file.read_bytes(), file.name
-    source, saved = _tensors(directory), _tensors(tmp_path / "out")
+    source, saved = checkpoint_tensors(directory), checkpoint_tensors(tmp_path / "out")
     assert list(source) == list(saved)
     for key in source:
         assert source[key].dtype == saved[key].dtype and torch.equal(source[key], saved[key]), key
@@ -248,7 +242,7 @@ def _rewrite_tensor(source: Path, target: Path, key: str, tensor: torch.Tensor |
     for file in source.iterdir():
         if file.name != "model.safetensors":
             (target / file.name).write_bytes(file.read_bytes())
-    tensors = _tensors(source)
+    tensors = checkpoint_tensors(source)
     if tensor is None:
         del tensors[key]
     else:
@@ -267,7 +261,7 @@ def _rewrite_tensor(source: Path, target: Path, key: str, tensor: torch.Tensor |
 def test_bad_fused_tensor_raises_naming_key_module_and_family(change, message, tiny_checkpoint, tmp_path):
     directory, _ = tiny_checkpoint("qwen2_vl")
     key = "visual.patch_embed.proj.weight"
-    _rewrite_tensor(directory, tmp_path / "bad", key, change(_tensors(directory)[key]))
+    _rewrite_tensor(directory, tmp_path / "bad", key, change(checkpoint_tensors(directory)[key]))
     with pytest.raises(fusion_core.CheckpointError, match=message) as info:
         fusion_core.from_pretrained(auto_class(TINY_MODELS["qwen2_vl"]), tmp_path / "bad", fusion_config=PATCH)
     assert "family 'patch_embeddings', module 'model.visual.patch_embed.proj'" in str(info.value)

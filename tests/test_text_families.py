@@ -19,9 +19,9 @@ import transformers
 from fusion_gate_up import GateUpMixin
 from fusion_patch_embeddings import PatchLinearMixin
 from fusion_qkv import QkvMixin
-from safetensors import safe_open
 
 import fusion_core
+from fusion_core.testing.compare import checkpoint_tensors
 from fusion_core.testing.kit import TOLERANCES
 from fusion_core.testing.tiny_models import TEXT_MODELS, TINY_MODELS, auto_class, save_tiny_model
 
@@ -60,13 +60,6 @@ def _close(expected: torch.Tensor, got: torch.Tensor, dtype: torch.dtype) -> flo
     return error
 
 
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    result = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as handle:
-            for key in handle.keys():
-                result[key] = handle.get_tensor(key)
-    return result
 
 
 def _assert_same_checkpoint(source: Path, saved: Path) -> None:
@@ -74,7 +67,7 @@ def _assert_same_checkpoint(source: Path, saved: Path) -> None:
     assert files and files == sorted(f.name for f in saved.glob("*.safetensors"))
     for name in files:
         assert (saved / name).read_bytes() == (source / name).read_bytes(), name
-    a, b = _tensors(source), _tensors(saved)
+    a, b = checkpoint_tensors(source), checkpoint_tensors(saved)
     assert list(a) == list(b)
     for key in a:
         assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
@@ -161,7 +154,7 @@ def test_fused_layout_save_loads_back_and_converts_to_the_original(text_checkpoi
     cls = transformers.AutoModelForCausalLM
     model = fusion_core.from_pretrained(cls, directory, fusion_config=BOTH)
     fusion_core.save_pretrained(model, tmp_path / "fused", save_original_format=False)
-    tensors = _tensors(tmp_path / "fused")
+    tensors = checkpoint_tensors(tmp_path / "fused")
     assert tensors["model.layers.0.self_attn.qkv_proj.weight"].shape == (64, 32)
     assert tensors["model.layers.0.self_attn.qkv_proj.bias"].shape == (64,)
     assert tensors["model.layers.1.mlp.gate_up_proj.weight"].shape == (128, 32)

@@ -238,7 +238,8 @@ def _capture(model: nn.Module, paths: Iterable[str]) -> tuple[dict[str, list[Inp
     return captured, remove
 
 
-def _median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    """Median wall time of ``repeats`` calls of ``fn``, in seconds."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -312,8 +313,8 @@ def compare_models(
             whole.ok = whole.max_rel_error <= tolerance
             with torch.no_grad():
                 timing = (
-                    _median_seconds(lambda: plain(**inputs), repeats),
-                    _median_seconds(lambda: fused(**inputs), repeats),
+                    median_seconds(lambda: plain(**inputs), repeats),
+                    median_seconds(lambda: fused(**inputs), repeats),
                 )
         except Exception as exc:  # an architecture that needs more than generic inputs
             whole.note = f"not run: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -365,7 +366,7 @@ def compare_models(
             args, kwargs = sets[0]
             with torch.no_grad():
                 for i, mod in enumerate((original, replacement)):
-                    module_times[i] += _median_seconds(functools.partial(mod, *args, **kwargs), repeats)
+                    module_times[i] += median_seconds(functools.partial(mod, *args, **kwargs), repeats)
         except Exception as exc:
             report.note = f"{type(exc).__name__}: {exc}"
             reports.append(report)
@@ -397,6 +398,11 @@ def iter_checkpoint_tensors(directory: Path) -> Iterator[tuple[str, str, torch.T
         with safe_open(str(file), "pt") as handle:
             for key in handle.keys():
                 yield file.name, key, handle.get_tensor(key)
+
+
+def checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors checkpoint by key (tests and small checkpoints: all in memory)."""
+    return {key: tensor for _, key, tensor in iter_checkpoint_tensors(directory)}
 
 
 def compare_checkpoints(source: Path, saved: Path) -> RoundTripReport:
