@@ -26,7 +26,30 @@ Shape = tuple[int, ...]
 
 
 class TransformOp(ABC):
-    """One invertible operation from ``arity[0]`` source tensors to ``arity[1]`` target tensors."""
+    """One invertible operation from ``arity[0]`` source tensors to ``arity[1]`` target tensors.
+
+    Families may define their own ops (subclass this; a frozen dataclass is the easy way). The
+    pipeline relies on this contract, and :func:`fusion_core.testing.kit.assert_transform_op`
+    checks it:
+
+    - **arity**: ``(sources, targets)``, both >= 1; a property when it depends on a field
+      (``Concat.n``). :class:`WeightTransform` refuses a transform whose names do not match it.
+    - **forward_shapes** is a pure function of the source shapes (no tensor is read: plans are
+      checked before loading). It returns exactly ``arity[1]`` shapes, the ones ``forward``
+      will produce, and raises ``ValueError`` for shapes it does not accept; the plan turns that
+      into a :class:`~fusion_core.errors.PlanError` naming the family, module and shapes. Any other
+      exception is a bug in the op and propagates as is.
+    - **forward** and **inverse** keep the dtype, are exact inverses bit for bit (a fused model
+      saves the checkpoint it loaded, byte for byte; every load verifies this once per op), and
+      work on ``meta`` tensors (discovery rehearses the plan without data): no ``.item()``, no
+      data-dependent shapes.
+    - **Views**: a result may be a view of an input when it covers that input's whole storage
+      (a reshape: no copy at load). Results that would share one storage with each other
+      (slices of one tensor) must be copies, because checkpoints refuse tensors that share memory.
+    - **Identity**: ops are immutable and compared by ``repr`` (the inverse check is cached per
+      ``repr(op)``, and ``fusion plan`` prints it), so ``repr`` must show every parameter: a
+      frozen dataclass does.
+    """
 
     arity: tuple[int, int] = (1, 1)
 
@@ -164,6 +187,70 @@ class Split(TransformOp):
         self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]
     ) -> tuple[torch.Tensor, ...]:
         return (torch.cat(list(tensors), dim=self.dim),)
+
+
+@dataclass(frozen=True)
+class Stack(TransformOp):
+    """Many-to-one: stacks ``n`` same-shaped sources along a new dimension ``dim``.
+
+    E expert weights ``[out, in]`` -> one ``[E, out, in]`` tensor for a batched (grouped) forward;
+    ``Concat`` would give ``[E * out, in]`` instead. Inverse: :class:`Unstack` (copies).
+    """
+
+    n: int = 2
+    dim: int = 0
+
+    @property
+    def arity(self) -> tuple[int, int]:  # type: ignore[override]
+        return (self.n, 1)
+
+    def forward_shapes(self, shapes: Sequence[Shape]) -> tuple[Shape, ...]:
+        first = tuple(shapes[0])
+        if not 0 <= self.dim <= len(first):
+            raise ValueError(f"cannot stack along dim {self.dim} tensors of shape {first}")
+        if any(tuple(shape) != first for shape in shapes[1:]):
+            raise ValueError(f"stacked tensors must have one shape; got {[tuple(s) for s in shapes]}")
+        return ((*first[:self.dim], len(shapes), *first[self.dim:]),)
+
+    def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return (torch.stack(list(tensors), dim=self.dim),)
+
+    def inverse(
+        self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]
+    ) -> tuple[torch.Tensor, ...]:
+        # Clones: views of one storage would be saved as shared tensors, which checkpoints refuse.
+        return tuple(part.clone() for part in torch.unbind(tensors[0], dim=self.dim))
+
+
+@dataclass(frozen=True)
+class Unstack(TransformOp):
+    """One-to-many: one source with ``n`` entries along ``dim`` -> ``n`` tensors without that dimension.
+
+    The inverse of :class:`Stack`: a checkpoint holding ``[E, out, in]`` run as E separate
+    modules. Inverse: stack.
+    """
+
+    n: int = 2
+    dim: int = 0
+
+    @property
+    def arity(self) -> tuple[int, int]:  # type: ignore[override]
+        return (1, self.n)
+
+    def forward_shapes(self, shapes: Sequence[Shape]) -> tuple[Shape, ...]:
+        shape = tuple(shapes[0])
+        if not 0 <= self.dim < len(shape) or shape[self.dim] != self.n:
+            raise ValueError(f"cannot unstack shape {shape} along dim {self.dim} into {self.n} tensors")
+        rest = (*shape[:self.dim], *shape[self.dim + 1:])
+        return tuple(rest for _ in range(self.n))
+
+    def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return tuple(part.clone() for part in torch.unbind(tensors[0], dim=self.dim))
+
+    def inverse(
+        self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]
+    ) -> tuple[torch.Tensor, ...]:
+        return (torch.stack(list(tensors), dim=self.dim),)
 
 
 @dataclass(frozen=True)

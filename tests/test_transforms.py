@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusion_core import Concat, Flatten, Identity, PlanError, Split, Transpose, WeightTransform
+from fusion_core import Concat, Flatten, Identity, PlanError, Split, Stack, Transpose, Unstack, WeightTransform
 from fusion_core.transforms import FusionPlan, ModulePlan, bind_transforms
 
 
@@ -19,6 +19,10 @@ from fusion_core.transforms import FusionPlan, ModulePlan, bind_transforms
         (Concat(3, 0), [(8, 4), (2, 4), (2, 4)]),
         (Concat(2, 1), [(4, 3), (4, 5)]),
         (Split((2, 6), 0), [(8, 4)]),
+        (Stack(3, 0), [(4, 2), (4, 2), (4, 2)]),
+        (Stack(2, 2), [(4, 2), (4, 2)]),
+        (Unstack(3, 0), [(3, 4, 2)]),
+        (Unstack(2, 1), [(4, 2, 5)]),
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
@@ -45,6 +49,21 @@ def test_concat_inverse_does_not_share_storage():
     assert parts[0].untyped_storage().data_ptr() != parts[1].untyped_storage().data_ptr()
 
 
+def test_stack_adds_a_leading_dimension_and_unstack_removes_it():
+    experts = [torch.randn(6, 4) for _ in range(3)]
+    (stacked,) = Stack(3).forward(experts)
+    assert stacked.shape == (3, 6, 4) and Stack(3).forward_shapes([(6, 4)] * 3) == ((3, 6, 4),)
+    assert all(torch.equal(stacked[i], e) for i, e in enumerate(experts))
+    assert Unstack(3).forward_shapes([(3, 6, 4)]) == ((6, 4),) * 3
+    assert WeightTransform(("a", "b", "c"), ("abc",), Stack(3)).op.arity == (3, 1)
+    assert WeightTransform(("abc",), ("a", "b"), Unstack(2)).op.arity == (1, 2)
+
+
+def test_stack_inverse_and_unstack_forward_do_not_share_storage():
+    for parts in (Stack(2).inverse([torch.randn(2, 3, 4)], [(3, 4)] * 2), Unstack(2).forward([torch.randn(2, 3)])):
+        assert parts[0].untyped_storage().data_ptr() != parts[1].untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize(
     ("op", "shapes"),
     [
@@ -52,6 +71,10 @@ def test_concat_inverse_does_not_share_storage():
         (Concat(2, 1), [(4, 3), (5, 5)]),
         (Split((3, 3), 0), [(8, 4)]),
         (Transpose(0, 4), [(2, 2)]),
+        (Stack(2, 0), [(4, 2), (4, 3)]),
+        (Stack(2, 3), [(4, 2), (4, 2)]),
+        (Unstack(3, 0), [(2, 4)]),
+        (Unstack(2, 2), [(2, 4)]),
     ],
 )
 def test_shape_errors_are_value_errors(op, shapes):
