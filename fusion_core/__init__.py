@@ -48,8 +48,10 @@ _EXPORTS: dict[str, str] = {
     "Identity": "fusion_core.transforms",
     "ModulePlan": "fusion_core.transforms",
     "Split": "fusion_core.transforms",
+    "Stack": "fusion_core.transforms",
     "TransformOp": "fusion_core.transforms",
     "Transpose": "fusion_core.transforms",
+    "Unstack": "fusion_core.transforms",
     "WeightTransform": "fusion_core.transforms",
 }
 
@@ -103,8 +105,10 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         Identity,
         ModulePlan,
         Split,
+        Stack,
         TransformOp,
         Transpose,
+        Unstack,
         WeightTransform,
     )
 
