@@ -42,6 +42,7 @@ from torch.nn import functional as F
 
 from fusion_core import Concat, FamilyOptions, FusionFamily, WeightTransform
 from fusion_core.merged import MergedProjectionsMixin, is_plain_linear, merge_refusal
+from fusion_core.parallel import PackedColwise
 
 PROJECTIONS = ("gate_proj", "up_proj")
 MERGED = "gate_up_proj"
@@ -116,6 +117,8 @@ class GateUpFamily(FusionFamily):
     name = "gate_up"
     options_model = GateUpOptions
     fused_mixin = GateUpMixin
+    #: Under a tensor-parallel plan with gate_proj/up_proj colwise, each rank merges its own rows.
+    tensor_parallel = PackedColwise(PROJECTIONS, MERGED)
     target_modules_patterns = ()
 
     def is_fusable(self, module: nn.Module, options: Any) -> bool:

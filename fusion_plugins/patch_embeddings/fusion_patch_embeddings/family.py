@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fusion_core import FamilyOptions, Flatten, FusedModule, FusionFamily, WeightTransform
+from fusion_core.parallel import Replicated
 
 
 class PatchEmbeddingsOptions(FamilyOptions):
@@ -87,6 +88,8 @@ class PatchEmbeddingsFamily(FusionFamily):
     name = "patch_embeddings"
     options_model = PatchEmbeddingsOptions
     fused_mixin = PatchLinearMixin
+    #: Patch embeddings run unsharded (no tensor-parallel style shards a Conv3d); a plan entry is refused.
+    tensor_parallel = Replicated()
     target_modules_patterns = ()
 
     def is_fusable(self, module: nn.Module, options: Any) -> bool:

@@ -34,6 +34,7 @@ from torch import nn
 
 from fusion_core import Concat, FamilyOptions, FusionFamily, WeightTransform
 from fusion_core.merged import MergedProjectionsMixin, is_plain_linear, merge_refusal
+from fusion_core.parallel import PackedColwise
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 MERGED = "qkv_proj"
@@ -80,6 +81,8 @@ class QkvFamily(FusionFamily):
     name = "qkv"
     options_model = QkvOptions
     fused_mixin = QkvMixin
+    #: Under a tensor-parallel plan with q_proj/k_proj/v_proj colwise, each rank merges its own heads.
+    tensor_parallel = PackedColwise(PROJECTIONS, MERGED, unit="head_dim")
     target_modules_patterns = (CROSS_ATTENTION_PATHS,)
 
     def is_fusable(self, module: nn.Module, options: Any) -> bool:

@@ -1,0 +1,240 @@
+"""How a family says its fused tensors shard under a transformers tensor-parallel plan.
+
+transformers' tensor-parallel plans are keyed by module name (``model.layers.*.self_attn.q_proj:
+colwise``) and applied while the *original* modules are loaded, so a fused module first receives
+each rank's shards of its original tensors. A family declares, as a class attribute
+``tensor_parallel``, a :class:`TensorParallelRule` that turns those shards into the fused
+tensors of this rank, derived from the original modules' plan entries:
+
+- :class:`PackedColwise` (``qkv``, ``gate_up``): the fused container concatenates colwise
+  projections along their rows. When every projection is planned ``colwise``, each rank's
+  merged weight is ``[q_r; k_r; v_r]``: its own rows of every part (grouped-query shapes
+  included), which is exactly what the unfused model runs on that rank.
+- :class:`Replicated` (``patch_embeddings``, and every family that declares nothing): the fused
+  module runs unsharded; a plan entry on any of its tensors is refused.
+
+A rule never guesses: a combination it cannot shard exactly (a style other than the ones it
+knows, parts planned differently, rows that do not split evenly or split a head) raises
+:class:`TensorParallelRefusal` with the reason, and the load fails naming the family and module.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusion_core.transforms import BoundTransform, Concat, LeafSpec, ModulePlan
+
+StyleLookup = Callable[[str], "str | None"]
+"""Full parameter path (``model.layers.0.self_attn.q_proj.weight``) -> its plan style, or None."""
+
+COLWISE = "colwise"
+
+
+class TensorParallelRefusal(Exception):
+    """A module cannot run exactly under the plan; the message is the reason."""
+
+
+def dtensor_type() -> type | None:
+    """``DTensor`` where torch.distributed is available, else None (nothing can be sharded then)."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def leaf_tensor(module: nn.Module, leaf: str) -> torch.Tensor | None:
+    """The parameter or buffer at module-relative ``leaf`` (``q_proj.weight``), or None."""
+    owner: nn.Module | None = module
+    path, _, name = leaf.rpartition(".")
+    for part in path.split(".") if path else ():
+        owner = owner._modules.get(part) if owner is not None else None
+    if owner is None:
+        return None
+    tensor = owner._parameters.get(name)
+    return tensor if tensor is not None else owner._buffers.get(name)
+
+
+def set_leaf(module: nn.Module, leaf: str, tensor: torch.Tensor) -> None:
+    """Replace the parameter at ``leaf`` by ``tensor`` (a parameter again, same requires_grad)."""
+    path, _, name = leaf.rpartition(".")
+    owner = module.get_submodule(path) if path else module
+    old = owner._parameters[name]
+    owner._parameters[name] = nn.Parameter(tensor, requires_grad=old.requires_grad)
+
+
+@dataclass
+class ShardedModule:
+    """What a rule found for one sharded module: its rank-local plan and how to finish it."""
+
+    rule: TensorParallelRule
+    local_plan: ModulePlan
+    mesh: Any
+    sharded: tuple[int, ...]
+    """Indexes (in the plan's transforms) of the transforms whose tensors are sharded."""
+
+
+class TensorParallelRule(ABC):
+    """How a family's fused tensors shard; set an instance as the family's ``tensor_parallel``."""
+
+    @abstractmethod
+    def localize(self, module: nn.Module, plan: ModulePlan, styles: StyleLookup) -> ShardedModule | None:
+        """Check the plan entries of the module's original tensors, right after transformers loaded them.
+
+        For a sharded module, replace its sharded original tensors by this rank's local tensors
+        and return a :class:`ShardedModule` whose ``local_plan`` the fused layout is built from;
+        return None when nothing of the module is sharded. Raise :class:`TensorParallelRefusal`
+        when the module cannot run exactly under the plan.
+        """
+
+    @abstractmethod
+    def finish(self, module: nn.Module, plan: ModulePlan, sharded: ShardedModule) -> None:
+        """After the module was fused from its local tensors: make it a sharded module of the model."""
+
+    @abstractmethod
+    def check(self, transforms: tuple[Any, ...]) -> None:
+        """Raise ``AssertionError`` when the family's transforms contradict the rule (conformance kit)."""
+
+
+def refuse_sharded(module: nn.Module, plan: ModulePlan, styles: StyleLookup, why: str) -> None:
+    """Refuse any planned or already-sharded original tensor of a module that must run unsharded."""
+    dtensor = dtensor_type()
+    for bound in plan.transforms:
+        for spec in bound.sources:
+            key = plan.full_key(spec.name)
+            style = styles(key)
+            if style is not None:
+                raise TensorParallelRefusal(f"{key!r} is planned {style!r}, but {why}")
+            tensor = leaf_tensor(module, spec.name)
+            if dtensor is not None and isinstance(tensor, dtensor):
+                raise TensorParallelRefusal(
+                    f"{key!r} was loaded sharded ({tuple(tensor.placements)}) with no plan entry naming it, "
+                    f"but {why}"
+                )
+
+
+@dataclass(frozen=True)
+class Replicated(TensorParallelRule):
+    """The fused module runs unsharded (every rank holds all of it); refused when the plan shards it."""
+
+    def localize(self, module: nn.Module, plan: ModulePlan, styles: StyleLookup) -> ShardedModule | None:
+        refuse_sharded(module, plan, styles, "this family's fused module runs unsharded only")
+        return None
+
+    def finish(self, module: nn.Module, plan: ModulePlan, sharded: ShardedModule) -> None:
+        raise AssertionError("a replicated module is never sharded")
+
+    def check(self, transforms: tuple[Any, ...]) -> None:
+        """Any transforms run unsharded."""
+
+
+@dataclass(frozen=True)
+class PackedColwise(TensorParallelRule):
+    """``container`` concatenates ``projections`` (colwise ``nn.Linear`` s) along their rows.
+
+    ``unit`` names an attribute of the fused module (``head_dim``) that every rank's rows of
+    every projection must be a multiple of: a shard that splits an attention head is refused.
+    """
+
+    projections: tuple[str, ...]
+    container: str
+    unit: str | None = None
+
+    def _own(self, bound: BoundTransform) -> bool:
+        return all(s.name.split(".", 1)[0] in self.projections for s in bound.sources)
+
+    def localize(self, module: nn.Module, plan: ModulePlan, styles: StyleLookup) -> ShardedModule | None:
+        entries = {s.name: styles(plan.full_key(s.name)) for b in plan.transforms if self._own(b) for s in b.sources}
+        if not any(entries.values()):
+            refuse_sharded(module, plan, styles, "none of its parts is planned")
+            return None
+        if any(style != COLWISE for style in entries.values()):
+            raise TensorParallelRefusal(
+                f"plan styles {entries}: {self.container} merges {list(self.projections)} exactly only when every one "
+                f"is {COLWISE!r} (each rank then holds its own rows of each) or none is planned"
+            )
+        meshes: list[Any] = []
+        rows: dict[str, int] = {}
+        locals_: dict[str, torch.Tensor] = {}
+        for leaf in entries:
+            locals_[leaf], mesh, rows[leaf] = self._local_rows(module, plan, leaf)
+            meshes.append(mesh)
+        if any(mesh != meshes[0] for mesh in meshes):
+            raise TensorParallelRefusal(f"{list(entries)} are sharded over different device meshes")
+        for leaf, local in locals_.items():
+            set_leaf(module, leaf, local)
+        for name in self.projections:  # the emptied originals give the merged projection its part sizes
+            child = module._modules.get(name)
+            if child is not None and hasattr(child, "out_features"):
+                child.out_features = rows[f"{name}.weight"]
+        sharded = tuple(i for i, b in enumerate(plan.transforms) if self._own(b))
+        transforms = list(plan.transforms)
+        for index in sharded:
+            bound = transforms[index]
+            sources = tuple(LeafSpec(s.name, (rows[s.name], *s.shape[1:])) for s in bound.sources)
+            targets = bound.op.forward_shapes([s.shape for s in sources])
+            transforms[index] = BoundTransform(
+                sources, tuple(LeafSpec(t.name, shape) for t, shape in zip(bound.targets, targets, strict=True)),
+                bound.op,
+            )
+        return ShardedModule(self, replace(plan, transforms=tuple(transforms)), meshes[0], sharded)
+
+    def _local_rows(self, module: nn.Module, plan: ModulePlan, leaf: str) -> tuple[torch.Tensor, Any, int]:
+        key = plan.full_key(leaf)
+        tensor = leaf_tensor(module, leaf)
+        dtensor = dtensor_type()
+        if tensor is None:
+            raise TensorParallelRefusal(
+                f"{key!r} is planned {COLWISE!r} but the module holds no such tensor (a fused-layout checkpoint "
+                "cannot be loaded under a tensor-parallel plan: load the original-layout checkpoint)"
+            )
+        if dtensor is None or not isinstance(tensor, dtensor):
+            raise TensorParallelRefusal(f"{key!r} is planned {COLWISE!r} but was not loaded as a DTensor shard")
+        mesh = tensor.device_mesh
+        placements = tuple(tensor.placements)
+        if mesh.ndim != 1 or len(placements) != 1 or not placements[0].is_shard() or placements[0].dim % tensor.dim():
+            raise TensorParallelRefusal(f"{key!r} has placements {placements} on a {mesh.ndim}-D mesh, not Shard(0)")
+        world = mesh.size()
+        total = int(tensor.shape[0])
+        if total % world:
+            raise TensorParallelRefusal(
+                f"{key!r} has {total} rows, which do not split evenly over {world} ranks; the merged rows of a "
+                "rank would not be a regular shard"
+            )
+        local_rows = total // world
+        unit = getattr(module, self.unit, None) if self.unit and leaf.endswith("weight") else None
+        if isinstance(unit, int) and unit > 0 and local_rows % unit:
+            raise TensorParallelRefusal(
+                f"{key!r}: {world} ranks get {local_rows} rows each, which splits a {self.unit} of {unit}"
+            )
+        local = tensor.to_local()
+        if int(local.shape[0]) != local_rows:
+            raise TensorParallelRefusal(f"{key!r}: this rank holds {int(local.shape[0])} rows, expected {local_rows}")
+        return local, mesh, local_rows
+
+    def finish(self, module: nn.Module, plan: ModulePlan, sharded: ShardedModule) -> None:
+        from fusion_core.parallel.tensor_parallel import shard_merged_module
+
+        shard_merged_module(module, plan, sharded)
+
+    def check(self, transforms: tuple[Any, ...]) -> None:
+        owned = [t for t in transforms if all(s.split(".", 1)[0] in self.projections for s in t.sources)]
+        assert owned, f"PackedColwise{self.projections}: no transform reads the projections"
+        for transform in owned:
+            assert isinstance(transform.op, Concat) and transform.op.dim == 0, (
+                f"PackedColwise needs Concat(dim=0) transforms (the rows of each projection in order), "
+                f"not {transform.op!r}"
+            )
+            parts = [s.split(".", 1)[0] for s in transform.sources]
+            assert tuple(parts) == self.projections, f"sources {transform.sources} are not {self.projections} in order"
+            leaves = {s.split(".", 1)[1] for s in transform.sources}
+            assert len(leaves) == 1 and leaves <= {"weight", "bias"}, f"sources {transform.sources}: weight or bias"
+            assert transform.targets == (f"{self.container}.{leaves.pop()}",), (
+                f"targets {transform.targets} are not in {self.container!r}"
+            )

@@ -1,0 +1,238 @@
+"""Fused modules in a model that transformers loaded under a tensor-parallel plan.
+
+transformers applies its plan to the *original* modules (``q_proj`` colwise, ...) while it loads
+them, so when its ``from_pretrained`` returns, a fused instance holds each rank's DTensor shards
+of its original tensors. :func:`tensor_parallel_fusion` wraps fusion-core's conversion of the
+loaded instances:
+
+1. before it, each instance's family rule (:mod:`fusion_core.parallel.rules`) checks the plan
+   entries of its original tensors, replaces the shards by this rank's local tensors and gives a
+   rank-local plan, so the ordinary conversion builds ``[q_r; k_r; v_r]`` from them;
+2. after it, the rule turns the local fused tensors back into DTensors of the model's mesh
+   (``Shard(0)`` of a rank-major layout), so optimizers, gradient clipping and
+   ``state_dict`` see a tensor-parallel model like the unfused one; the merged projection
+   computes on the local rows and all-reduces its input gradient, as the ``colwise`` style does.
+
+``state_dict()`` presents the original tensors as the DTensor shards transformers itself made
+(``q_proj.weight``: ``Shard(0)`` of the full shape), so a save writes the full original-layout
+checkpoint exactly like a tensor-parallel load of the unfused model does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, MutableSequence, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusion_core.errors import FusionLoadError
+from fusion_core.layout import PLAN_ATTRIBUTE
+from fusion_core.merged import MergedLinear
+from fusion_core.parallel.rules import (
+    Replicated,
+    ShardedModule,
+    StyleLookup,
+    TensorParallelRefusal,
+    TensorParallelRule,
+    dtensor_type,
+    leaf_tensor,
+    set_leaf,
+)
+from fusion_core.transforms import Concat, ModulePlan, Shape, TransformOp
+
+DEFAULT_RULE = Replicated()
+
+
+def style_lookup(model: nn.Module) -> StyleLookup | None:
+    """The plan style of a parameter path in ``model``'s tensor-parallel plan; None when no plan is applied.
+
+    Uses transformers' own matcher (wildcards for layer numbers, module entries covering their
+    ``weight`` and ``bias``), whichever line is installed.
+    """
+    plan = getattr(model, "tp_plan", None) or {}
+    if (getattr(model, "_tp_size", None) or 1) <= 1 or not plan:
+        return None
+    try:
+        from transformers.distributed.parallel_utils import _get_parameter_plan as match
+    except ImportError:  # transformers 4.x
+        from transformers.integrations.tensor_parallel import _get_parameter_tp_plan as match
+    return lambda name: match(name, plan, is_weight=True)
+
+
+def family_rule(spec: Any) -> TensorParallelRule:
+    """The family's declared ``tensor_parallel`` rule; families that declare none run unsharded."""
+    rule = getattr(spec, "tensor_parallel", None)
+    return DEFAULT_RULE if rule is None else rule
+
+
+@contextmanager
+def tensor_parallel_fusion(
+    model: nn.Module, built: MutableSequence[tuple[nn.Module, ModulePlan]], registry: Any
+) -> Iterator[None]:
+    """Around the conversion of ``built``: rank-local plans before it, sharded fused modules after it.
+
+    A no-op (one attribute read) for a model that transformers did not load under a tensor-parallel
+    plan. Raises :class:`FusionLoadError` naming the family, module and reason for a module that
+    cannot be sharded exactly.
+    """
+    styles = style_lookup(model)
+    if styles is None:
+        yield
+        return
+    pending: list[tuple[nn.Module, ModulePlan, ShardedModule]] = []
+    for index, (module, plan) in enumerate(built):
+        spec = registry.get(plan.family).spec if plan.family in registry else None
+        rule = family_rule(spec)
+        try:
+            sharded = rule.localize(module, plan, styles)
+        except TensorParallelRefusal as exc:
+            declared = "" if getattr(spec, "tensor_parallel", None) is not None else " (the family declares no rule)"
+            raise FusionLoadError(
+                f"family {plan.family!r}, module {plan.path!r}: cannot run under the tensor-parallel plan{declared}: "
+                f"{exc}"
+            ) from None
+        if sharded is not None:
+            built[index] = (module, sharded.local_plan)
+            pending.append((module, plan, sharded))
+    yield
+    for module, plan, sharded in pending:
+        sharded.rule.finish(module, plan, sharded)
+
+
+@dataclass(frozen=True)
+class RankMajorConcat(TransformOp):
+    """:class:`Concat` along rows where every part is sharded ``Shard(0)`` over ``mesh``.
+
+    The fused tensor is ``Shard(0)`` of the rank-major layout ``[a_0; b_0; a_1; b_1; ...]``, so
+    each rank's local rows are ``[a_r; b_r]``. ``inverse`` gives every part back as the DTensor
+    shard transformers loaded (``Shard(0)`` of its full shape), without any communication;
+    ``forward`` accepts those shards or full tensors (a full ``load_state_dict``).
+    """
+
+    n: int
+    mesh: Any
+
+    @property
+    def arity(self) -> tuple[int, int]:  # type: ignore[override]
+        return (self.n, 1)
+
+    def forward_shapes(self, shapes: Sequence[Shape]) -> tuple[Shape, ...]:
+        return Concat(n=self.n, dim=0).forward_shapes(shapes)
+
+    def _rank(self) -> tuple[int, int]:
+        return self.mesh.get_local_rank(), self.mesh.size()
+
+    def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        dtensor = dtensor_type()
+        rank, world = self._rank()
+        parts = []
+        for tensor in tensors:
+            if dtensor is not None and isinstance(tensor, dtensor):
+                parts.append(tensor.redistribute(self.mesh, [_shard0()]).to_local())
+            else:
+                parts.append(tensor.chunk(world, dim=0)[rank])
+        shape = self.forward_shapes([tuple(t.shape) for t in tensors])[0]
+        return (_from_local(torch.cat(parts, dim=0), self.mesh, shape),)
+
+    def inverse(self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]) -> tuple[torch.Tensor, ...]:
+        dtensor = dtensor_type()
+        fused = tensors[0]
+        local = fused.to_local() if dtensor is not None and isinstance(fused, dtensor) else fused
+        world = self.mesh.size()
+        sizes = [shape[0] // world for shape in source_shapes]
+        parts = torch.split(local, sizes, dim=0)
+        # Clones: slices of one storage would be saved as shared tensors, which checkpoints refuse.
+        return tuple(
+            _from_local(part.clone(), self.mesh, tuple(shape)) for part, shape in zip(parts, source_shapes, strict=True)
+        )
+
+
+def _shard0() -> Any:
+    from torch.distributed.tensor import Shard
+
+    return Shard(0)
+
+
+def _from_local(local: torch.Tensor, mesh: Any, shape: Shape) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(local, mesh, [_shard0()], run_check=False, shape=torch.Size(shape), stride=stride)
+
+
+class _AllReduceInputGrad(torch.autograd.Function):
+    """Identity forward; all-reduces the gradient: the input-gradient sum a ``colwise`` style does."""
+
+    @staticmethod
+    def forward(ctx: Any, input: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return input.view_as(input)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    dtensor = dtensor_type()
+    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor) else tensor
+
+
+class ShardedMergedLinear(MergedLinear):
+    """A merged projection holding this rank's rows of every part (``sizes`` are the local sizes).
+
+    It computes on the local tensors of the container's DTensor parameters (their gradients flow
+    back as ``Shard(0)`` gradients), and its input's gradient is all-reduced over the mesh: each
+    rank's rows give only a partial input gradient, exactly as under the ``colwise`` style. One
+    input is wrapped once, so sibling projections still share one merged GEMM.
+    """
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return _local(self.owner.weight)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return _local(getattr(self.owner, "bias", None))
+
+    def __call__(self, index: int, input: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and input.requires_grad:
+            memo = self.__dict__.get("_tp_input")
+            if memo is not None and memo[0] is input:
+                wrapped = memo[1]
+            else:
+                wrapped = _AllReduceInputGrad.apply(input, self.owner.weight.device_mesh.get_group())
+            output = super().__call__(index, wrapped)
+            # Keep the wrapped input only while siblings may still take their part of a merged output.
+            self.__dict__["_tp_input"] = (input, wrapped) if self._cache is not None else None
+            return output
+        return super().__call__(index, input)
+
+
+def shard_merged_module(module: nn.Module, plan: ModulePlan, sharded: ShardedModule) -> None:
+    """Make a module fused from its local rows a sharded module: DTensor parameters, rank-major layout."""
+    transforms = list(plan.transforms)
+    for index in sharded.sharded:
+        bound = transforms[index]
+        if not isinstance(bound.op, Concat) or bound.op.dim != 0:
+            raise FusionLoadError(
+                f"family {plan.family!r}, module {plan.path!r}: a sharded merge needs Concat(dim=0), not {bound.op!r}"
+            )
+        for target in bound.targets:
+            local = leaf_tensor(module, target.name)
+            set_leaf(module, target.name, _from_local(local.detach(), sharded.mesh, target.shape))
+        transforms[index] = replace(bound, op=RankMajorConcat(n=bound.op.n, mesh=sharded.mesh))
+    module.__dict__[PLAN_ATTRIBUTE] = replace(plan, transforms=tuple(transforms))
+    merged = module.__dict__.get("_fusion_merged")
+    if not isinstance(merged, MergedLinear):
+        raise FusionLoadError(
+            f"family {plan.family!r}, module {plan.path!r}: PackedColwise needs a merged projection "
+            "(fusion_core.merged.MergedProjectionsMixin) to run on this rank's rows"
+        )
+    merged.__class__ = ShardedMergedLinear
