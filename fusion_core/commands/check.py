@@ -1,6 +1,6 @@
 """``fusion check``: load plain and fused, compare on the same random inputs, round trip, time.
 
-See :mod:`fusion_core.testing.compare` for how inputs are chosen. The check fails (``ok`` is
+See :mod:`fusion_core.compare` for how inputs are chosen. The check fails (``ok`` is
 False) when a fused module or the whole model differs beyond the documented tolerance of the
 dtype, when a fused module could not be exercised at all, or when saving the fused model does
 not reproduce the source checkpoint exactly.
@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from fusion_core.commands._common import UsageError, fusion_config_from_args, resolve_checkpoint
+from fusion_core.compare import compare_models, round_trip
 from fusion_core.hf import LOAD_LOCK, from_pretrained, get_fusion_plan
 from fusion_core.plugins import get_registry
-from fusion_core.testing.compare import compare_models, round_trip
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

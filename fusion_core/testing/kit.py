@@ -1,31 +1,132 @@
 """Conformance checks for fusion families, usable from any test suite.
 
 Each check runs the real thing on real modules: a family's fused class against the original
-module, its transforms forward and back, the state-dict round trip, discovery on a model.
-A failed check raises ``AssertionError`` with what differed.
+module, its transforms forward and back, the state-dict round trip, discovery on a model, a
+fused load of a checkpoint. A failed check raises ``AssertionError`` with what differed.
+
+Where a check needs a model, ``model`` is any :data:`ModelSource`: the name of a tiny model
+(:data:`fusion_core.testing.tiny_models.ALL_TINY_MODELS`, listed in ``docs/tiny-models.md``),
+a ``(model_class, config)`` pair, or a local checkpoint directory. Where a family's transforms
+are built, ``config`` is what ``make_transforms(config, options)`` receives in a real load: the
+model's top-level ``PretrainedConfig``. Module-level checks pass ``None`` unless given one, so a
+family whose transforms read the config needs ``config=`` there (:func:`model_config` gives it).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Sequence
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
 
 import torch
 from torch import nn
 
-from fusion_core.layout import convert_to_fused, finalize
+from fusion_core.compare import TOLERANCES, Comparison, compare_outputs, relative_error
+from fusion_core.layout import fuse_instance, same_bits
 from fusion_core.plugins import validate_spec
 from fusion_core.spec import FamilyOptions, ModuleFusionSpec
-from fusion_core.transforms import BoundTransform, FusionPlan, ModulePlan, bind_transforms
+from fusion_core.transforms import BoundTransform, FusionPlan, ModulePlan, Shape, TransformOp, bind_transforms
 
-#: Documented numerical tolerances (max abs difference, relative to max |reference| + 1) per dtype.
-TOLERANCES: dict[torch.dtype, float] = {
-    torch.float32: 1e-4,
-    torch.float16: 1e-2,
-    torch.bfloat16: 3e-2,
-}
+__all__ = [
+    "TOLERANCES", "ModelSource", "ModelUnderTest", "assert_discovers", "assert_fused_load",
+    "assert_numerically_equivalent", "assert_options_schema", "assert_state_dict_round_trip",
+    "assert_transform_op", "assert_transform_round_trip", "build_model", "fuse_module", "model_config",
+    "module_factory",
+    "registered", "relative_error", "resolve_model",
+]
+
+ModelSource = Union[str, "os.PathLike[str]", tuple[Any, Any]]
+"""A tiny-model name, a ``(model_class, config)`` pair, or a checkpoint directory."""
+
+Inputs = Sequence[Any] | Mapping[str, Any] | tuple[Sequence[Any], Mapping[str, Any]]
+"""What an ``inputs_factory(dtype)`` returns: positional args, keyword args, or ``(args, kwargs)``."""
+
+
+# -- models ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelUnderTest:
+    """A :data:`ModelSource` resolved: the class that loads it, its config, its checkpoint if any."""
+
+    label: str
+    model_cls: Any
+    config: Any
+    directory: Path | None = None
+
+
+def resolve_model(model: ModelSource, config: Any = None) -> ModelUnderTest:
+    """Resolve ``model`` (see :data:`ModelSource`); ``config`` replaces the model's own config.
+
+    Raises ``KeyError`` (listing the names) for an unknown tiny model, ``LookupError`` for one the
+    installed transformers lacks, ``TypeError`` for anything else.
+    """
+    if isinstance(model, tuple):
+        if len(model) != 2 or not isinstance(model[0], type):
+            raise TypeError(f"a model pair is (model_class, config), got {model!r}")
+        return ModelUnderTest(model[0].__name__, model[0], config if config is not None else model[1])
+    if isinstance(model, os.PathLike) or (isinstance(model, str) and Path(model).is_dir()):
+        from fusion_core.commands._common import resolve_checkpoint
+
+        checkpoint = resolve_checkpoint(Path(model))
+        return ModelUnderTest(str(model), checkpoint.model_cls, config if config is not None else checkpoint.config,
+                              checkpoint.directory)
+    if not isinstance(model, str):
+        raise TypeError(f"model must be a tiny-model name, a (model_class, config) pair or a directory, got {model!r}")
+    from fusion_core.testing.tiny_models import auto_class, tiny_model
+
+    tiny = tiny_model(model)
+    made = tiny.make_config()
+    if made is None:
+        import transformers
+
+        raise LookupError(f"transformers {transformers.__version__} has no {model}")
+    return ModelUnderTest(model, auto_class(tiny), config if config is not None else made)
+
+
+def model_config(model: ModelSource) -> Any:
+    """The config a real load of ``model`` hands to ``make_transforms``."""
+    return resolve_model(model).config
+
+
+def build_model(resolved: ModelUnderTest, seed: int = 0) -> nn.Module:
+    """The plain model with random weights (seeded), or loaded from its checkpoint directory."""
+    if resolved.directory is not None:
+        return resolved.model_cls.from_pretrained(resolved.directory, config=copy.deepcopy(resolved.config)).eval()
+    torch.manual_seed(seed)
+    # Auto classes build with from_config; a concrete PreTrainedModel class with _from_config.
+    builder = getattr(resolved.model_cls, "from_config", None) or resolved.model_cls._from_config
+    return builder(copy.deepcopy(resolved.config)).eval()
+
+
+def module_factory(model: ModelSource, path: str, seed: int = 0, config: Any = None) -> Callable[[], nn.Module]:
+    """A ``module_factory`` for the checks: copies of the module at ``path`` of ``model`` (built once).
+
+    Tests a family on the exact class and configuration of a real architecture, MoE blocks and
+    attention layers included, without writing the module by hand.
+    """
+    resolved = resolve_model(model, config)
+    built: list[nn.Module] = []
+
+    def make() -> nn.Module:
+        if not built:
+            built.append(build_model(resolved, seed))
+        return copy.deepcopy(built[0].get_submodule(path))
+
+    return make
+
+
+# -- one module --------------------------------------------------------------------------------
+def _transforms(spec: ModuleFusionSpec, config: Any, options: FamilyOptions) -> list[Any]:
+    try:
+        return list(spec.make_transforms(config, options))
+    except Exception as exc:
+        hint = (" With config=None: if the family reads the model config, pass config= to the kit "
+                "(kit.model_config(model) gives the one a real load uses)") if config is None else ""
+        message = f"family {spec.name!r}: make_transforms raised {type(exc).__name__}: {exc}.{hint}"
+        raise AssertionError(message) from exc
 
 
 def fuse_module(
@@ -40,45 +141,58 @@ def fuse_module(
     fused = copy.deepcopy(module)
     leaves = fused.state_dict(keep_vars=True)
     bound = bind_transforms(spec.name, path, {k: tuple(v.shape) for k, v in leaves.items()},
-                            list(spec.make_transforms(config, options)))
+                            _transforms(spec, config, options))
     fused_cls = spec.make_fused_class(type(module), options)
-    plan = ModulePlan(spec.name, path, type(module), fused_cls, bound, tuple(leaves))
-    fused.__class__ = fused_cls
-    convert_to_fused(fused, plan)
-    finalize(fused, plan)
+    fuse_instance(fused, ModulePlan(spec.name, path, type(module), fused_cls, bound, tuple(leaves)))
     return fused
 
 
-def relative_error(reference: torch.Tensor, candidate: torch.Tensor) -> float:
-    """Max abs difference relative to ``max |reference| + 1``: the metric :data:`TOLERANCES` bounds."""
-    return float((reference.float() - candidate.float()).abs().max()) / (float(reference.float().abs().max()) + 1.0)
-
-
-_max_error = relative_error
+def _call(module: nn.Module, inputs: Inputs) -> Any:
+    if isinstance(inputs, Mapping):
+        return module(**inputs)
+    if (isinstance(inputs, tuple) and len(inputs) == 2 and isinstance(inputs[1], Mapping)
+            and isinstance(inputs[0], (list, tuple))):
+        return module(*inputs[0], **inputs[1])
+    return module(*inputs)
 
 
 def assert_numerically_equivalent(
     module_factory: Callable[[], nn.Module],
-    inputs_factory: Callable[[torch.dtype], Sequence[torch.Tensor]],
+    inputs_factory: Callable[[torch.dtype], Inputs],
     spec: ModuleFusionSpec,
     dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
     options: FamilyOptions | None = None,
     config: Any = None,
 ) -> dict[torch.dtype, float]:
-    """Fused vs original forward, per dtype, within :data:`TOLERANCES`; returns the errors."""
+    """Fused vs original forward, per dtype, within :data:`TOLERANCES`; returns the errors.
+
+    Outputs are compared whatever their structure (a tensor, tuples such as an MoE block's
+    ``(hidden, router_logits)``, dicts, dataclasses, transformers ``ModelOutput``): every
+    floating-point tensor in them, in order. ``inputs_factory(dtype)`` returns positional
+    arguments, keyword arguments, or an ``(args, kwargs)`` pair.
+    """
     errors: dict[torch.dtype, float] = {}
     for dtype in dtypes:
         torch.manual_seed(0)
         original = module_factory().to(dtype).eval()
         fused = fuse_module(original, spec, options, config)
-        inputs = list(inputs_factory(dtype))
+        inputs = inputs_factory(dtype)
         with torch.no_grad():
-            expected = original(*inputs)
-            got = fused(*inputs)
-        if expected.shape != got.shape:
-            raise AssertionError(f"{dtype}: fused output shape {tuple(got.shape)} != original {tuple(expected.shape)}")
-        error = _max_error(expected, got)
-        if error > TOLERANCES[dtype]:
+            expected = _call(original, copy.deepcopy(inputs))
+            try:
+                got = _call(fused, copy.deepcopy(inputs))
+            except Exception as exc:
+                hint = (" (config=None was passed to make_transforms: if the family reads the model config, pass "
+                        "config= to the kit)") if config is None else ""
+                raise AssertionError(
+                    f"family {spec.name!r}: the fused {type(original).__qualname__} raised "
+                    f"{type(exc).__name__}: {exc}{hint}"
+                ) from exc
+        try:
+            _, error = compare_outputs(expected, got)
+        except AssertionError as exc:
+            raise AssertionError(f"{dtype}: family {spec.name!r}: {exc}") from None
+        if not error <= TOLERANCES[dtype]:
             raise AssertionError(f"{dtype}: fused output differs by {error:.3g} (tolerance {TOLERANCES[dtype]:.3g})")
         errors[dtype] = error
     return errors
@@ -94,13 +208,12 @@ def assert_state_dict_round_trip(
     if list(presented) != list(original_state):
         raise AssertionError(f"state-dict keys differ: {list(presented)} vs {list(original_state)}")
     for key, tensor in original_state.items():
-        other = presented[key]
-        if other.shape != tensor.shape or other.dtype != tensor.dtype or not torch.equal(other, tensor):
+        if not same_bits(presented[key], tensor):
             raise AssertionError(f"tensor {key!r} differs after the fused round trip")
     reloaded = fuse_module(module, spec, options, config)
     reloaded.load_state_dict(presented)
     for key, tensor in reloaded.state_dict().items():
-        if not torch.equal(tensor, original_state[key]):
+        if not same_bits(tensor, original_state[key]):
             raise AssertionError(f"tensor {key!r} differs after load_state_dict of the original layout")
 
 
@@ -109,32 +222,116 @@ def assert_transform_round_trip(
 ) -> list[BoundTransform]:
     """Every transform of ``spec``, bound to ``module``, goes forward and back bit for bit.
 
-    Forward outputs must have the shapes the plan inferred (so a plan checked on shapes is what
-    loading does), and the inverse must give back the same dtypes, shapes and bytes.
+    Each op is first held to the :class:`~fusion_core.TransformOp` contract
+    (:func:`assert_transform_op`, on the shapes and dtypes of ``module``), so a custom op is
+    checked as thoroughly as the shipped ones.
     """
     validate_spec(spec)
     options = options if options is not None else spec.options_model()
     state = module.state_dict()
     bound = bind_transforms(spec.name, "", {k: tuple(v.shape) for k, v in state.items()},
-                            list(spec.make_transforms(config, options)))
+                            _transforms(spec, config, options))
     for transform in bound:
         sources = [state[s.name] for s in transform.sources]
-        with torch.no_grad():
-            outputs = transform.op.forward([t.clone() for t in sources])
-            if [tuple(o.shape) for o in outputs] != [t.shape for t in transform.targets]:
-                raise AssertionError(
-                    f"{transform.op!r}: forward gave shapes {[tuple(o.shape) for o in outputs]}, the plan inferred "
-                    f"{[t.shape for t in transform.targets]}"
-                )
-            back = transform.op.inverse(list(outputs), [s.shape for s in transform.sources])
-        for spec_leaf, original, restored in zip(transform.sources, sources, back, strict=True):
-            if restored.dtype != original.dtype or restored.shape != original.shape or not torch.equal(
-                restored.contiguous().view(-1).view(torch.uint8), original.contiguous().view(-1).view(torch.uint8)
-            ):
-                raise AssertionError(f"{transform.op!r}: tensor {spec_leaf.name!r} is not restored bit for bit")
+        assert_transform_op(transform.op, [s.shape for s in transform.sources], dtypes=[sources[0].dtype],
+                            sources=sources)
     return list(bound)
 
 
+def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _check_views(op: TransformOp, what: str, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    """Results share no storage with each other; a view of an input covers that input's whole storage."""
+    seen: dict[int, int] = {}
+    for i, out in enumerate(outputs):
+        ptr, nbytes = _storage(out)
+        if ptr in seen:
+            raise AssertionError(
+                f"{op!r}: {what} results {seen[ptr]} and {i} share one storage; copy them (checkpoints refuse "
+                "tensors that share memory)"
+            )
+        seen[ptr] = i
+        for tensor in inputs:
+            if _storage(tensor)[0] == ptr and out.numel() * out.element_size() != nbytes:
+                raise AssertionError(
+                    f"{op!r}: {what} result {i} is a view of part of an input; return a copy (clone) instead"
+                )
+
+
+def assert_transform_op(
+    op: TransformOp,
+    shapes: Sequence[Shape],
+    dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
+    bad_shapes: Sequence[Shape] | None = None,
+    sources: Sequence[torch.Tensor] | None = None,
+) -> None:
+    """``op`` honours the :class:`~fusion_core.TransformOp` contract on source ``shapes``.
+
+    Checks: ``arity`` matches ``shapes`` and the results; ``forward_shapes`` gives what
+    ``forward`` produces, on real and on ``meta`` tensors; ``inverse`` restores every source bit
+    for bit with its dtype; results share no storage with each other and are views of an input
+    only when they cover all of it; ``repr`` shows the op's parameters and equal ops compare and
+    hash equal; with ``bad_shapes``, ``forward_shapes`` rejects them with ``ValueError``.
+    ``sources`` replaces the random source tensors (one dtype).
+    """
+    arity = tuple(op.arity)
+    if len(arity) != 2 or not all(isinstance(n, int) and n >= 1 for n in arity):
+        raise AssertionError(f"{op!r}: arity must be (sources, targets), both >= 1; got {op.arity!r}")
+    if len(shapes) != arity[0]:
+        raise AssertionError(f"{op!r}: arity {arity} takes {arity[0]} source(s); the check was given {len(shapes)}")
+    if " at 0x" in repr(op):
+        raise AssertionError(f"{type(op).__name__}: repr {op!r} must show the op's parameters (a frozen dataclass)")
+    twin = copy.deepcopy(op)
+    try:
+        same = twin == op and hash(twin) == hash(op) and repr(twin) == repr(op)
+    except TypeError as exc:
+        raise AssertionError(f"{op!r}: ops must be immutable and hashable (a frozen dataclass): {exc}") from None
+    if not same:
+        raise AssertionError(f"{op!r}: a copy of the op must compare, hash and print equal")
+    targets = tuple(tuple(s) for s in op.forward_shapes([tuple(s) for s in shapes]))
+    if len(targets) != arity[1] or not all(all(isinstance(d, int) for d in s) for s in targets):
+        raise AssertionError(f"{op!r}: forward_shapes gave {targets}, not {arity[1]} shape(s) of ints")
+    meta = op.forward([torch.empty(s, device="meta") for s in shapes])
+    if [tuple(t.shape) for t in meta] != list(targets):
+        raise AssertionError(f"{op!r}: on meta tensors forward gave {[tuple(t.shape) for t in meta]}, "
+                             f"forward_shapes {list(targets)} (discovery rehearses ops on the meta device)")
+    for dtype in dtypes:
+        generator = torch.Generator().manual_seed(0)
+        inputs = list(sources) if sources is not None else [
+            (torch.randn(s, generator=generator) * 100).to(dtype) for s in shapes
+        ]
+        originals = [t.clone() for t in inputs]
+        with torch.no_grad():
+            outputs = op.forward(inputs)
+            if len(outputs) != arity[1] or [tuple(o.shape) for o in outputs] != list(targets):
+                raise AssertionError(f"{op!r}: forward gave shapes {[tuple(o.shape) for o in outputs]}, "
+                                     f"forward_shapes inferred {list(targets)}")
+            if any(o.dtype != dtype for o in outputs):
+                raise AssertionError(f"{op!r}: forward changed the dtype {dtype} to {[o.dtype for o in outputs]}")
+            _check_views(op, "forward", inputs, outputs)
+            back = op.inverse(list(outputs), [tuple(s) for s in shapes])
+        if len(back) != arity[0]:
+            raise AssertionError(f"{op!r}: inverse gave {len(back)} tensor(s) for {arity[0]} source(s)")
+        _check_views(op, "inverse", outputs, back)
+        for i, (original, restored) in enumerate(zip(originals, back, strict=True)):
+            if not same_bits(original, restored):
+                raise AssertionError(f"{op!r}: source {i} ({dtype}) is not restored bit for bit by the inverse")
+    if bad_shapes is not None:
+        try:
+            op.forward_shapes([tuple(s) for s in bad_shapes])
+        except ValueError:
+            pass
+        except Exception as exc:
+            raise AssertionError(f"{op!r}: forward_shapes({list(bad_shapes)}) raised {type(exc).__name__}, "
+                                 "not ValueError (the plan reports only ValueError as a shape mismatch)") from None
+        else:
+            raise AssertionError(f"{op!r}: forward_shapes accepted shapes {list(bad_shapes)} it should reject")
+
+
+# -- options ---------------------------------------------------------------------------------
 def assert_options_schema(spec: ModuleFusionSpec) -> dict[str, Any]:
     """The options model is valid, strict, frozen, JSON-describable and accepted by ``FusionConfig``.
 
@@ -180,38 +377,36 @@ def assert_options_schema(spec: ModuleFusionSpec) -> dict[str, Any]:
     return schema
 
 
+# -- whole models ------------------------------------------------------------------------------
+def _setting(options: FamilyOptions | Mapping[str, Any] | None) -> Any:
+    if isinstance(options, FamilyOptions):
+        return options.model_dump(mode="json", exclude_unset=True)
+    return dict(options) if options is not None else True
+
+
 def assert_discovers(
     spec: ModuleFusionSpec,
-    model: str | tuple[Any, Any],
-    options: FamilyOptions | dict[str, Any] | None = None,
+    model: ModelSource,
+    options: FamilyOptions | Mapping[str, Any] | None = None,
     expected_modules: Sequence[str] | None = None,
+    config: Any = None,
 ) -> FusionPlan:
-    """Discovery of ``spec`` on a meta-device model finds modules (exactly ``expected_modules`` if given).
+    """Discovery of ``spec`` on a meta-device ``model`` finds modules (exactly ``expected_modules`` if given).
 
-    ``model`` is the name of a tiny model (:data:`fusion_core.testing.tiny_models.TINY_MODELS`)
-    or a ``(model_class, config)`` pair. Nothing is loaded; the family's fused class and
-    transforms are rehearsed on the meta device. Returns the plan.
+    Nothing is loaded; the family's fused class and transforms are rehearsed on the meta device
+    with the model's config (or ``config``). Returns the plan.
     """
     from fusion_core.config import parse_fusion_config
     from fusion_core.discovery import discover
     from fusion_core.plugins import FamilyRegistry
-    from fusion_core.testing.tiny_models import TINY_MODELS, auto_class
 
-    if isinstance(model, str):
-        tiny = TINY_MODELS[model]
-        config = tiny.make_config()
-        if config is None:
-            raise LookupError(f"this transformers has no {model}")
-        model_cls = auto_class(tiny)
-    else:
-        model_cls, config = model
+    resolved = resolve_model(model, config)
     registry = FamilyRegistry()
     registry.register_family(spec)
-    setting = options.model_dump(mode="json", exclude_unset=True) if isinstance(options, FamilyOptions) else options
-    fusion = parse_fusion_config({spec.name: setting if setting is not None else True}, registry)
-    plan = discover(model_cls, config, fusion, registry).plan
+    fusion = parse_fusion_config({spec.name: _setting(options)}, registry)
+    plan = discover(resolved.model_cls, resolved.config, fusion).plan
     if not plan.modules:
-        raise AssertionError(f"family {spec.name!r} planned nothing")
+        raise AssertionError(f"family {spec.name!r} planned nothing on {resolved.label}")
     if expected_modules is not None:
         got = [m.path for m in plan.modules]
         if got != list(expected_modules):
@@ -242,36 +437,40 @@ def registered(*specs: ModuleFusionSpec) -> Iterator[None]:
 
 def assert_fused_load(
     spec: ModuleFusionSpec,
-    model: str,
-    directory: Any,
-    options: dict[str, Any] | None = None,
+    model: ModelSource,
+    directory: str | os.PathLike[str],
+    options: FamilyOptions | Mapping[str, Any] | None = None,
     seed: int = 0,
-) -> Any:
-    """End to end on a tiny real model: fused load, comparison with the plain load, exact round trip.
+    config: Any = None,
+) -> Comparison:
+    """End to end: fused load, comparison with the plain load, exact round trip.
 
-    Saves the tiny model ``model`` under ``directory``, loads it with ``spec`` enabled (registered
-    for the duration), compares every fused module and, where it can, the whole model with the
-    plain load on the same random inputs (:mod:`fusion_core.testing.compare`), and checks that
-    saving writes the source checkpoint back exactly. Returns the comparison.
+    A tiny model or a ``(model_class, config)`` pair is built with random weights (seeded) and
+    saved under ``directory``; a checkpoint directory is used as it is. The checkpoint is loaded
+    with ``spec`` enabled (registered for the duration); every fused module and, where it can,
+    the whole model are compared with the plain model on the same random inputs
+    (:mod:`fusion_core.compare`), and saving must write the source checkpoint back exactly.
+    Returns the comparison.
     """
-    from pathlib import Path
-
     import fusion_core
-    from fusion_core.testing.compare import compare_models, round_trip
-    from fusion_core.testing.tiny_models import TINY_MODELS, auto_class, save_tiny_model
+    from fusion_core.compare import compare_models, round_trip
 
-    tiny = TINY_MODELS[model]
-    source = Path(directory) / model
-    plain = save_tiny_model(tiny, source, seed=seed)
+    resolved = resolve_model(model, config)
+    plain = build_model(resolved, seed)
+    if resolved.directory is not None:
+        source = resolved.directory
+    else:
+        source = Path(directory) / resolved.label
+        plain.save_pretrained(source)
     with registered(spec):
-        fused = fusion_core.from_pretrained(auto_class(tiny), source, fusion_config={spec.name: options or True})
+        fused = fusion_core.from_pretrained(resolved.model_cls, source, fusion_config={spec.name: _setting(options)})
     plan = fusion_core.get_fusion_plan(fused)
     comparison = compare_models(plain, fused, plan, specs={spec.name: spec}, seed=seed, repeats=1)
     comparison.round_trip = round_trip(fused, source)
     if not comparison.ok:
         failures = [m.as_dict() for m in comparison.modules if not m.ok]
         raise AssertionError(
-            f"family {spec.name!r} on {model}: modules {failures}, whole model {comparison.whole_model.as_dict()}, "
-            f"round trip {comparison.round_trip.as_dict()}"
+            f"family {spec.name!r} on {resolved.label}: modules {failures}, whole model "
+            f"{comparison.whole_model.as_dict()}, round trip {comparison.round_trip.as_dict()}"
         )
     return comparison

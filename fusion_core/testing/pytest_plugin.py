@@ -16,15 +16,19 @@ Installed with fusion-core, so any test suite can use these fixtures without a `
     ``check_family`` runs every check below; each is also a method of its own:
     ``options_schema(spec)``, ``numerics(spec, module_factory, inputs_factory, dtypes=...)``,
     ``transform_round_trip(spec, module)``, ``state_dict_round_trip(spec, module)``,
-    ``discovery(spec, tiny_model, expected_modules=None)``, ``fused_load(spec, tiny_model)``.
+    ``transform_op(op, shapes, bad_shapes=None)``, ``discovery(spec, model, expected_modules=None)``,
+    ``fused_load(spec, model)``. A ``model`` is a tiny-model name, a ``(model_class, config)`` pair
+    or a checkpoint directory; ``config=`` (every method that builds transforms) is what the
+    family's ``make_transforms`` receives.
 
 ``fusion_registered``
     ``fusion_registered(spec, ...)`` registers families in the process-wide registry until the
     test ends (a same-named installed family is put back afterwards).
 
 ``fusion_tiny_checkpoint``
-    ``fusion_tiny_checkpoint("qwen2_vl")`` -> the directory of a tiny real checkpoint, built once
-    per session (skips the test when the installed transformers lacks that architecture).
+    ``fusion_tiny_checkpoint("qwen2_vl")`` (or a ``(model_class, config)`` pair) -> the directory
+    of a tiny real checkpoint, built once per session (skips the test when the installed
+    transformers lacks that architecture).
 """
 
 from __future__ import annotations
@@ -37,7 +41,12 @@ import pytest
 
 
 class Conformance:
-    """The conformance checks of :mod:`fusion_core.testing.kit`, bound to one test's ``tmp_path``."""
+    """The conformance checks of :mod:`fusion_core.testing.kit`, bound to one test's ``tmp_path``.
+
+    ``model`` arguments take a tiny-model name, a ``(model_class, config)`` pair or a checkpoint
+    directory; a tiny model the installed transformers lacks skips the test. ``config`` is what
+    the family's ``make_transforms(config, options)`` receives (see the kit's module docs).
+    """
 
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
@@ -51,7 +60,7 @@ class Conformance:
         self,
         spec: Any,
         module_factory: Callable[[], Any],
-        inputs_factory: Callable[[Any], Sequence[Any]],
+        inputs_factory: Callable[[Any], Any],
         dtypes: Sequence[Any] | None = None,
         options: Any = None,
         config: Any = None,
@@ -68,50 +77,70 @@ class Conformance:
 
         return assert_transform_round_trip(module, spec, options, config)
 
+    def transform_op(self, op: Any, shapes: Sequence[Any], bad_shapes: Sequence[Any] | None = None) -> None:
+        from fusion_core.testing.kit import assert_transform_op
+
+        assert_transform_op(op, shapes, bad_shapes=bad_shapes)
+
     def state_dict_round_trip(self, spec: Any, module: Any, options: Any = None, config: Any = None) -> None:
         from fusion_core.testing.kit import assert_state_dict_round_trip
 
         assert_state_dict_round_trip(module, spec, options, config)
 
-    def discovery(self, spec: Any, tiny_model: str, options: Any = None,
-                  expected_modules: Sequence[str] | None = None) -> Any:
+    def discovery(self, spec: Any, model: Any, options: Any = None,
+                  expected_modules: Sequence[str] | None = None, config: Any = None) -> Any:
         from fusion_core.testing.kit import assert_discovers
 
-        _require_tiny(tiny_model)
-        return assert_discovers(spec, tiny_model, options, expected_modules)
+        _require_model(model)
+        return assert_discovers(spec, model, options, expected_modules, config)
 
-    def fused_load(self, spec: Any, tiny_model: str, options: dict[str, Any] | None = None) -> Any:
+    def fused_load(self, spec: Any, model: Any, options: Any = None, config: Any = None) -> Any:
         from fusion_core.testing.kit import assert_fused_load
 
-        _require_tiny(tiny_model)
-        return assert_fused_load(spec, tiny_model, self.tmp_path / "fused-load", options)
+        _require_model(model)
+        return assert_fused_load(spec, model, self.tmp_path / "fused-load", options, config=config)
 
     def check_family(
         self,
         spec: Any,
         module_factory: Callable[[], Any],
-        inputs_factory: Callable[[Any], Sequence[Any]],
-        tiny_model: str | None = None,
+        inputs_factory: Callable[[Any], Any],
+        tiny_model: Any = None,
         dtypes: Sequence[Any] | None = None,
         options: Any = None,
+        config: Any = None,
     ) -> None:
-        """Every check: options schema, numerics per dtype, both round trips, discovery and a fused load."""
-        self.options_schema(spec)
-        self.numerics(spec, module_factory, inputs_factory, dtypes, options)
-        self.transform_round_trip(spec, module_factory(), options)
-        self.state_dict_round_trip(spec, module_factory(), options)
+        """Every check: options schema, numerics per dtype, both round trips, discovery and a fused load.
+
+        ``tiny_model`` (any model source) adds discovery and a fused load of that model; its
+        config is then also what the module-level checks hand ``make_transforms``, unless
+        ``config`` is given.
+        """
+        from fusion_core.testing.kit import model_config
+
         if tiny_model is not None:
-            self.discovery(spec, tiny_model, options)
-            self.fused_load(spec, tiny_model, options.model_dump(mode="json") if options is not None else None)
+            _require_model(tiny_model)
+            if config is None:
+                config = model_config(tiny_model)
+        self.options_schema(spec)
+        self.numerics(spec, module_factory, inputs_factory, dtypes, options, config)
+        self.transform_round_trip(spec, module_factory(), options, config)
+        self.state_dict_round_trip(spec, module_factory(), options, config)
+        if tiny_model is not None:
+            self.discovery(spec, tiny_model, options, config=config)
+            self.fused_load(spec, tiny_model, options, config=config)
 
 
-def _require_tiny(name: str) -> None:
-    from fusion_core.testing.tiny_models import TINY_MODELS
+def _require_model(model: Any) -> None:
+    """Skip the test when ``model`` names a tiny model this transformers does not have."""
+    if not isinstance(model, str) or Path(model).is_dir():
+        return
+    from fusion_core.testing.tiny_models import tiny_model
 
-    if TINY_MODELS[name].make_config() is None:
+    if tiny_model(model).make_config() is None:
         import transformers
 
-        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+        pytest.skip(f"transformers {transformers.__version__} has no {model}")
 
 
 @pytest.fixture
@@ -132,18 +161,23 @@ def fusion_registered() -> Iterator[Callable[..., None]]:
 
 
 @pytest.fixture(scope="session")
-def fusion_tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """``fusion_tiny_checkpoint(name)`` -> directory of a tiny real checkpoint (built once per session)."""
+def fusion_tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``fusion_tiny_checkpoint(model)`` -> directory of a tiny real checkpoint (built once per session).
+
+    ``model`` is a tiny-model name or a ``(model_class, config)`` pair (random weights, seed 0).
+    """
     built: dict[str, Path] = {}
 
-    def make(name: str) -> Path:
-        from fusion_core.testing.tiny_models import TINY_MODELS, save_tiny_model
+    def make(model: Any) -> Path:
+        from fusion_core.testing.kit import build_model, resolve_model
 
-        _require_tiny(name)
-        if name not in built:
-            directory = tmp_path_factory.mktemp(f"fusion-tiny-{name}")
-            save_tiny_model(TINY_MODELS[name], directory)
-            built[name] = directory
-        return built[name]
+        _require_model(model)
+        resolved = resolve_model(model)
+        key = resolved.label if isinstance(model, str) else f"{resolved.label}-{resolved.config.to_json_string()}"
+        if key not in built:
+            directory = tmp_path_factory.mktemp(f"fusion-tiny-{resolved.label}")
+            build_model(resolved).save_pretrained(directory)
+            built[key] = directory
+        return built[key]
 
     return make

@@ -3,6 +3,13 @@
 No model hub is needed: each factory returns a config small enough to build, save and load in
 milliseconds, with the architecture (and so the module classes) of the real model. A factory
 returns ``None`` when the installed transformers does not have the architecture.
+
+Three tables, one namespace of names (:data:`ALL_TINY_MODELS`, looked up by :func:`tiny_model`;
+every kit entry point and fixture takes these names): :data:`TINY_MODELS` (vision, video and
+vision-language models, with an input for their vision tower), :data:`TEXT_MODELS` (decoder-only
+language models) and :data:`MOE_MODELS` (mixture-of-experts decoders: per-expert ``ModuleList``
+blocks returning ``(hidden, router_logits)`` on transformers 4.57, fused 3-D expert tensors on 5.x).
+The names are listed in ``docs/tiny-models.md``.
 """
 
 from __future__ import annotations
@@ -142,14 +149,14 @@ TINY_MODELS: dict[str, TinyModel] = {
 }
 
 
-def auto_class(tiny: TinyModel) -> Any:
+def auto_class(tiny: TinyModel | TinyTextModel) -> Any:
     import transformers
 
     return getattr(transformers, tiny.auto_class)
 
 
-def save_tiny_model(tiny: TinyModel, directory: str | Path, seed: int = 0, dtype: torch.dtype | None = None,
-                    **save_kwargs: Any) -> Any:
+def save_tiny_model(tiny: TinyModel | TinyTextModel, directory: str | Path, seed: int = 0,
+                    dtype: torch.dtype | None = None, **save_kwargs: Any) -> Any:
     """Build ``tiny`` with random weights (seeded), save it with ``save_pretrained``, return the model."""
     config = tiny.make_config()
     if config is None:
@@ -201,3 +208,30 @@ TEXT_MODELS: dict[str, TinyTextModel] = {
         "gemma", "AutoModelForCausalLM", _text_config("GemmaConfig", head_dim=8, hidden_act="gelu_pytorch_tanh")
     ),
 }
+
+
+def _moe_config(class_name: str, **overrides: Any) -> Callable[[], Any]:
+    return _text_config(class_name, num_experts_per_tok=2, **overrides)
+
+
+MOE_MODELS: dict[str, TinyTextModel] = {
+    "mixtral": TinyTextModel("mixtral", "AutoModelForCausalLM", _moe_config("MixtralConfig", num_local_experts=4,
+                                                                            head_dim=8)),
+    "qwen2_moe": TinyTextModel(
+        "qwen2_moe", "AutoModelForCausalLM",
+        _moe_config("Qwen2MoeConfig", num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                    decoder_sparse_step=1),
+    ),
+    "olmoe": TinyTextModel("olmoe", "AutoModelForCausalLM", _moe_config("OlmoeConfig", num_experts=4)),
+}
+
+ALL_TINY_MODELS: dict[str, TinyModel | TinyTextModel] = {**TINY_MODELS, **TEXT_MODELS, **MOE_MODELS}
+"""Every tiny model by name: what the kit's ``model`` arguments and ``fusion_tiny_checkpoint`` accept."""
+
+
+def tiny_model(name: str) -> TinyModel | TinyTextModel:
+    """The tiny model called ``name``; ``KeyError`` listing every name otherwise."""
+    try:
+        return ALL_TINY_MODELS[name]
+    except KeyError:
+        raise KeyError(f"no tiny model {name!r}; tiny models: {', '.join(ALL_TINY_MODELS)}") from None
