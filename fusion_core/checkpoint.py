@@ -1,8 +1,9 @@
-"""Checkpoint files on disk: safetensors headers, shard indexes, and atomic directory writes.
+"""Checkpoint files on disk: safetensors headers, shard indexes, key matching, and atomic directory writes.
 
 fusion-core reads only safetensors (it never unpickles a file) and only headers here: enough to
 check a fused load's plan against the checkpoint (every key present, with the planned shape and
-a usable dtype) before transformers reads any tensor data.
+a usable dtype, :func:`check_checkpoint`) before transformers reads any tensor data. Model keys
+are matched to checkpoint keys by one rule, :class:`KeyMatcher`, everywhere a key is looked up.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusion_core.errors import CheckpointError, SaveError
+from fusion_core.transforms import FusionPlan, ModulePlan
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -182,12 +184,86 @@ class KeyMatcher:
                 return candidates[0] if len(candidates) == 1 else None
         return None
 
+    def module_prefix(self, module: ModulePlan, leaves: Iterable[str]) -> str | None:
+        """The checkpoint's name prefix of ``module`` (``visual.patch_embed.``), found through the first of its
+        module-relative ``leaves`` the checkpoint holds; None when it holds none of them."""
+        for leaf in leaves:
+            key = self.lookup(module.full_key(leaf))
+            if key is not None:
+                return key[: len(key) - len(leaf)]
+        return None
+
 
 def match_keys(model_keys: Iterable[str], checkpoint_keys: Iterable[str]) -> dict[str, str]:
     """Map each model key to its checkpoint key (see :class:`KeyMatcher`); unmatched keys are absent."""
     matcher = KeyMatcher(checkpoint_keys)
     found = {key: matcher.lookup(key) for key in model_keys}
     return {key: value for key, value in found.items() if value is not None}
+
+
+def planned_tensors(module: ModulePlan, fused_layout: bool) -> dict[str, tuple[str, tuple[int, ...] | None]]:
+    """Model key -> (module-relative leaf, expected shape or None) of every tensor a fused module loads.
+
+    Leaves the transforms do not touch keep their names and shapes; the transformed ones are the
+    sources in an original-layout checkpoint and the targets in a fused-layout one.
+    """
+    moved = {s.name for t in module.transforms for s in t.sources}
+    planned: dict[str, tuple[str, tuple[int, ...] | None]] = {}
+    for leaf in module.original_leaves:
+        if leaf not in moved:
+            planned[module.full_key(leaf)] = (leaf, None)
+    for bound in module.transforms:
+        for spec in bound.targets if fused_layout else bound.sources:
+            planned[module.full_key(spec.name)] = (spec.name, spec.shape)
+    return planned
+
+
+def check_checkpoint(directory: Path, plan: FusionPlan, fused_layout: bool) -> None:
+    """Check the plan against the checkpoint's headers before transformers reads any data.
+
+    Every fused tensor found in the checkpoint must have the planned shape and a floating dtype.
+    A tensor that is not found under a recognisable name is left to transformers' loading report,
+    which the adapter turns into an error all the same: transformers 5.x renames and converts keys
+    inside the path for some models (VideoMAE's ``q_bias`` becomes ``query.bias``), so absence
+    from the headers alone does not prove a tensor is missing.
+    """
+    tensors = read_checkpoint_index(directory)
+    matcher = KeyMatcher(tensors)
+    for module in plan.modules:
+        planned = planned_tensors(module, fused_layout)
+        found = {model_key: matcher.lookup(model_key) for model_key in planned}
+        where = f"family {module.family!r}, module {module.path!r}"
+        prefixes: set[str] = set()
+        for model_key, (leaf, shape) in planned.items():
+            ckpt_key = found[model_key]
+            if ckpt_key is None:
+                continue
+            info = tensors[ckpt_key]
+            prefixes.add(ckpt_key[: len(ckpt_key) - len(leaf)])
+            if shape is not None and info.shape != shape:
+                raise CheckpointError(
+                    f"{where}: checkpoint tensor {ckpt_key!r} ({info.file}) has shape {list(info.shape)}, "
+                    f"expected {list(shape)}"
+                )
+            if info.dtype not in FLOAT_DTYPES:
+                raise CheckpointError(
+                    f"{where}: checkpoint tensor {ckpt_key!r} ({info.file}) is stored as {info.dtype}; "
+                    "a floating-point dtype is expected"
+                )
+        if all(found.values()):  # names match one to one: anything else under the module is extra
+            _check_extra(tensors.values(), prefixes, {leaf for leaf, _ in planned.values()}, module, directory)
+
+
+def _check_extra(
+    tensors: Iterable[TensorInfo], prefixes: set[str], leaves: set[str], module: ModulePlan, directory: Path
+) -> None:
+    for info in tensors:
+        for prefix in prefixes:
+            if info.key.startswith(prefix) and info.key[len(prefix):] not in leaves:
+                raise CheckpointError(
+                    f"family {module.family!r}, module {module.path!r}: the checkpoint in {directory} has an "
+                    f"unexpected tensor {info.key!r} ({info.file}) that the fused module cannot hold"
+                )
 
 
 @contextmanager

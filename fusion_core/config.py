@@ -4,8 +4,10 @@ The accepted shape is ``{family_name: True | False | {option: value}}``. ``True`
 family with its default options, a mapping enables it with those options (validated by the
 family's own ``options_model``), ``False`` lists it disabled. Order is kept: families apply in
 the order given. Errors are ``pydantic.ValidationError`` s whose locations name the family and
-the field; an unknown family lists the installed ones and, when known, the distribution that
-provides it.
+the field; an unknown family lists the installed ones and the distribution that would provide it.
+
+Family names are resolved against the registry once, here: the validated config keeps the
+registered families it was checked against, and discovery and the adapter use those.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import RootModel, ValidationError, ValidationInfo, model_serializer, model_validator
+from pydantic import PrivateAttr, RootModel, ValidationError, ValidationInfo, model_serializer, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from fusion_core.plugins import FamilyRegistry, get_registry
+from fusion_core.plugins import FamilyRegistry, RegisteredFamily, get_registry
 from fusion_core.spec import FamilyOptions
 
 FamilySetting = bool | FamilyOptions
@@ -33,7 +35,8 @@ class FusionConfig(RootModel[dict[str, Any]]):
     ``FusionConfig.model_validate(value, context={"registry": registry})``.
     """
 
-    root: dict[str, Any]
+    root: dict[str, FamilySetting]
+    _families: dict[str, RegisteredFamily] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="wrap")
     @classmethod
@@ -51,6 +54,7 @@ class FusionConfig(RootModel[dict[str, Any]]):
             )
         errors: list[InitErrorDetails] = []
         settings: dict[str, FamilySetting] = {}
+        families: dict[str, RegisteredFamily] = {}
         for name, setting in value.items():
             if not isinstance(name, str):
                 errors.append(_error(
@@ -62,7 +66,8 @@ class FusionConfig(RootModel[dict[str, Any]]):
                 errors.append(_error("unknown_family", "{message}", (name,), setting,
                                      message=registry.unknown_family_message(name)))
                 continue
-            options_model = registry.get(name).spec.options_model
+            families[name] = registry.get(name)
+            options_model = families[name].spec.options_model
             if isinstance(setting, bool):
                 settings[name] = setting
             elif isinstance(setting, options_model):
@@ -89,6 +94,7 @@ class FusionConfig(RootModel[dict[str, Any]]):
         if errors:
             raise ValidationError.from_exception_data("FusionConfig", errors)
         instance = cls.model_construct(root=settings)
+        instance._families = families
         return instance
 
     @model_serializer(mode="plain")
@@ -99,15 +105,20 @@ class FusionConfig(RootModel[dict[str, Any]]):
         }
 
     # -- reading ---------------------------------------------------------------------------
-    def enabled(self, registry: FamilyRegistry | None = None) -> dict[str, FamilyOptions]:
-        """Enabled families, in order, each with its options object (defaults for ``True``)."""
-        registry = registry or get_registry()
-        result: dict[str, FamilyOptions] = {}
+    def families(self) -> list[tuple[RegisteredFamily, FamilyOptions]]:
+        """Enabled families, in order, as registered when this config was validated, each with its
+        options object (the family's defaults for ``True``)."""
+        result: list[tuple[RegisteredFamily, FamilyOptions]] = []
         for name, setting in self.root.items():
             if setting is False:
                 continue
-            result[name] = registry.get(name).spec.options_model() if setting is True else setting
+            family = self._families[name]
+            result.append((family, family.spec.options_model() if setting is True else setting))
         return result
+
+    def enabled(self) -> dict[str, FamilyOptions]:
+        """Enabled family names, in order, each with its options object (defaults for ``True``)."""
+        return {family.name: options for family, options in self.families()}
 
     def enabled_names(self) -> list[str]:
         return [name for name, setting in self.root.items() if setting is not False]

@@ -29,8 +29,8 @@ from torch import nn
 from fusion_core.config import FusionConfig
 from fusion_core.errors import DiscoveryError, PlanError
 from fusion_core.layout import convert_to_fused, finalize
-from fusion_core.patching import ClassRoute, no_routing
-from fusion_core.plugins import FamilyRegistry, RegisteredFamily
+from fusion_core.patching import LOAD_LOCK, ClassRoute, no_routing
+from fusion_core.plugins import PluginSource, RegisteredFamily
 from fusion_core.spec import FamilyOptions
 from fusion_core.transforms import FusionPlan, ModulePlan, WeightTransform, bind_transforms
 
@@ -105,12 +105,12 @@ def clear_cache() -> None:
         _cache.clear()
 
 
-def discover(
-    model_cls: Any, config: Any, fusion_config: FusionConfig, registry: FamilyRegistry
-) -> Discovery:
-    """The plan for ``model_cls`` built from ``config`` with ``fusion_config``'s families (cached)."""
-    enabled = fusion_config.enabled(registry)
-    families = [(registry.get(name), options) for name, options in enabled.items()]
+def discover(model_cls: Any, config: Any, fusion_config: FusionConfig) -> Discovery:
+    """The plan for ``model_cls`` built from ``config`` with ``fusion_config``'s families (cached).
+
+    The families are the ones ``fusion_config`` was validated against (see :meth:`FusionConfig.families`).
+    """
+    families = fusion_config.families()
     key = (
         model_cls,
         config_fingerprint(config),
@@ -120,7 +120,8 @@ def discover(
         hit = _cache.get(key)
     if hit is not None:
         return hit
-    result = _discover(model_cls, config, families)
+    with LOAD_LOCK:  # building the meta model may patch nn.Module.register_parameter process-wide
+        result = _discover(model_cls, config, families)
     with _cache_lock:
         _cache[key] = result
     return result
@@ -229,7 +230,7 @@ def _discover(
     return Discovery(type(meta_model), plan, routes, len(modules))
 
 
-def _rehearse(meta_model: nn.Module, plan: FusionPlan, sources: Mapping[str, Any]) -> None:
+def _rehearse(meta_model: nn.Module, plan: FusionPlan, sources: Mapping[str, PluginSource]) -> None:
     """Run every conversion on the meta model, so a broken family fails before any data is read.
 
     Each op also runs backwards there: an op whose output shapes differ from what it declared, or
@@ -237,7 +238,7 @@ def _rehearse(meta_model: nn.Module, plan: FusionPlan, sources: Mapping[str, Any
     """
     for module_plan in plan.modules:
         module = meta_model.get_submodule(module_plan.path)
-        where = f"family {module_plan.family!r} ({sources.get(module_plan.family, 'unknown source')})"
+        where = f"family {module_plan.family!r} ({sources[module_plan.family]})"
         try:
             _rehearse_inverse(module, module_plan)
             module.__class__ = module_plan.fused_class

@@ -1,110 +1,64 @@
 """The transformers adapter: fused ``from_pretrained`` and original-format ``save_pretrained``.
 
-Loading route (measured in FINDINGS.md as the cheapest and cleanest on transformers 4.57 and
-5.x): selected instances are built with their original ``__init__`` and switched to their fused
-class, so transformers loads the *original* checkpoint into them with its own machinery
-(dtype, device maps, sharding, memory mapping) and reports nothing missing. Right after
+Loading route: selected instances are built with their original ``__init__`` and switched to
+their fused class, so transformers loads the *original* checkpoint into them with its own
+machinery (dtype, device maps, sharding, memory mapping) and reports nothing missing. Right after
 loading, each fused instance converts its tensors in place (a reshape is a view of the loaded
 storage) and presents the original layout again to ``state_dict()``, which is what every
-``save_pretrained`` writes.
+``save_pretrained`` writes. Converting a state dict before loading would instead copy every fused
+tensor and bypass transformers' own key renaming, dtype and device handling.
 
-Where fusion-core records what it applied: ``config.json`` gets a ``"fusion_core"`` key
-(``{"fusion_config": {...}}``). transformers stores unknown keys as plain attributes and never
-acts on this one, so the directory loads with plain transformers 4.57 and 5.x silently and
-unfused; :func:`from_pretrained` reuses it. The top-level ``fusion_config`` key, which
-transformers 5.x *does* act on, is read as a fallback but never written, and is stripped from
-the config before transformers sees it.
+What fusion-core applied is recorded in the checkpoint's config (:mod:`fusion_core.record`); the
+header check lives with the checkpoint reader (:func:`fusion_core.checkpoint.check_checkpoint`),
+the load lock with the process-wide patching (:data:`fusion_core.patching.LOAD_LOCK`).
 
-A fused-layout save (``save_original_format=False``) writes ``fused_config.json`` instead of
-``config.json``: plain transformers refuses the directory (no ``config.json``) instead of
-loading mis-shaped tensors, and :func:`from_pretrained` loads it without any conversion.
+transformers' loading report (missing, unexpected and mismatched keys) is taken from the model
+transformers loads, not by passing ``output_loading_info=True``: some model classes' own
+``from_pretrained`` (Qwen2.5-Omni's) call a method on what the base class returns, which that
+argument turns into a tuple.
 """
 
 from __future__ import annotations
 
-import copy
+import contextvars
+import functools
 import itertools
 import json
-import threading
-from collections.abc import Iterable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from fusion_core.checkpoint import (
-    FLOAT_DTYPES,
-    KeyMatcher,
-    TensorInfo,
-    atomic_directory,
-    read_checkpoint_index,
-)
-from fusion_core.config import parse_fusion_config
+from fusion_core.checkpoint import KeyMatcher, check_checkpoint, planned_tensors
+from fusion_core.config import FusionConfig, parse_fusion_config
 from fusion_core.discovery import Discovery, discover
 from fusion_core.errors import CheckpointError, FusionLoadError, SaveError
-from fusion_core.layout import convert_to_fused, finalize, fused_layout, module_plan
-from fusion_core.patching import BuildScope, class_patch_scope
-from fusion_core.plugins import get_registry
+from fusion_core.layout import convert_to_fused, fuse_instance, fused_layout, module_plan
+from fusion_core.parallel.saving import gathered_save_kwargs, rank_zero_directory
+from fusion_core.parallel.tensor_parallel import tensor_parallel_fusion
+from fusion_core.patching import LOAD_LOCK, BuildScope, class_patch_scope
+from fusion_core.plugins import PluginSource, get_registry
+from fusion_core.record import (
+    CONFIG_NAME,
+    attach_record,
+    is_fused_layout_dir,
+    load_config,
+    pop_stored_fusion_config,
+    write_config,
+)
 from fusion_core.transforms import FusionPlan, ModulePlan
 
-RECORD_KEY = "fusion_core"
-LEGACY_KEY = "fusion_config"
-CONFIG_NAME = "config.json"
-FUSED_CONFIG_NAME = "fused_config.json"
 PLAN_ATTRIBUTE = "_fusion_plan"
 
-# transformers' loading is not thread-safe (4.57 patches nn.Module.register_parameter and 5.x
-# sets the global default dtype while a model is built), so the loads fusion-core makes run
-# one at a time. Class patching itself is per thread (see patching.py).
-LOAD_LOCK = threading.RLock()
-
-_HUB_KWARGS = (
-    "revision", "cache_dir", "force_download", "local_files_only", "token", "subfolder", "proxies",
-    "trust_remote_code", "code_revision",
-)
+__all__ = ["LOAD_LOCK", "from_pretrained", "get_fusion_plan", "save_pretrained"]
 
 
 def get_fusion_plan(model: nn.Module) -> FusionPlan | None:
     """The :class:`FusionPlan` a model was loaded with, or None for a model fusion did not touch."""
-    return model.__dict__.get(PLAN_ATTRIBUTE)
-
-
-def is_fused_layout_dir(path: Path) -> bool:
-    return path.is_dir() and (path / FUSED_CONFIG_NAME).is_file() and not (path / CONFIG_NAME).exists()
-
-
-def load_config(model_cls: Any, name_or_path: str | Path, fused_dir: bool, kwargs: dict[str, Any]) -> Any:
-    config = kwargs.pop("config", None)
-    if config is not None and not isinstance(config, (str, Path)):
-        return copy.deepcopy(config)
-    from transformers import AutoConfig
-
-    if fused_dir:
-        data = json.loads((Path(name_or_path) / FUSED_CONFIG_NAME).read_text())
-        model_type = data.pop("model_type", None)
-        if model_type is None:
-            raise CheckpointError(f"{Path(name_or_path) / FUSED_CONFIG_NAME} has no model_type")
-        data.pop("transformers_version", None)
-        return AutoConfig.for_model(model_type, **data)
-    hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
-    source = config if config is not None else name_or_path
-    config_class = getattr(model_cls, "config_class", None)
-    if isinstance(model_cls, type) and issubclass(model_cls, nn.Module) and config_class is not None:
-        return config_class.from_pretrained(source, **hub)
-    return AutoConfig.from_pretrained(source, **hub)
-
-
-def pop_fusion_record(config: Any) -> tuple[dict[str, Any] | None, Any]:
-    """Remove fusion settings from ``config`` so transformers never acts on them; return them."""
-    record = getattr(config, RECORD_KEY, None)
-    legacy = getattr(config, LEGACY_KEY, None)
-    for key in (RECORD_KEY, LEGACY_KEY):
-        if hasattr(config, key):
-            delattr(config, key)
-    if record is not None and not isinstance(record, dict):
-        raise CheckpointError(f"config key {RECORD_KEY!r} must be an object, got {record!r}")
-    return record, legacy
+    plan: FusionPlan | None = model.__dict__.get(PLAN_ATTRIBUTE)
+    return plan
 
 
 def from_pretrained(
@@ -132,8 +86,8 @@ def from_pretrained(
     local = Path(name_or_path)
     fused_dir = is_fused_layout_dir(local)
     config = load_config(model_cls, name_or_path, fused_dir, kwargs)
-    record, legacy = pop_fusion_record(config)
-    stored = (record or {}).get("fusion_config", legacy)
+    stored = pop_stored_fusion_config(config)
+    # A stored fusion_config is validated only when it is used: an explicit one replaces it.
     fusion = explicit if explicit is not None else parse_fusion_config(stored or {}, registry)
     if fused_dir and fusion.model_dump() != parse_fusion_config(stored or {}, registry).model_dump():
         raise CheckpointError(
@@ -143,29 +97,128 @@ def from_pretrained(
     if not fusion.enabled_names():
         with LOAD_LOCK:
             return model_cls.from_pretrained(name_or_path, config=config, output_loading_info=want_info, **kwargs)
-    with LOAD_LOCK:
-        discovery = discover(model_cls, config, fusion, registry)
+    discovery = discover(model_cls, config, fusion)
     if local.is_dir():
         check_checkpoint(local / kwargs.get("subfolder", ""), discovery.plan, fused_dir)
     on_built = convert_to_fused if fused_dir else None
-    with LOAD_LOCK, class_patch_scope(discovery.routes, on_built=on_built) as scope:
-        model, info = model_cls.from_pretrained(name_or_path, config=config, output_loading_info=True, **kwargs)
+    with LOAD_LOCK, class_patch_scope(discovery.routes, on_built=on_built) as scope, _loading_reports() as reports:
+        model = model_cls.from_pretrained(name_or_path, config=config, **kwargs)
+    info = _report_of(model, reports)
     _verify_build(model, scope, discovery)
-    _verify_loading_info(info, discovery.plan, fused_dir)
+    _verify_loading_info(model, info, discovery.plan, fused_dir)
     # Under the lock too: while another load runs, 4.57's init_empty_weights sends every parameter
     # registered in *any* thread to the meta device, the fused ones created here included.
-    with LOAD_LOCK:
-        _convert_built(scope, fused_dir, registry)
-    setattr(model.config, RECORD_KEY, {"fusion_config": fusion.model_dump()})
+    with LOAD_LOCK, tensor_parallel_fusion(model, scope.built, registry):
+        _convert_built(scope, fused_dir, _sources(fusion))
+    attach_record(model.config, fusion.model_dump())
     model.__dict__[PLAN_ATTRIBUTE] = discovery.plan
     return (model, info) if want_info else model
 
 
-def _convert_built(scope: BuildScope, fused_dir: bool, registry: Any) -> None:
+def _sources(fusion: FusionConfig) -> dict[str, PluginSource]:
+    return {family.name: family.source for family, _ in fusion.families()}
+
+
+# -- transformers' loading report ----------------------------------------------------------------
+# (model, what transformers' _load_pretrained_model returned) for each load in the current context.
+_REPORTS: contextvars.ContextVar[list[tuple[Any, Any]] | None] = contextvars.ContextVar(
+    "fusion_core_loading_reports", default=None
+)
+
+
+def _record_reports(function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def _load_pretrained_model(*args: Any, **kwargs: Any) -> Any:
+        result = function(*args, **kwargs)
+        reports = _REPORTS.get()
+        if reports is not None:
+            # 4.57 (a classmethod) returns (model, missing, unexpected, mismatched, offload index, errors);
+            # 5.x (a staticmethod taking the model first) returns (LoadStateDictInfo, offload index).
+            model = result[0] if len(result) == 6 else kwargs.get("model", args[0] if args else None)
+            reports.append((model, result))
+        return result
+
+    _load_pretrained_model.__fusion_core_wrapper__ = True  # type: ignore[attr-defined]
+    return _load_pretrained_model
+
+
+@contextmanager
+def _loading_reports() -> Iterator[list[tuple[Any, Any]]]:
+    """Collect transformers' loading report of every model loaded in this block (callers hold LOAD_LOCK).
+
+    ``PreTrainedModel._load_pretrained_model``, which every ``from_pretrained`` calls, is wrapped
+    for the duration of the block; the wrapper only records inside this context, so a load in
+    another thread passes through untouched.
+    """
+    from transformers import PreTrainedModel
+
+    raw = PreTrainedModel.__dict__["_load_pretrained_model"]
+    install = not getattr(raw.__func__, "__fusion_core_wrapper__", False)
+    if install:
+        PreTrainedModel._load_pretrained_model = type(raw)(_record_reports(raw.__func__))
+    reports: list[tuple[Any, Any]] = []
+    token = _REPORTS.set(reports)
+    try:
+        yield reports
+    finally:
+        _REPORTS.reset(token)
+        if install:
+            PreTrainedModel._load_pretrained_model = raw
+
+
+def _report_of(model: nn.Module, reports: list[tuple[Any, Any]]) -> dict[str, Any]:
+    """The loading report of ``model`` as ``output_loading_info=True`` would return it."""
+    for loaded, result in reports:
+        if loaded is model:
+            if len(result) == 6:
+                return {"missing_keys": result[1], "unexpected_keys": result[2], "mismatched_keys": result[3],
+                        "error_msgs": result[5]}
+            # transformers 5.x adjusts this object in place after loading (tied and ignored keys): read it now.
+            report: dict[str, Any] = result[0].to_dict()
+            return report
+    raise FusionLoadError(
+        f"{type(model).__name__}.from_pretrained returned a model whose loading report fusion-core could not see "
+        "(transformers loaded it without PreTrainedModel._load_pretrained_model); a fused load cannot prove "
+        "that every fused weight was loaded"
+    )
+
+
+def _keys(info: dict[str, Any], name: str) -> list[str]:
+    return [k[0] if isinstance(k, tuple) else str(k) for k in info.get(name) or ()]
+
+
+def _verify_loading_info(model: nn.Module, info: dict[str, Any], plan: FusionPlan, fused_dir: bool) -> None:
+    """No silent weights: any missing, unexpected or mismatched key of a fused module raises.
+
+    Each reported key is matched to the model's own keys with the checkpoint matcher, so a key
+    whose prefix transformers renamed (``visual.`` -> ``model.visual.``) still finds its module.
+    """
+    owners: dict[str, ModulePlan] = {}
+    for module in plan.modules:
+        for key in planned_tensors(module, fused_dir):
+            owners[key] = module
+    names = itertools.chain(
+        (name for name, _ in model.named_parameters(remove_duplicate=False)),
+        (name for name, _ in model.named_buffers(remove_duplicate=False)),
+        owners,
+    )
+    matcher = KeyMatcher(dict.fromkeys(names))
+    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
+        for key in _keys(info, kind):
+            module = owners.get(matcher.lookup(key) or "")
+            if module is not None:
+                raise FusionLoadError(
+                    f"family {module.family!r}, module {module.path!r}: transformers reported "
+                    f"{kind.replace('_', ' ')[:-1]} {key!r}; a fused module never keeps an unloaded weight"
+                )
+
+
+# -- after transformers' load ---------------------------------------------------------------------
+def _convert_built(scope: BuildScope, fused_dir: bool, sources: dict[str, PluginSource]) -> None:
     """Bring every loaded fused instance into its fused layout and let it finalize; errors name the family."""
     verified: set[tuple[object, ...]] = set()
     for module, plan in scope.built:
-        source = registry.get(plan.family).source if plan.family in registry else "unknown source"
+        source = sources[plan.family]
         try:
             if not fused_dir:
                 unloaded = _meta_tensors(module)
@@ -174,8 +227,7 @@ def _convert_built(scope: BuildScope, fused_dir: bool, registry: Any) -> None:
                         f"family {plan.family!r}, module {plan.path!r}: tensors {unloaded} are on the meta device "
                         "after loading (offloaded to disk?); fused modules must be loaded onto a real device"
                     )
-                convert_to_fused(module, plan, verified)
-            finalize(module, plan)
+            fuse_instance(module, plan, verified, convert=not fused_dir)
         except FusionLoadError as exc:
             raise FusionLoadError(f"{exc} [{source}]") from None
         except Exception as exc:  # the family's fusion_finalize or op, on real data
@@ -189,67 +241,6 @@ def _convert_built(scope: BuildScope, fused_dir: bool, registry: Any) -> None:
                 f"family {plan.family!r} ({source}), module {plan.path!r}: tensors {on_meta} are on the meta device "
                 "after fusing (a transformers load in another thread patched parameter registration?)"
             )
-
-
-def check_checkpoint(directory: Path, plan: FusionPlan, fused_dir: bool) -> None:
-    """Check the plan against the checkpoint's headers before transformers reads any data.
-
-    Every fused tensor found in the checkpoint must have the planned shape and a floating dtype.
-    A tensor that is not found under a recognisable name is left to transformers' loading report,
-    which :func:`_verify_loading_info` turns into an error all the same: transformers 5.x renames
-    and converts keys inside the path for some models (VideoMAE's ``q_bias`` becomes
-    ``query.bias``), so absence from the headers alone does not prove a tensor is missing.
-    """
-    tensors = read_checkpoint_index(directory)
-    matcher = KeyMatcher(tensors)
-    for module in plan.modules:
-        planned = _planned_tensors(module, fused_dir)
-        found = {model_key: matcher.lookup(model_key) for model_key in planned}
-        where = f"family {module.family!r}, module {module.path!r}"
-        prefixes: set[str] = set()
-        for model_key, (leaf, shape) in planned.items():
-            ckpt_key = found[model_key]
-            if ckpt_key is None:
-                continue
-            info = tensors[ckpt_key]
-            prefixes.add(ckpt_key[: len(ckpt_key) - len(leaf)])
-            if shape is not None and info.shape != shape:
-                raise CheckpointError(
-                    f"{where}: checkpoint tensor {ckpt_key!r} ({info.file}) has shape {list(info.shape)}, "
-                    f"expected {list(shape)}"
-                )
-            if info.dtype not in FLOAT_DTYPES:
-                raise CheckpointError(
-                    f"{where}: checkpoint tensor {ckpt_key!r} ({info.file}) is stored as {info.dtype}; "
-                    "a floating-point dtype is expected"
-                )
-        if all(found.values()):  # names match one to one: anything else under the module is extra
-            _check_extra(tensors.values(), prefixes, {leaf for leaf, _ in planned.values()}, module, directory)
-
-
-def _planned_tensors(module: ModulePlan, fused_dir: bool) -> dict[str, tuple[str, tuple[int, ...] | None]]:
-    """Model key -> (module-relative leaf, expected shape or None) of every tensor of a fused module."""
-    moved = {s.name for t in module.transforms for s in t.sources}
-    planned: dict[str, tuple[str, tuple[int, ...] | None]] = {}
-    for leaf in module.original_leaves:
-        if leaf not in moved:
-            planned[module.full_key(leaf)] = (leaf, None)
-    for bound in module.transforms:
-        for spec in bound.targets if fused_dir else bound.sources:
-            planned[module.full_key(spec.name)] = (spec.name, spec.shape)
-    return planned
-
-
-def _check_extra(
-    tensors: Iterable[TensorInfo], prefixes: set[str], leaves: set[str], module: ModulePlan, directory: Path
-) -> None:
-    for info in tensors:
-        for prefix in prefixes:
-            if info.key.startswith(prefix) and info.key[len(prefix):] not in leaves:
-                raise CheckpointError(
-                    f"family {module.family!r}, module {module.path!r}: the checkpoint in {directory} has an "
-                    f"unexpected tensor {info.key!r} ({info.file}) that the fused module cannot hold"
-                )
 
 
 def _verify_build(model: nn.Module, scope: BuildScope, discovery: Discovery) -> None:
@@ -271,31 +262,12 @@ def _verify_build(model: nn.Module, scope: BuildScope, discovery: Discovery) -> 
         )
 
 
-def _keys(info: dict[str, Any], name: str) -> list[str]:
-    return [k[0] if isinstance(k, tuple) else str(k) for k in info.get(name) or ()]
-
-
-def _verify_loading_info(info: dict[str, Any], plan: FusionPlan, fused_dir: bool) -> None:
-    """No silent weights: any missing, unexpected or mismatched key of a fused module raises."""
-    owners: dict[str, ModulePlan] = {}
-    for module in plan.modules:
-        for key in _planned_tensors(module, fused_dir):
-            owners[key] = module
-    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
-        for key in _keys(info, kind):
-            for model_key, module in owners.items():
-                if key == model_key or model_key.endswith("." + key) or key.endswith("." + model_key):
-                    raise FusionLoadError(
-                        f"family {module.family!r}, module {module.path!r}: transformers reported "
-                        f"{kind.replace('_', ' ')[:-1]} {key!r}; a fused module never keeps an unloaded weight"
-                    )
-
-
 def _meta_tensors(module: nn.Module) -> list[str]:
     """Names of the module's parameters and buffers that hold no data (meta device)."""
     return [name for name, t in itertools.chain(module.named_parameters(), module.named_buffers()) if t.is_meta]
 
 
+# -- saving -------------------------------------------------------------------------------------
 def save_pretrained(
     model: nn.Module,
     directory: str | Path,
@@ -307,8 +279,8 @@ def save_pretrained(
     With ``save_original_format=True`` the directory is what the original model would have
     written (same tensor names, shapes, dtypes and bytes) plus a ``"fusion_core"`` record in
     ``config.json`` that only fusion-core reads. With ``False`` it keeps the fused layout and
-    writes ``fused_config.json`` instead of ``config.json`` (see the module docs). Either the
-    whole new directory appears, or the old one stays as it was.
+    writes ``fused_config.json`` instead of ``config.json`` (see :mod:`fusion_core.record`).
+    Either the whole new directory appears, or the old one stays as it was.
     """
     if transformers_kwargs.get("safe_serialization", True) is False:
         raise SaveError("fusion-core writes safetensors only; safe_serialization=False is not supported")
@@ -316,12 +288,10 @@ def save_pretrained(
     if not save_original_format and not fused:
         raise SaveError("save_original_format=False needs a fused model; this one has no fused module")
     target = Path(directory)
-    with atomic_directory(target) as staging:
+    with rank_zero_directory(target) as staging:
         with nullcontext() if save_original_format else fused_layout():
-            model.save_pretrained(staging, **transformers_kwargs)
+            model.save_pretrained(staging, **gathered_save_kwargs(model, transformers_kwargs))  # type: ignore[operator]
         if not save_original_format:
             config_path = staging / CONFIG_NAME
-            data = json.loads(config_path.read_text())
-            data.setdefault(RECORD_KEY, {})["layout"] = "fused"
-            (staging / FUSED_CONFIG_NAME).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+            write_config(staging, json.loads(config_path.read_text()), None, fused=True)
             config_path.unlink()

@@ -74,6 +74,12 @@ _lock = threading.Lock()
 # class -> [number of scopes using it, the __init__ found in its own __dict__ (None: inherited)]
 _installed: dict[type[nn.Module], list[Any]] = {}
 
+#: Held by every fused load and by discovery, whoever calls them. transformers' loading is not
+#: thread-safe (4.57 patches ``nn.Module.register_parameter`` and 5.x sets the global default
+#: dtype while a model is built), and discovery may patch ``register_parameter`` process-wide to
+#: build a meta model; class patching itself is per thread (the scopes above).
+LOAD_LOCK = threading.RLock()
+
 
 def _make_wrapper(cls: type[nn.Module], original_init: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original_init)

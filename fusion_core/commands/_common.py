@@ -11,8 +11,13 @@ from typing import Any, TypeVar
 
 from fusion_core.config import FusionConfig, parse_fusion_config
 from fusion_core.errors import CheckpointError, FusionError
-from fusion_core.hf import CONFIG_NAME, FUSED_CONFIG_NAME, is_fused_layout_dir, load_config, pop_fusion_record
-from fusion_core.plugins import get_registry
+from fusion_core.record import (
+    CONFIG_NAME,
+    FUSED_CONFIG_NAME,
+    is_fused_layout_dir,
+    load_config,
+    pop_stored_fusion_config,
+)
 
 T = TypeVar("T")
 
@@ -65,9 +70,7 @@ def resolve_checkpoint(directory: str | Path, model_class: str | None = None) ->
             f"{'--model-class' if model_class else config_file.name + ' architectures'})"
         )
     config = load_config(model_cls, path, fused, {})
-    record, legacy = pop_fusion_record(config)
-    stored = (record or {}).get("fusion_config", legacy)
-    return Checkpoint(path, fused, model_cls, config, stored, raw)
+    return Checkpoint(path, fused, model_cls, config, pop_stored_fusion_config(config), raw)
 
 
 # Task classes tried, in order, for a config.json without "architectures" (transformers 4.57 omits it
@@ -126,7 +129,7 @@ def fusion_config_from_args(
         value = dict(checkpoint.stored_fusion_config)
     if not value:
         raise UsageError("no fusion family given: use -f FAMILY[,FAMILY] (see `fusion list`)")
-    fusion = parse_fusion_config(value, get_registry())
+    fusion = parse_fusion_config(value)
     if not fusion.enabled_names():
         raise UsageError(f"fusion_config {fusion.model_dump()} enables no family")
     return fusion

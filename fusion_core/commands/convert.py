@@ -26,14 +26,15 @@ from fusion_core.checkpoint import (
     SAFE_WEIGHTS_INDEX_NAME,
     KeyMatcher,
     atomic_directory,
+    check_checkpoint,
     match_keys,
     read_checkpoint_index,
 )
 from fusion_core.commands._common import UsageError, fusion_config_from_args, progress, resolve_checkpoint
 from fusion_core.discovery import discover
 from fusion_core.errors import CheckpointError
-from fusion_core.hf import CONFIG_NAME, FUSED_CONFIG_NAME, LEGACY_KEY, RECORD_KEY, check_checkpoint
-from fusion_core.plugins import get_registry
+from fusion_core.layout import same_bits
+from fusion_core.record import CONFIG_NAME, FUSED_CONFIG_NAME, write_config
 from fusion_core.transforms import BoundTransform, FusionPlan
 
 #: Index metadata a fused-layout conversion leaves so the way back restores the original shards.
@@ -101,7 +102,7 @@ def run_convert(
     if checkpoint.fused_layout and fusion.model_dump() != (checkpoint.stored_fusion_config or {}):
         stored = checkpoint.stored_fusion_config
         raise UsageError(f"{src} was fused with fusion_config={stored}; convert it back with that one")
-    plan = discover(checkpoint.model_cls, checkpoint.config, fusion, get_registry()).plan
+    plan = discover(checkpoint.model_cls, checkpoint.config, fusion).plan
     check_checkpoint(checkpoint.directory, plan, checkpoint.fused_layout)  # headers only: fail before writing
     index = read_checkpoint_index(checkpoint.directory)
     groups = _groups(plan, list(index), to_fused)
@@ -172,14 +173,7 @@ def run_convert(
             source_index["metadata"] = metadata
             source_index["weight_map"] = dict(sorted(weight_map.items()))
             (staging / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(source_index, indent=2, sort_keys=True) + "\n")
-        config = dict(checkpoint.raw_config)
-        config.pop(LEGACY_KEY, None)
-        record = {"fusion_config": fusion.model_dump()}
-        if to_fused:
-            record["layout"] = "fused"
-        config[RECORD_KEY] = record
-        name = FUSED_CONFIG_NAME if to_fused else CONFIG_NAME
-        (staging / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        write_config(staging, checkpoint.raw_config, fusion.model_dump(), fused=to_fused)
     return {
         "command": "convert",
         "source": str(checkpoint.directory),
@@ -221,7 +215,7 @@ def verify_conversion(result: dict[str, Any], model_class: str | None = None) ->
                 handles[file] = safe_open(str(Path(original_dir) / file), "pt").__enter__()
             expected = handles[file].get_tensor(ckpt_key)
             got = state[key]
-            if got.dtype != expected.dtype or got.shape != expected.shape or not torch.equal(got, expected):
+            if not same_bits(got, expected):
                 problems.append(f"{ckpt_key!r} differs from the loaded model's {key!r}")
     finally:
         for handle in handles.values():

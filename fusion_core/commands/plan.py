@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fusion_core.checkpoint import KeyMatcher, TensorInfo, read_checkpoint_index
+from fusion_core.checkpoint import KeyMatcher, TensorInfo, check_checkpoint, read_checkpoint_index
 from fusion_core.commands._common import Checkpoint, fusion_config_from_args, resolve_checkpoint
 from fusion_core.discovery import discover
 from fusion_core.errors import CheckpointError, DiscoveryError, PlanError
-from fusion_core.hf import check_checkpoint
-from fusion_core.plugins import get_registry
 from fusion_core.transforms import FusionPlan
 
 
@@ -43,7 +41,7 @@ def run_plan(
         "checkpoint": {"checked": False, "error": None},
     }
     try:
-        discovery = discover(checkpoint.model_cls, checkpoint.config, fusion, get_registry())
+        discovery = discover(checkpoint.model_cls, checkpoint.config, fusion)
     except (DiscoveryError, PlanError) as exc:
         result["error"], result["error_type"] = str(exc), type(exc).__name__
         return result
@@ -88,18 +86,11 @@ def describe_with_checkpoint(plan: FusionPlan, index: dict[str, TensorInfo], che
     matcher = KeyMatcher(index)  # once: one lookup per key, not an index per row
     for row, (module, bound) in zip(rows, [(m, b) for m in plan.modules for b in m.transforms], strict=True):
         present = bound.targets if checkpoint.fused_layout else bound.sources
-        found = {module.full_key(s.name): matcher.lookup(module.full_key(s.name)) for s in present}
-        mapping = {key: value for key, value in found.items() if value is not None}
-        prefix = None
-        for spec in present:
-            ckpt = mapping.get(module.full_key(spec.name))
-            if ckpt is not None:
-                prefix = ckpt[: len(ckpt) - len(spec.name)]
+        prefix = matcher.module_prefix(module, [s.name for s in present])
         ckpt_keys: dict[str, str | None] = {}
         for spec in (*bound.sources, *bound.targets):
             ckpt_keys[module.full_key(spec.name)] = None if prefix is None else prefix + spec.name
-        first = next((mapping.get(module.full_key(s.name)) for s in present), None)
-        info = index.get(first) if first else None
+        info = index.get(f"{prefix}{present[0].name}") if prefix is not None else None
         row["checkpoint_keys"] = ckpt_keys
         row["dtype"] = info.dtype if info else None
         row["file"] = info.file if info else None

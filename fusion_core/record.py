@@ -1,0 +1,106 @@
+"""The on-disk record of a fused checkpoint: what fusion-core applied, and which layout the tensors are in.
+
+``config.json`` gets a ``"fusion_core"`` key (``{"fusion_config": {...}}``). transformers stores
+unknown keys as plain attributes and never acts on this one, so the directory loads with plain
+transformers 4.57 and 5.x silently and unfused; :func:`fusion_core.from_pretrained` reuses it.
+The top-level ``fusion_config`` key, which transformers 5.x *does* act on, is read as a fallback
+but never written, and is stripped from the config before transformers sees it.
+
+A fused-layout checkpoint (``save_pretrained(..., save_original_format=False)`` or ``fusion
+convert --to fused``) holds ``fused_config.json`` instead of ``config.json``, whose record adds
+``"layout": "fused"``: plain transformers refuses the directory (no ``config.json``) instead of
+loading mis-shaped tensors, and fusion-core loads it without any conversion.
+
+This module is the only one that knows these names; the adapter, the commands and ``fusion
+convert`` read and write the record through it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from fusion_core.errors import CheckpointError
+
+RECORD_KEY = "fusion_core"
+LEGACY_KEY = "fusion_config"
+CONFIG_NAME = "config.json"
+FUSED_CONFIG_NAME = "fused_config.json"
+
+_HUB_KWARGS = (
+    "revision", "cache_dir", "force_download", "local_files_only", "token", "subfolder", "proxies",
+    "trust_remote_code", "code_revision",
+)
+
+
+def is_fused_layout_dir(path: Path) -> bool:
+    """A local directory holding a fused-layout checkpoint (``fused_config.json`` and no ``config.json``)."""
+    return path.is_dir() and (path / FUSED_CONFIG_NAME).is_file() and not (path / CONFIG_NAME).exists()
+
+
+def load_config(model_cls: Any, name_or_path: str | Path, fused_dir: bool, kwargs: dict[str, Any]) -> Any:
+    """The transformers config of a checkpoint; pops ``config`` from ``kwargs`` (the caller's override).
+
+    A fused-layout directory's config comes from ``fused_config.json``; any other from the model
+    class's own config class (or ``AutoConfig``), with the hub arguments found in ``kwargs``.
+    """
+    config = kwargs.pop("config", None)
+    if config is not None and not isinstance(config, (str, Path)):
+        return copy.deepcopy(config)
+    from transformers import AutoConfig
+
+    if fused_dir:
+        data = json.loads((Path(name_or_path) / FUSED_CONFIG_NAME).read_text())
+        model_type = data.pop("model_type", None)
+        if model_type is None:
+            raise CheckpointError(f"{Path(name_or_path) / FUSED_CONFIG_NAME} has no model_type")
+        data.pop("transformers_version", None)
+        return AutoConfig.for_model(model_type, **data)
+    hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+    source = config if config is not None else name_or_path
+    config_class = getattr(model_cls, "config_class", None)
+    if isinstance(model_cls, type) and issubclass(model_cls, nn.Module) and config_class is not None:
+        return config_class.from_pretrained(source, **hub)
+    return AutoConfig.from_pretrained(source, **hub)
+
+
+def pop_stored_fusion_config(config: Any) -> dict[str, Any] | None:
+    """Remove fusion settings from ``config`` so transformers never acts on them; return the stored
+    ``fusion_config`` (the record's, else the legacy top-level key's), or None."""
+    record = getattr(config, RECORD_KEY, None)
+    legacy = getattr(config, LEGACY_KEY, None)
+    for key in (RECORD_KEY, LEGACY_KEY):
+        if hasattr(config, key):
+            delattr(config, key)
+    if record is not None and not isinstance(record, dict):
+        raise CheckpointError(f"config key {RECORD_KEY!r} must be an object, got {record!r}")
+    stored: dict[str, Any] | None = (record or {}).get("fusion_config", legacy)
+    return stored
+
+
+def attach_record(config: Any, fusion_config: dict[str, Any]) -> None:
+    """Record on a loaded model's config what was applied; ``save_pretrained`` writes it to ``config.json``."""
+    setattr(config, RECORD_KEY, {"fusion_config": fusion_config})
+
+
+def write_config(directory: Path, data: dict[str, Any], fusion_config: dict[str, Any] | None, fused: bool) -> Path:
+    """Write a checkpoint's config with the record: ``fused_config.json`` for the fused layout, else ``config.json``.
+
+    ``fusion_config`` replaces the record's (None keeps the one ``data`` holds); the legacy key is dropped.
+    """
+    data = dict(data)
+    data.pop(LEGACY_KEY, None)
+    record = dict(data.get(RECORD_KEY) or {})
+    if fusion_config is not None:
+        record["fusion_config"] = fusion_config
+    record.pop("layout", None)
+    if fused:
+        record["layout"] = "fused"
+    data[RECORD_KEY] = record
+    path = directory / (FUSED_CONFIG_NAME if fused else CONFIG_NAME)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path
