@@ -30,6 +30,8 @@ _EXPORTS: dict[str, str] = {
     "SaveError": "fusion_core.errors",
     "UnknownFamilyError": "fusion_core.errors",
     "from_pretrained": "fusion_core.hf",
+    "fuse": "fusion_core.inplace",
+    "unfuse": "fusion_core.inplace",
     "get_fusion_plan": "fusion_core.hf",
     "save_pretrained": "fusion_core.hf",
     "hookimpl": "fusion_core.hookspecs",
@@ -95,6 +97,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     )
     from fusion_core.hf import from_pretrained, get_fusion_plan, save_pretrained
     from fusion_core.hookspecs import hookimpl
+    from fusion_core.inplace import fuse, unfuse
     from fusion_core.layout import fused_layout
     from fusion_core.plugins import get_registry, register_family, reset_registry, unregister_family
     from fusion_core.spec import FamilyOptions, FusedModule, FusionFamily, ModuleFusionSpec

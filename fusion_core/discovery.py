@@ -28,7 +28,7 @@ from torch import nn
 
 from fusion_core.config import FusionConfig
 from fusion_core.errors import DiscoveryError, PlanError
-from fusion_core.layout import convert_to_fused, finalize
+from fusion_core.layout import fuse_instance
 from fusion_core.patching import LOAD_LOCK, ClassRoute, no_routing
 from fusion_core.plugins import PluginSource, RegisteredFamily
 from fusion_core.spec import FamilyOptions
@@ -97,7 +97,6 @@ def config_fingerprint(config: Any) -> str:
 
 _cache: dict[tuple[Any, ...], Discovery] = {}
 _cache_lock = threading.Lock()
-_fused_classes: dict[tuple[int, type, str], type[nn.Module]] = {}
 
 
 def clear_cache() -> None:
@@ -136,10 +135,11 @@ def _module_selected(path: str, patterns: Sequence[str], options: FamilyOptions)
 
 
 def _fused_class(family: RegisteredFamily, original: type[nn.Module], options: FamilyOptions) -> type[nn.Module]:
-    key = (id(family.spec), original, options.model_dump_json())
-    cached = _fused_classes.get(key)
-    if cached is not None:
-        return cached
+    """The family's fused class for ``original``, checked against the fused class contract.
+
+    Not cached here: one discovery asks once per (family, class), discoveries are cached, and
+    classes made with :func:`~fusion_core.spec.fused_subclass` are cached there by class pair.
+    """
     where = f"family {family.name!r} ({family.source})"
     try:
         fused = family.spec.make_fused_class(original, options)
@@ -156,7 +156,6 @@ def _fused_class(family: RegisteredFamily, original: type[nn.Module], options: F
             f"{where}: fused class {fused.__qualname__} defines __init__; fused classes are built by the "
             "original __init__ and set themselves up in fusion_finalize()"
         )
-    _fused_classes[key] = fused
     return fused
 
 
@@ -204,9 +203,12 @@ def _discover(
                 f"{where} found nothing to fuse in {type(meta_model).__name__}: {len(modules)} modules, "
                 f"{considered} passed the name patterns, none is fusable"
             )
+        fused_classes: dict[type[nn.Module], type[nn.Module]] = {}
         for path, module in chosen:
             original = type(module)
-            fused = _fused_class(family, original, options)
+            if original not in fused_classes:
+                fused_classes[original] = _fused_class(family, original, options)
+            fused = fused_classes[original]
             owner = class_owner.setdefault(original, (family.name, fused))
             if owner[0] != family.name:
                 raise PlanError(
@@ -241,9 +243,7 @@ def _rehearse(meta_model: nn.Module, plan: FusionPlan, sources: Mapping[str, Plu
         where = f"family {module_plan.family!r} ({sources[module_plan.family]})"
         try:
             _rehearse_inverse(module, module_plan)
-            module.__class__ = module_plan.fused_class
-            convert_to_fused(module, module_plan)
-            finalize(module, module_plan)
+            fuse_instance(module, module_plan)
         except Exception as exc:
             raise DiscoveryError(
                 f"{where}: fusing module {module_plan.path!r} ({module_plan.original_class.__qualname__}) "

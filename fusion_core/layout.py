@@ -1,5 +1,8 @@
 """Moving one fused instance's tensors between the original and the fused layout.
 
+:func:`fuse_instance` is the one way an instance becomes fused (discovery's rehearsal on the
+meta device, a fused load, :func:`fusion_core.fuse` and the test kit all call it), and
+:func:`unfuse_instance` its inverse (:func:`fusion_core.unfuse`). Underneath,
 :func:`convert_to_fused` applies a module plan's forward transforms in place (a reshape stays a
 view of the loaded storage). :func:`attach_original_layout` installs the state-dict hooks that
 make a fused module *present* the original layout: ``state_dict()`` (and so transformers'
@@ -17,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion_core.errors import FusionLoadError
+from fusion_core.errors import FusionError, FusionLoadError
+from fusion_core.spec import FusedModule
 from fusion_core.transforms import ModulePlan
 
 _PRESENT_FUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("fusion_core_present_fused", default=False)
@@ -184,9 +188,144 @@ def attach_original_layout(module: nn.Module, plan: ModulePlan) -> None:
     module.register_load_state_dict_pre_hook(_accept_original)
 
 
+def detach_original_layout(module: nn.Module) -> None:
+    """Remove what :func:`attach_original_layout` installed.
+
+    The hooks are found by the functions they call, not by handles: a handle of a deep-copied or
+    unpickled module would still point at the original module's hook table.
+    """
+    module.__dict__.pop(PLAN_ATTRIBUTE, None)
+    for table, hook in ((module._state_dict_hooks, _present_original),
+                        (module._load_state_dict_pre_hooks, _accept_original)):
+        for key in [k for k, h in table.items() if getattr(h, "hook", h) is hook]:
+            del table[key]
+
+
 def finalize(module: nn.Module, plan: ModulePlan) -> None:
     """Attach the layout hooks and let the fused class set itself up."""
     attach_original_layout(module, plan)
     hook = getattr(module, "fusion_finalize", None)
     if callable(hook):
         hook()
+
+
+def fuse_instance(
+    module: nn.Module, plan: ModulePlan, verified: set[tuple[object, ...]] | None = None, *, convert: bool = True
+) -> None:
+    """Fuse one built instance in place, as ``plan`` says: the one code path for "fuse one module".
+
+    Switches ``module`` to ``plan.fused_class`` (a routed build already did), moves its tensors
+    into the fused layout (``convert=False`` when they were loaded in that layout already; see
+    :func:`convert_to_fused` for ``verified``), attaches the hooks that present the original
+    layout, calls the fused class's ``fusion_finalize``, and switches on the integrations of
+    installed libraries that need to know fused modules (:mod:`fusion_core.integrations`). Raises
+    :class:`~fusion_core.errors.FusionLoadError` for an instance of another class or with
+    missing or mis-shaped tensors; the family's own errors propagate as they are.
+    """
+    if type(module) is not plan.fused_class:
+        if type(module) is not plan.original_class:
+            raise FusionLoadError(
+                f"family {plan.family!r}, module {plan.path!r}: is a {type(module).__qualname__}, the plan fuses "
+                f"{plan.original_class.__qualname__}"
+            )
+        module.__class__ = plan.fused_class
+    if convert:
+        convert_to_fused(module, plan, verified)
+    finalize(module, plan)
+    from fusion_core.integrations import activate_integrations  # imports this module
+
+    activate_integrations()
+
+
+def _overrides(cls: type, name: str) -> bool:
+    return getattr(cls, name, None) not in (None, getattr(FusedModule, name))
+
+
+def unfuse_refusal(module: nn.Module) -> str | None:
+    """Why :func:`unfuse_instance` cannot return ``module`` to its original form exactly; None when it can."""
+    plan = module_plan(module)
+    if plan is None or type(module) is not plan.fused_class:
+        return f"{type(module).__qualname__} is not a module fusion-core fused (no plan attached)"
+    cls = type(module)
+    if _overrides(cls, "fusion_finalize") and not _overrides(cls, "fusion_unfinalize"):
+        return (
+            f"family {plan.family!r}, module {plan.path!r}: its fused class sets itself up in fusion_finalize but "
+            "has no fusion_unfinalize, so it cannot be returned to its original class exactly"
+        )
+    return None
+
+
+def unfuse_instance(module: nn.Module) -> None:
+    """Return one fused instance to its original class and tensor layout, in place.
+
+    The inverse of :func:`fuse_instance`: the fused tensors go back through the plan's inverse
+    transforms into the original names and shapes (each one a fresh, contiguous tensor of its
+    own, as the original module held them), ``fusion_unfinalize`` undoes ``fusion_finalize``,
+    containers that fusion created are removed, and the class is switched back. Raises
+    :class:`~fusion_core.errors.FusionError` before changing anything when the module is not
+    fused or its fused class cannot undo its ``fusion_finalize``.
+    """
+    reason = unfuse_refusal(module)
+    if reason is not None:
+        raise FusionError(reason)
+    plan = module_plan(module)
+    assert plan is not None  # unfuse_refusal checked it
+    restored: list[tuple[str, torch.Tensor, bool, bool]] = []
+    with torch.no_grad():
+        for bound in plan.transforms:
+            fused = []
+            for spec in bound.targets:
+                owner, name = _owner(module, spec.name)
+                tensor = owner._parameters.get(name)
+                is_param = tensor is not None
+                if tensor is None:
+                    tensor = owner._buffers.get(name)
+                if tensor is None:
+                    raise FusionError(
+                        f"family {plan.family!r}, module {plan.path!r}: fused tensor {plan.full_key(spec.name)!r} "
+                        "is missing"
+                    )
+                fused.append((tensor, is_param, tensor.requires_grad))
+            originals = bound.op.inverse([t for t, _, _ in fused], [s.shape for s in bound.sources])
+            is_param, requires_grad = fused[0][1], any(rg for _, _, rg in fused)
+            for spec, tensor in zip(bound.sources, originals, strict=True):
+                restored.append((spec.name, tensor.detach().clone(memory_format=torch.contiguous_format),
+                                 is_param, requires_grad))
+    undo = getattr(module, "fusion_unfinalize", None)
+    if callable(undo):
+        undo()
+    for bound in plan.transforms:
+        for spec in bound.targets:
+            owner, name = _owner(module, spec.name)
+            owner._parameters.pop(name, None)
+            owner._buffers.pop(name, None)
+    _drop_created_containers(module, plan)
+    for name, tensor, is_param, requires_grad in restored:
+        owner, leaf = _owner(module, name)
+        if is_param:
+            owner.register_parameter(leaf, nn.Parameter(tensor, requires_grad=requires_grad))
+        else:
+            owner.register_buffer(leaf, tensor)
+    detach_original_layout(module)
+    module.__class__ = plan.original_class
+
+
+def _drop_created_containers(module: nn.Module, plan: ModulePlan) -> None:
+    """Remove the empty sub-modules that :func:`convert_to_fused` created to hold fused tensors."""
+    kept = {leaf.rpartition(".")[0] for leaf in plan.original_leaves}
+    kept |= {prefix for path in kept for prefix in _prefixes(path)}
+    for bound in plan.transforms:
+        for spec in bound.targets:
+            for path in reversed(_prefixes(spec.name.rpartition(".")[0])):
+                if path in kept:
+                    continue
+                parent, name = _owner(module, path)
+                child = parent._modules.get(name)
+                if child is not None and not (child._parameters or child._buffers or child._modules):
+                    del parent._modules[name]
+
+
+def _prefixes(path: str) -> list[str]:
+    """``"a.b.c"`` -> ``["a", "a.b", "a.b.c"]``; ``""`` -> ``[]``."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]

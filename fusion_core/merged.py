@@ -1,17 +1,43 @@
-"""A building block for families: one GEMM shared by several projections that read the same input.
+"""A public building block for families: one GEMM shared by projections that read the same input.
 
-The fused parent keeps its original ``forward``. Its projection children (``q_proj``, ...) are
-replaced by :class:`MergedSlice` modules that all read one merged weight (the ``[q; k; v]``
-rows, concatenated on load). The first slice called with an input computes the whole merged
-GEMM once and keeps the output; a sibling called with the *same* tensor (same object, same
-version counter, same grad mode) gets its columns of that output, a view, without another GEMM.
-Any other input is answered from the slice's own rows of the weight, so the result is always
-the projection the original ``nn.Linear`` computed, whatever order or inputs the parent uses.
+``qkv`` (``q_proj``/``k_proj``/``v_proj``) and ``gate_up`` (``gate_proj``/``up_proj``) are built
+from it; a new family that merges sibling ``nn.Linear`` s needs four lines::
 
-The cache is dropped once every sibling has taken its part. If a merged output is ever left
-partly unused (a sibling ran on another input, as in cross-attention, or was skipped, as in
-layers that reuse another layer's keys and values), that group stops merging and every slice
-runs its own GEMM from then on: a merged GEMM that is not fully used would only cost time.
+    class MyMixin(MergedProjectionsMixin):
+        projections = ("a_proj", "b_proj")   # the children, in the order their rows are concatenated
+        container = "ab_proj"                # where the merged tensors live (``ab_proj.weight``)
+
+plus a ``Concat(n=2, dim=0)`` transform from ``("a_proj.weight", "b_proj.weight")`` to
+``("ab_proj.weight",)`` (and one for the biases), and :func:`merge_refusal` /
+:func:`is_plain_linear` in its ``is_fusable``.
+
+**How it computes.** The fused parent keeps its original ``forward``. Its projection children
+are replaced by :class:`MergedSlice` modules that all read one merged weight, owned by a plain
+``nn.Module`` parameter holder (``parent.qkv_proj.weight``). In eager mode, the first slice
+called with an input computes the whole merged GEMM once and keeps the output; a sibling
+called with the *same* tensor (same object, same version counter, same grad mode) gets its
+columns of that output, a view, without another GEMM. Any other input is answered from the
+slice's own rows of the weight, so the result is always the projection the original
+``nn.Linear`` computed, whatever order or inputs the parent uses. The cache is dropped once every
+sibling has taken its part; a group whose merged output is ever left partly unused
+(cross-attention, layers reusing another layer's keys and values) stops merging for good.
+
+**Under torch.compile and torch.export** every slice computes its own rows
+(``linear(x, weight[rows], bias[rows])``): the input-identity cache is Python state that dynamo
+would have to guard and break on, while the per-slice GEMM traces into the graph like the
+original ``nn.Linear`` did, so a fused model compiles with ``fullgraph=True`` and the same
+graph breaks as the unfused one.
+
+**One place for the split.** The part sizes live in :attr:`MergedLinear.sizes` (and the row
+ranges derived from them in :attr:`MergedLinear.bounds`), nothing else hard-codes them, and the
+merged tensors are ordinary parameters of the container module: a variant that holds only one
+rank's rows of every part (tensor parallelism) changes the sizes and the transforms, not the
+slices.
+
+**Adapters and copies.** A slice is deliberately not an ``nn.Linear`` (initialisers and
+quantisers that match ``isinstance(m, nn.Linear)`` would write a new tensor over a view, and
+the merged weight would not see it); :mod:`fusion_core.integrations.peft` gives PEFT a LoRA
+layer for it. ``copy.deepcopy`` and pickling keep the slices tied to the copied container.
 """
 
 from __future__ import annotations
@@ -33,7 +59,12 @@ def _version(tensor: torch.Tensor) -> int:
 
 
 class MergedLinear:
-    """The merged projection of one fused module: weight owner, part boundaries and the output cache.
+    """The merged projection of one fused module: weight owner, part sizes and the eager output cache.
+
+    ``sizes`` are the parts' row counts in concatenation order and ``bounds`` their row ranges
+    in ``owner.weight``; ``merged_gemms`` / ``own_gemms`` count the GEMMs run in eager mode (a
+    test can see whether calls were merged), and ``merging`` turns False for good once a merged
+    output was left partly unused.
 
     A plain object (not an ``nn.Module``), so it adds nothing to ``state_dict``, ``parameters``
     or ``named_modules``; it reads the tensors from ``owner`` (the fused module's ``qkv_proj`` /
@@ -53,6 +84,8 @@ class MergedLinear:
         self.own_gemms = 0
         self._all = frozenset(range(len(self.sizes)))
         self._cache: tuple[Any, ...] | None = None
+        self.originals: dict[str, nn.Module] = {}
+        """The emptied original projection modules, by child name (what :func:`unmerge_children` restores)."""
 
     @property
     def weight(self) -> torch.Tensor:
@@ -70,6 +103,10 @@ class MergedLinear:
         return tensor[start:stop]
 
     def __call__(self, index: int, input: torch.Tensor) -> torch.Tensor:
+        """Part ``index`` of the merged projection of ``input``: what the original projection computed."""
+        if torch.compiler.is_compiling():
+            # Traced code gets the original projection's own GEMM: no Python state to guard on.
+            return F.linear(input, self.part(self.weight, index), self.part(self.bias, index))
         start, stop = self.bounds[index]
         cache = self._cache
         if cache is not None:
@@ -95,6 +132,10 @@ class MergedLinear:
         """Drop a cached output (it is dropped by itself once all parts were taken)."""
         self._cache = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A cached output is transient: copies and pickles never carry one.
+        return {**self.__dict__, "_cache": None}
+
 
 class MergedSlice(nn.Module):
     """Stands where one original projection ``nn.Linear`` was; computes exactly what it computed.
@@ -106,6 +147,7 @@ class MergedSlice(nn.Module):
     """
 
     def __init__(self, merged: MergedLinear, index: int, in_features: int) -> None:
+        """Part ``index`` of ``merged``; ``in_features`` is the width every part reads."""
         super().__init__()
         self.__dict__["merged"] = merged  # not a sub-module: the fused parent owns the tensors
         self.index = index
@@ -152,7 +194,23 @@ def merge_children(parent: nn.Module, names: tuple[str, ...], container: str) ->
     merged = MergedLinear(owner, sizes)
     for index, name in enumerate(names):
         parent._modules[name] = MergedSlice(merged, index, in_features)
+    merged.originals = dict(zip(names, children, strict=True))
     return merged
+
+
+def unmerge_children(parent: nn.Module, merged: MergedLinear) -> None:
+    """Undo :func:`merge_children`: put the original (emptied) projection modules back in place.
+
+    Their tensors are restored afterwards by :func:`fusion_core.layout.unfuse_instance` from the
+    merged tensors; here only the module tree goes back to what the original class built.
+    """
+    for name, original in merged.originals.items():
+        if not isinstance(parent._modules.get(name), MergedSlice):
+            raise RuntimeError(
+                f"{type(parent).__name__}.{name} is a {type(parent._modules.get(name)).__name__}, not the merged "
+                "slice fusion put there (an adapter still attached?)"
+            )
+        parent._modules[name] = original
 
 
 def is_plain_linear(module: Any) -> bool:
@@ -190,7 +248,12 @@ class MergedProjectionsMixin(FusedModule):
     container: ClassVar[str]
 
     def fusion_finalize(self) -> None:
+        """Replace the projection children by slices of the merged container's tensors."""
         self.__dict__["_fusion_merged"] = merge_children(self, self.projections, self.container)
+
+    def fusion_unfinalize(self) -> None:
+        """Put the original projection children back (their tensors are restored by the caller)."""
+        unmerge_children(self, self.__dict__.pop("_fusion_merged"))
 
     @property
     def fused_projection(self) -> MergedLinear:

@@ -17,7 +17,9 @@ layout), switches its class, applies the family's transforms to its tensors, and
 
 from __future__ import annotations
 
+import importlib
 import re
+import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -114,32 +116,79 @@ class FusionFamily:
 
 
 _subclasses: dict[tuple[type, type], type[nn.Module]] = {}
+_subclasses_lock = threading.Lock()
+_FUSED_PREFIX = "fused_class"
+
+
+def _reference(cls: type) -> str:
+    """``module:qualname`` with every dot written as ``/``: one attribute name for pickle's lookup."""
+    return f"{cls.__module__}:{cls.__qualname__}".replace(".", "/")
+
+
+def _resolve(reference: str) -> type:
+    module_name, _, qualname = reference.replace("/", ".").partition(":")
+    value: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        value = getattr(value, part)
+    if not isinstance(value, type):
+        raise TypeError(f"{reference!r} names {value!r}, not a class")
+    return value
 
 
 def fused_subclass(mixin: type, original_cls: type[nn.Module]) -> type[nn.Module]:
     """``mixin`` mixed into ``original_cls``, one class per pair (so ``isinstance`` holds across loads).
 
+    This is the one cache of fused classes: keyed by the two classes themselves (never by an
+    ``id()`` that could be reused), so the same pair always gives the same class, in this
+    process and, through :func:`__getattr__`, in the next one.
+
     The class keeps the original's ``__name__``: transformers and accelerate match
     ``_no_split_modules`` and similar lists by class name, and a renamed class drops out of them.
-    Its ``__qualname__`` (``Mixin[Original]``) tells the two apart in reprs and plans.
+    Its ``__qualname__`` (``fused_class[<mixin>,<original>]``, both written ``module:qualname``
+    with ``/`` for dots) names the pair, and ``__module__`` is this module: pickle stores the
+    class by that reference, and unpickling in a fresh process rebuilds it from the pair, so
+    ``torch.save(model)``, ``pickle`` and ``copy.deepcopy`` of a fused model work.
     """
     key = (mixin, original_cls)
-    fused = _subclasses.get(key)
-    if fused is None:
+    with _subclasses_lock:
+        fused = _subclasses.get(key)
+        if fused is not None:
+            return fused
         fused = type(
             original_cls.__name__,
             (mixin, original_cls),
-            {"__module__": mixin.__module__, "__qualname__": f"{mixin.__qualname__}[{original_cls.__qualname__}]"},
+            {
+                "__module__": __name__,
+                "__qualname__": f"{_FUSED_PREFIX}[{_reference(mixin)},{_reference(original_cls)}]",
+            },
         )
         _subclasses[key] = fused
     return fused
 
 
+def __getattr__(name: str) -> Any:
+    """Resolve a fused class's reference (see :func:`fused_subclass`): how unpickling finds it."""
+    if name.startswith(f"{_FUSED_PREFIX}[") and name.endswith("]"):
+        mixin, _, original = name[len(_FUSED_PREFIX) + 1 : -1].partition(",")
+        try:
+            return fused_subclass(_resolve(mixin), _resolve(original))
+        except (ImportError, AttributeError, TypeError) as exc:
+            raise AttributeError(f"cannot rebuild fused class {name!r}: {exc}") from exc
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 class FusedModule(nn.Module):
-    """Optional mixin for fused classes; documents the one hook fusion-core calls on them."""
+    """Optional mixin for fused classes; documents the two hooks fusion-core calls on them."""
 
     def fusion_finalize(self) -> None:
         """Called once the loaded tensors are in the fused layout, before the model is returned.
 
         Set up here what ``forward`` needs beyond the tensors (views, merged sub-modules).
+        """
+
+    def fusion_unfinalize(self) -> None:
+        """Undo :meth:`fusion_finalize` (called by :func:`fusion_core.unfuse` before the tensors go back).
+
+        A fused class whose ``fusion_finalize`` changes the module tree must implement this, or
+        ``unfuse`` refuses it; the default does nothing, which is right when finalize does nothing.
         """

@@ -1,0 +1,157 @@
+"""In-memory verbs: fuse an already built model in place, and return a fused model to its original form.
+
+``fusion_core.fuse(model, fusion_config)`` is for models that did not come from
+:func:`fusion_core.from_pretrained`: built with ``from_config``, handed over by a pipeline or a
+training script. It runs the same discovery (so :func:`fusion_core.get_fusion_plan` gives the same
+plan as a fused load of that model) and fuses each planned instance with the same function a
+fused load uses (:func:`fusion_core.layout.fuse_instance`). ``fusion_core.unfuse(model)`` is its
+inverse for any fused model: afterwards the model holds its original classes and ``state_dict()``
+is bit-identical to the unfused model's.
+
+Both check every instance before changing any, and refuse what they cannot do exactly with a
+:class:`~fusion_core.errors.FusionError` naming the module: a model that already carries
+adapters (attach adapters after fusing, and merge or unload them before unfusing), a module
+that differs from what discovery planned, tensors on the meta device.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, TypeVar
+
+from torch import nn
+
+from fusion_core.config import parse_fusion_config
+from fusion_core.discovery import discover
+from fusion_core.errors import FusionError, FusionLoadError
+from fusion_core.hf import PLAN_ATTRIBUTE, get_fusion_plan
+from fusion_core.integrations import adapter_layers
+from fusion_core.layout import fuse_instance, module_plan, unfuse_instance, unfuse_refusal
+from fusion_core.patching import LOAD_LOCK
+from fusion_core.plugins import get_registry
+from fusion_core.record import RECORD_KEY, attach_record, pop_stored_fusion_config
+from fusion_core.transforms import ModulePlan
+
+ModelT = TypeVar("ModelT", bound=nn.Module)
+
+__all__ = ["fuse", "unfuse"]
+
+
+def fuse(model: ModelT, fusion_config: Any) -> ModelT:
+    """Fuse ``model`` in place with the families of ``fusion_config``; return it (for chaining).
+
+    ``model`` is a built transformers model (anything with a ``config``), unfused, with its
+    weights on a real device. ``fusion_config`` is what :func:`fusion_core.from_pretrained`
+    takes (a mapping or a :class:`~fusion_core.FusionConfig`); with no family enabled the model
+    is returned untouched. Afterwards the model computes what it computed before,
+    :func:`fusion_core.get_fusion_plan` returns the plan a fused load would have used, and
+    :func:`fusion_core.save_pretrained` writes the original checkpoint layout.
+
+    Raises ``pydantic.ValidationError`` for a bad ``fusion_config``, the discovery errors a fused
+    load raises, and :class:`~fusion_core.errors.FusionError` (before changing anything) for a
+    model that is already fused or carries adapters, or whose planned modules are not what the
+    plan expects.
+    """
+    fusion = parse_fusion_config(fusion_config, get_registry())
+    if not fusion.enabled_names():
+        return model
+    config = getattr(model, "config", None)
+    if config is None:
+        raise FusionError(f"{type(model).__name__} has no config: fuse() needs a transformers model")
+    if get_fusion_plan(model) is not None or any(module_plan(m) is not None for m in model.modules()):
+        raise FusionError(f"{type(model).__name__} is already fused; unfuse() it first to fuse it differently")
+    adapters = adapter_layers(model)
+    if adapters:
+        raise FusionError(
+            f"{type(model).__name__} carries adapter layers ({', '.join(adapters[:3])}, ...); fuse the model "
+            "first and attach the adapters afterwards (they target the original module names)"
+        )
+    plain_config = _config_without_record(config)
+    discovery = discover(type(model), plain_config, fusion)
+    targets = [(_checked_instance(model, plan), plan) for plan in discovery.plan.modules]
+    verified: set[tuple[object, ...]] = set()
+    sources = {family.name: family.source for family, _ in fusion.families()}
+    # Under the load lock: 4.57's init_empty_weights in another thread would send parameters
+    # registered here to the meta device.
+    with LOAD_LOCK:
+        for module, plan in targets:
+            try:
+                fuse_instance(module, plan, verified)
+            except FusionError:
+                raise
+            except Exception as exc:  # the family's op or fusion_finalize, on real data
+                raise FusionLoadError(
+                    f"family {plan.family!r} ({sources[plan.family]}), module {plan.path!r}: fusing the "
+                    f"{plan.original_class.__qualname__} failed: {type(exc).__name__}: {exc}"
+                ) from exc
+    attach_record(config, fusion.model_dump())
+    model.__dict__[PLAN_ATTRIBUTE] = discovery.plan
+    return model
+
+
+def _config_without_record(config: Any) -> Any:
+    """The model's config as discovery sees it on a load: without a stored fusion record."""
+    if not (hasattr(config, RECORD_KEY) or hasattr(config, "fusion_config")):
+        return config
+    import copy
+
+    plain = copy.deepcopy(config)
+    pop_stored_fusion_config(plain)
+    return plain
+
+
+def _checked_instance(model: nn.Module, plan: ModulePlan) -> nn.Module:
+    """The planned instance of ``model``, after checking it is what discovery saw on the meta model."""
+    where = f"family {plan.family!r}, module {plan.path!r}"
+    try:
+        module = model.get_submodule(plan.path)
+    except AttributeError:
+        raise FusionError(f"{where}: the model has no such module (it differs from the one its class builds)") from None
+    if type(module) is not plan.original_class:
+        raise FusionError(
+            f"{where}: is a {type(module).__qualname__}, discovery planned a {plan.original_class.__qualname__} "
+            "(the model was changed after it was built?)"
+        )
+    leaves = module.state_dict(keep_vars=True)
+    sources = {s.name: s.shape for t in plan.transforms for s in t.sources}
+    if tuple(leaves) != plan.original_leaves or any(tuple(leaves[n].shape) != s for n, s in sources.items()):
+        raise FusionError(
+            f"{where}: its tensors {({k: tuple(v.shape) for k, v in leaves.items()})} differ from the planned "
+            f"{sources} (the model was changed after it was built?)"
+        )
+    on_meta = [n for n, t in itertools.chain(module.named_parameters(), module.named_buffers()) if t.is_meta]
+    if on_meta:
+        raise FusionError(f"{where}: tensors {on_meta} are on the meta device; fuse a model whose weights are loaded")
+    return module
+
+
+def unfuse(model: ModelT) -> ModelT:
+    """Return every fused module of ``model`` to its original class and layout, in place; return it.
+
+    Afterwards no fused class is left, :func:`fusion_core.get_fusion_plan` returns None, the
+    config no longer carries the fusion record, and ``state_dict()`` is bit-identical to the
+    unfused model's (same names, order, shapes, dtypes and bytes). A model with nothing fused is
+    returned untouched. Raises :class:`~fusion_core.errors.FusionError`, before changing
+    anything, when adapter layers are attached inside a fused module (``merge_and_unload()`` or
+    ``unload()`` them first) or a fused class cannot undo its set-up.
+    """
+    fused = [(name, m) for name, m in model.named_modules() if module_plan(m) is not None]
+    for name, module in fused:
+        adapters = adapter_layers(module)
+        if adapters:
+            raise FusionError(
+                f"module {name!r} carries adapter layers ({', '.join(adapters)}); merge_and_unload() or unload() "
+                "them before unfusing"
+            )
+        reason = unfuse_refusal(module)
+        if reason is not None:
+            raise FusionError(reason)
+    with LOAD_LOCK:
+        for _, module in fused:
+            unfuse_instance(module)
+    model.__dict__.pop(PLAN_ATTRIBUTE, None)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, RECORD_KEY):
+        delattr(config, RECORD_KEY)
+    return model
+

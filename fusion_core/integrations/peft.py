@@ -1,0 +1,304 @@
+"""PEFT LoRA on fused models, by the original module names.
+
+On a fused model the modules LoRA targets are no longer what PEFT knows: ``q_proj`` is a
+:class:`~fusion_core.merged.MergedSlice` (rows of the merged ``qkv_proj.weight``) and a fused patch
+embedding is a ``Conv3d`` subclass holding a flattened 2-D weight. This integration teaches PEFT's
+LoRA about both, so that ``LoraConfig(target_modules=["q_proj", "v_proj", "gate_proj", "proj"])``
+works on a fused model exactly as on the unfused one.
+
+**How.** PEFT builds each LoRA layer around a *stand-in*: a real ``nn.Linear`` / ``nn.Conv3d`` whose
+parameters are views of the fused tensors in the original layout, so PEFT's own layer classes
+size, initialise and place the adapter as they would on the unfused model. The LoRA layer's
+``base_layer`` is then the fused module itself, so the base projection still runs fused (q, k
+and v still share one GEMM) and LoRA adds its term on top, as vLLM does with one LoRA slot per
+packed segment. Merging and unmerging run PEFT's own code on a stand-in holding a *copy* of the
+base tensors, and the result is copied back into the fused storage: PEFT's safe merge assigns
+``weight.data = ...``, which would not write through a view. Adapter files hold the same keys,
+shapes and values as on the unfused model (the LoRA weights live at ``q_proj.lora_A`` either
+way), ``merge_and_unload()`` leaves the merged bytes a merge on the unfused model leaves, and
+``unload()`` puts the fused module back.
+
+**Switching on.** fusion-core calls :func:`activate` whenever it fuses a model. When PEFT's LoRA
+module is already imported, its module factory (``LoraModel._create_new_module``) is wrapped now;
+otherwise a finder wraps it right after PEFT is imported. Nothing is imported early, and the
+wrapper hands every module that fusion did not make to PEFT unchanged.
+
+Not supported, refused with a clear error: DoRA on a fused patch embedding (PEFT's DoRA reads the
+convolution's 5-D weight in its forward), and LoRA targets that are fusion's own merged
+containers (``qkv_proj``, ``gate_up_proj``): target the original projections instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusion_core.layout import PLAN_ATTRIBUTE, module_plan
+from fusion_core.merged import MergedSlice
+
+__all__ = ["activate", "tuner_layer_paths"]
+
+_LORA_MODULE = "peft.tuners.lora.model"
+_lock = threading.Lock()
+_state = {"installed": False, "finder": False}
+
+
+# -- switching on -----------------------------------------------------------------------------
+def activate() -> None:
+    """Teach PEFT about fused modules: now if PEFT's LoRA is imported, else right after it is."""
+    with _lock:
+        if _state["installed"]:
+            return
+        if _LORA_MODULE in sys.modules:
+            _install(sys.modules[_LORA_MODULE])
+        elif not _state["finder"]:
+            _state["finder"] = True  # looked for once: a later install of peft needs a new process anyway
+            if importlib.util.find_spec("peft") is not None:
+                sys.meta_path.insert(0, _AfterImport())
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds PEFT's LoRA module like the normal finders do, and installs the wrapper once it ran."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: ModuleType | None = None) -> Any:
+        if fullname != _LORA_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _InstallingLoader(spec.loader)
+        return spec
+
+
+class _InstallingLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        created: ModuleType | None = self._loader.create_module(spec)
+        return created
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        with _lock:
+            _install(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_filename, ... for inspect and linecache
+        return getattr(self._loader, name)
+
+
+def _install(lora_model_module: ModuleType) -> None:
+    if _state["installed"]:
+        return
+    lora_model = lora_model_module.LoraModel
+    original = lora_model.__dict__["_create_new_module"].__func__
+
+    def _create_new_module(lora_config: Any, adapter_name: str, target: nn.Module, **kwargs: Any) -> nn.Module:
+        new_module = _fused_lora_layer(lora_config, adapter_name, target, **kwargs)
+        if new_module is None:
+            return original(lora_config, adapter_name, target, **kwargs)
+        return new_module
+
+    _create_new_module.__wrapped__ = original  # type: ignore[attr-defined]
+    lora_model._create_new_module = staticmethod(_create_new_module)
+    _state["installed"] = True
+
+
+def tuner_layer_paths(model: nn.Module) -> list[str]:
+    """Paths of PEFT tuner layers in ``model`` (none when PEFT was never imported)."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    if tuners is None:
+        return []
+    return [name for name, m in model.named_modules() if isinstance(m, tuners.BaseTunerLayer)]
+
+
+# -- the LoRA layers --------------------------------------------------------------------------
+def _fused_lora_layer(lora_config: Any, adapter_name: str, target: nn.Module, **kwargs: Any) -> nn.Module | None:
+    """A LoRA layer for a module fusion made, or None to let PEFT decide."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if isinstance(target, BaseTunerLayer) or kwargs.get("parameter_name") is not None:
+        return None
+    if isinstance(target, MergedSlice):
+        layer_cls: type[nn.Module] = _layer_classes()[nn.Linear]
+    elif module_plan(target) is not None:
+        plan = module_plan(target)
+        assert plan is not None
+        layer_cls = _layer_class_for(plan.original_class, target)
+        if getattr(lora_config, "use_dora", False) and not issubclass(plan.original_class, nn.Linear):
+            raise ValueError(
+                f"LoRA with use_dora=True is not supported on the fused {plan.original_class.__name__} at "
+                f"{plan.path!r} (family {plan.family!r}); use plain LoRA, or load that module unfused"
+            )
+    elif _is_merged_container(target):
+        raise ValueError(
+            f"{target!r} is fusion-core's merged projection container; LoRA targets the original projections "
+            "(q_proj/k_proj/v_proj, gate_proj/up_proj) by name"
+        )
+    else:
+        return None
+    kwargs.pop("parameter_name", None)
+    if getattr(lora_config, "fan_in_fan_out", False) and issubclass(layer_cls, _layer_classes()[nn.Linear]):
+        lora_config.fan_in_fan_out = False  # what PEFT's default dispatch does for nn.Linear
+    layer = layer_cls(_stand_in(target, copy_tensors=False), adapter_name, config=lora_config, **kwargs)
+    layer.base_layer = target
+    return layer
+
+
+def _is_merged_container(module: nn.Module) -> bool:
+    return type(module) is nn.Module and "weight" in module._parameters and not module._modules
+
+
+def _layer_class_for(original: type[nn.Module], target: nn.Module) -> type[nn.Module]:
+    for base, layer_cls in _layer_classes().items():
+        if issubclass(original, base):
+            return layer_cls
+    raise ValueError(f"LoRA does not support the fused {type(target).__name__} (originally {original.__qualname__})")
+
+
+_classes: dict[type[nn.Module], type[nn.Module]] = {}
+
+
+def _layer_classes() -> dict[type[nn.Module], type[nn.Module]]:
+    """Original module class -> our LoRA layer class (PEFT's, with fused-aware merging), built once."""
+    if not _classes:
+        from peft.tuners.lora import layer
+
+        for original, peft_cls in ((nn.Linear, layer.Linear), (nn.Conv3d, layer.Conv3d), (nn.Conv2d, layer.Conv2d),
+                                   (nn.Conv1d, layer.Conv1d), (nn.Embedding, layer.Embedding)):
+            _classes[original] = _LAYERS[peft_cls.__name__] = type(
+                f"Fused{peft_cls.__name__}", (_FusedBaseMixin, peft_cls), {"__module__": __name__}
+            )
+    return _classes
+
+
+# Module-level names of the built classes, so that pickle finds them (see __getattr__).
+_LAYERS: dict[str, type[nn.Module]] = {}
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith("Fused"):
+        _layer_classes()
+        if name[len("Fused"):] in _LAYERS:
+            return _LAYERS[name[len("Fused"):]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _FusedBaseMixin:
+    """PEFT's LoRA layer whose ``base_layer`` is a fused module.
+
+    Everything that reads or rewrites the base tensors in the original layout (adding an
+    adapter, merging, unmerging) runs on a stand-in of the original class; the forward calls
+    the fused module itself.
+    """
+
+    base_layer: nn.Module
+
+    def update_layer(self, *args: Any, **kwargs: Any) -> Any:
+        with _on_stand_in(self, copy_tensors=False):
+            return super().update_layer(*args, **kwargs)  # type: ignore[misc]
+
+    def merge(self, *args: Any, **kwargs: Any) -> None:
+        with _on_stand_in(self, copy_tensors=True):
+            super().merge(*args, **kwargs)  # type: ignore[misc]
+
+    def unmerge(self, *args: Any, **kwargs: Any) -> None:
+        with _on_stand_in(self, copy_tensors=True):
+            super().unmerge(*args, **kwargs)  # type: ignore[misc]
+
+
+@contextmanager
+def _on_stand_in(layer: Any, copy_tensors: bool) -> Iterator[None]:
+    """Swap ``layer.base_layer`` for a stand-in; with ``copy_tensors``, copy its tensors back after."""
+    fused = layer.base_layer
+    if not (isinstance(fused, MergedSlice) or module_plan(fused) is not None):
+        yield  # the stand-in itself, during PEFT's __init__
+        return
+    stand_in = _stand_in(fused, copy_tensors)
+    layer._modules["base_layer"] = stand_in
+    try:
+        yield
+    finally:
+        layer._modules["base_layer"] = fused
+    if copy_tensors:
+        _write_back(fused, stand_in)
+
+
+def _stand_in(module: nn.Module, copy_tensors: bool) -> nn.Module:
+    """A module of the original class holding ``module``'s tensors in the original layout.
+
+    Views of the fused storage, or copies with ``copy_tensors``. For a slice it is an
+    ``nn.Linear``; for a fused module, a shallow copy switched back to its original class.
+    """
+    def own(tensor: torch.Tensor | None) -> nn.Parameter | None:
+        if tensor is None:
+            return None
+        data = tensor.detach().clone() if copy_tensors else tensor.detach()
+        return nn.Parameter(data, requires_grad=False)
+
+    if isinstance(module, MergedSlice):
+        linear = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(linear)
+        linear.in_features, linear.out_features = module.in_features, module.out_features
+        linear.weight = own(module.weight)
+        linear.register_parameter("bias", own(module.bias))
+        return linear
+    plan = module_plan(module)
+    assert plan is not None
+    stand_in = copy.copy(module)
+    for name in ("_parameters", "_buffers", "_modules"):
+        stand_in.__dict__[name] = dict(module.__dict__[name])
+    for name, value in module.__dict__.items():
+        if name.endswith("_hooks") and isinstance(value, dict):
+            stand_in.__dict__[name] = OrderedDict()
+    stand_in.__dict__.pop(PLAN_ATTRIBUTE, None)
+    stand_in.__class__ = plan.original_class
+    with torch.no_grad():
+        for bound in plan.transforms:
+            fused = [_leaf(module, t.name) for t in bound.targets]
+            for spec, tensor in zip(bound.sources, bound.op.inverse(fused, [s.shape for s in bound.sources]),
+                                    strict=True):
+                owner, name = _parent(stand_in, spec.name)
+                owner._parameters[name] = own(tensor)
+    return stand_in
+
+
+def _write_back(fused: nn.Module, stand_in: nn.Module) -> None:
+    """Copy the stand-in's (possibly merged) tensors into the fused storage, in the fused layout."""
+    with torch.no_grad():
+        if isinstance(fused, MergedSlice):
+            fused.weight.copy_(stand_in.weight)
+            if fused.bias is not None:
+                fused.bias.copy_(stand_in.bias)
+            return
+        plan = module_plan(fused)
+        assert plan is not None
+        for bound in plan.transforms:
+            sources = [_leaf(stand_in, s.name) for s in bound.sources]
+            for spec, tensor in zip(bound.targets, bound.op.forward(sources), strict=True):
+                _leaf(fused, spec.name).copy_(tensor)
+
+
+def _parent(module: nn.Module, leaf: str) -> tuple[nn.Module, str]:
+    path, _, name = leaf.rpartition(".")
+    return (module.get_submodule(path) if path else module), name
+
+
+def _leaf(module: nn.Module, leaf: str) -> torch.Tensor:
+    owner, name = _parent(module, leaf)
+    tensor = owner._parameters.get(name)
+    if tensor is None:
+        tensor = owner._buffers[name]
+    return tensor
