@@ -289,3 +289,60 @@ def test_torch_dtype_keyword_is_passed_through(tiny_checkpoint):
                                         torch_dtype=torch.bfloat16)
     conv = _patch_modules(model)[0]
     assert isinstance(conv, PatchLinearMixin) and conv.weight.dtype == torch.bfloat16
+
+
+def _tiny_omni_config():
+    """A tiny Qwen2.5-Omni (thinker with vision and audio, talker, token2wav), or None without the class."""
+    import transformers
+
+    config_cls = getattr(transformers, "Qwen2_5OmniConfig", None)
+    if config_cls is None:
+        return None
+    rope = {"rope_type": "default", "mrope_section": [1, 1, 2]}
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, rope_scaling=rope)
+    return config_cls(
+        thinker_config=dict(
+            text_config=text,
+            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
+                               fullatt_block_indexes=[0], patch_size=14, temporal_patch_size=2,
+                               spatial_merge_size=2, window_size=28),
+            audio_config=dict(d_model=32, encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=64,
+                              num_mel_bins=16, output_dim=32, n_window=4, max_source_positions=64),
+        ),
+        talker_config=dict(text, text_vocab_size=128, embedding_size=32, head_dim=8),
+        token2wav_config=dict(
+            dit_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, ff_mult=1, emb_dim=16,
+                            head_dim=16, enc_emb_dim=16, enc_dim=16, enc_channels=[16, 16, 16, 16, 32],
+                            enc_kernel_sizes=[5, 3, 3, 3, 1], enc_dilations=[1, 2, 3, 4, 1],
+                            enc_attention_channels=8, enc_res2net_scale=2, enc_se_channels=8, mel_dim=16,
+                            repeats=1, num_embeds=32, look_ahead_layers=[0], look_backward_layers=[0]),
+            bigvgan_config=dict(mel_dim=16, upsample_initial_channel=32, resblock_kernel_sizes=[3],
+                                resblock_dilation_sizes=[[1, 3, 5]], upsample_rates=[2], upsample_kernel_sizes=[4]),
+        ),
+    )
+
+
+def test_a_model_class_whose_own_from_pretrained_uses_the_model_loads_fused(tmp_path):
+    """Qwen2.5-Omni's from_pretrained calls ``load_speakers`` on what the base class returns: fusion-core
+    must not turn that into a tuple (``output_loading_info=True``) yet still check the loading report."""
+    import transformers
+
+    config = _tiny_omni_config()
+    if config is None:
+        pytest.skip("this transformers has no Qwen2.5-Omni")
+    omni = transformers.Qwen2_5OmniForConditionalGeneration
+    torch.manual_seed(0)
+    omni(config).save_pretrained(tmp_path)
+    torch.save({"Chelsie": {"cond": torch.zeros(1)}}, tmp_path / "spk_dict.pt")
+    plain = omni.from_pretrained(tmp_path)
+    model, info = fusion_core.from_pretrained(omni, tmp_path, fusion_config=PATCH, output_loading_info=True)
+    assert type(model) is omni and "Chelsie" in model.speaker_map  # the class's own from_pretrained ran to the end
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    path = next(name for name, _ in plain.named_modules() if name.endswith("visual.patch_embed"))
+    fused, original = model.get_submodule(path), plain.get_submodule(path)
+    assert isinstance(fused.proj, PatchLinearMixin)
+    pixels = torch.randn(4, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = original(pixels), fused(pixels)
+    assert (expected - got).abs().max() <= TOLERANCES[torch.float32] * (expected.abs().max() + 1)
