@@ -9,17 +9,30 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from fusion_patch_embeddings import PatchEmbeddingsFamily, PatchEmbeddingsOptions
 from fusion_patch_embeddings.family import PatchLinearMixin
 from pydantic import ConfigDict
 from torch import nn
 
 import fusion_core
-from fusion_core import Flatten, WeightTransform, cli
+from fusion_core import (
+    Flatten,
+    FusedModule,
+    FusionFamily,
+    Stack,
+    TransformOp,
+    Transpose,
+    Unstack,
+    WeightTransform,
+    cli,
+)
+from fusion_core.testing import kit
 
 FAMILY = PatchEmbeddingsFamily()
 
@@ -158,3 +171,182 @@ def test_new_family_refuses_bad_names_and_existing_directories(tmp_path):
     assert cli.main(["new-family", "ok_name", "--dir", str(tmp_path)]) == 0
     assert cli.main(["new-family", "ok_name", "--dir", str(tmp_path)]) == 2
     assert Path(tmp_path / "ok_name" / "tests" / "test_ok_name.py").is_file()
+
+
+# -- custom transform ops: the TransformOp contract ------------------------------------------------
+@dataclass(frozen=True)
+class _WrongShapes(Stack):
+    def forward_shapes(self, shapes):
+        return ((len(shapes), *shapes[0][::-1]),)
+
+
+@dataclass(frozen=True)
+class _SharedSlices(Stack):
+    def inverse(self, tensors, source_shapes):
+        return tuple(torch.unbind(tensors[0], dim=self.dim))  # views of one storage
+
+
+class _NotADataclass(TransformOp):
+    arity = (1, 1)
+
+    def forward_shapes(self, shapes):
+        return (tuple(shapes[0]),)
+
+    def forward(self, tensors):
+        return (tensors[0],)
+
+    def inverse(self, tensors, source_shapes):
+        return (tensors[0],)
+
+
+@dataclass(frozen=True)
+class _TypeErrorOnBadShapes(Unstack):
+    def forward_shapes(self, shapes):
+        if shapes[0][self.dim] != self.n:
+            raise TypeError("wrong")
+        return super().forward_shapes(shapes)
+
+
+def test_shipped_ops_honour_the_op_contract(fusion_conformance):
+    fusion_conformance.transform_op(Stack(3), [(4, 2)] * 3, bad_shapes=[(4, 2), (4, 3), (4, 2)])
+    fusion_conformance.transform_op(Unstack(2, 1), [(4, 2, 5)], bad_shapes=[(4, 3, 5)])
+    fusion_conformance.transform_op(Flatten(1), [(8, 3, 2, 2)], bad_shapes=[(8,)])
+
+
+@pytest.mark.parametrize(
+    ("op", "match"),
+    [
+        (_WrongShapes(2), "forward_shapes"),
+        (_SharedSlices(2), "view of part of an input"),
+        (_NotADataclass(), "must show the op's parameters"),
+        (_Lossy(1), "not restored bit for bit"),
+    ],
+)
+def test_broken_custom_ops_are_caught(fusion_conformance, op, match):
+    with pytest.raises(AssertionError, match=match):
+        fusion_conformance.transform_op(op, [(4, 3)] * op.arity[0] if op.arity[0] > 1 else [(4, 3, 2)])
+
+
+def test_an_op_that_rejects_shapes_with_another_error_is_caught(fusion_conformance):
+    with pytest.raises(AssertionError, match="not ValueError"):
+        fusion_conformance.transform_op(_TypeErrorOnBadShapes(2), [(2, 3)], bad_shapes=[(3, 3)])
+
+
+# -- any model, config=, structured outputs ----------------------------------------------------------
+class _Transposed(FusedModule):
+    def forward(self, input):
+        return input @ self.weight_t + (0 if self.bias is None else self.bias)
+
+
+class _ConfigTransposed(FusionFamily):
+    """Down projections on a transposed weight, only when the model config says so (reads config)."""
+
+    name = "config_transposed"
+    fused_mixin = _Transposed
+    target_modules_patterns = (r"mlp\.down_proj$",)
+
+    def is_fusable(self, module, options):
+        return type(module) is nn.Linear
+
+    def make_transforms(self, config, options):
+        if config is None or config.hidden_size != 32:  # the failure mode of issue 13: [] without a config
+            return []
+        return [WeightTransform(("weight",), ("weight_t",), Transpose(0, 1))]
+
+
+def _linear() -> nn.Module:
+    return nn.Linear(64, 32)
+
+
+def _linear_inputs(dtype):
+    return [torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(dtype)]
+
+
+def test_a_family_that_needs_the_config_gets_it_from_the_model(fusion_conformance):
+    fusion_conformance.check_family(_ConfigTransposed(), _linear, _linear_inputs, tiny_model="llama")
+    with pytest.raises(AssertionError, match="config=None was passed to make_transforms"):
+        fusion_conformance.numerics(_ConfigTransposed(), _linear, _linear_inputs)
+
+
+def test_entry_points_take_a_model_class_and_config_pair(fusion_conformance):
+    pair = (transformers.AutoModelForCausalLM, kit.model_config("mistral"))
+    plan = fusion_conformance.discovery(_ConfigTransposed(), pair)
+    assert [m.path for m in plan.modules] == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    with pytest.raises(AssertionError, match="expected"):
+        fusion_conformance.discovery(_ConfigTransposed(), pair, expected_modules=["model.layers.0.mlp.down_proj"])
+    assert fusion_conformance.fused_load(_ConfigTransposed(), pair).ok
+    with pytest.raises(AssertionError, match="'wrong_numerics' on vivit"):
+        fusion_conformance.fused_load(_WrongNumerics(), (transformers.AutoModel, kit.model_config("vivit")))
+
+
+def test_fused_load_takes_a_checkpoint_directory(fusion_conformance, fusion_tiny_checkpoint):
+    directory = fusion_tiny_checkpoint("qwen2")
+    comparison = fusion_conformance.fused_load(_ConfigTransposed(), directory)
+    assert comparison.ok and comparison.whole_model.ran
+    plan = fusion_conformance.discovery(_ConfigTransposed(), directory)
+    assert plan.modules[0].transforms[0].targets[0].shape == (64, 32)
+
+
+class _Pair(nn.Module):
+    """A block returning (hidden, router_logits), like transformers 4.57's MoE blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.router = nn.Linear(8, 4)
+
+    def forward(self, hidden):
+        return self.proj(hidden), self.router(hidden)
+
+
+class _SameBlock(FusedModule):
+    def forward(self, hidden):
+        return super().forward(hidden)
+
+
+class _RouterOff(FusedModule):
+    def forward(self, hidden):
+        out, logits = super().forward(hidden)
+        return out, logits + 1.0
+
+
+class _PairFamily(FusionFamily):
+    """A family that changes no weight: the forward of a tuple-returning block."""
+
+    name = "pair_block"
+    fused_mixin = _SameBlock
+
+    def is_fusable(self, module, options):
+        return isinstance(module, _Pair) or "SparseMoeBlock" in type(module).__name__
+
+
+class _BrokenRouter(_PairFamily):
+    name = "broken_router"
+    fused_mixin = _RouterOff
+
+
+def test_tuple_outputs_are_compared_in_full(fusion_conformance):
+    inputs = lambda dtype: [torch.randn(5, 8, dtype=dtype)]  # noqa: E731
+    fusion_conformance.numerics(_PairFamily(), _Pair, inputs)
+    with pytest.raises(AssertionError, match="differs by"):
+        fusion_conformance.numerics(_BrokenRouter(), _Pair, inputs)
+
+
+def test_an_moe_block_of_a_tiny_model_is_checked_whatever_it_returns(fusion_conformance):
+    make = kit.module_factory("olmoe", "model.layers.0.mlp")
+    inputs = lambda dtype: [torch.randn(1, 3, 32, generator=torch.Generator().manual_seed(0)).to(dtype)]  # noqa: E731
+    fusion_conformance.numerics(_PairFamily(), make, inputs)
+    plan = fusion_conformance.discovery(_PairFamily(), "olmoe")
+    assert [m.path for m in plan.modules] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+
+
+def test_text_and_moe_tiny_models_are_accepted_everywhere(fusion_tiny_checkpoint):
+    from fusion_core.testing.tiny_models import MOE_MODELS, TEXT_MODELS, TINY_MODELS
+
+    for name in ("llama", "mistral", "mixtral", "qwen2_moe"):
+        assert kit.resolve_model(name).config.model_type == name
+    assert (fusion_tiny_checkpoint("mistral") / "config.json").is_file()
+    with pytest.raises(KeyError, match="tiny models: qwen2_vl"):
+        kit.resolve_model("no_such_model")
+    # One namespace: no name in two tables.
+    assert len({*TINY_MODELS, *TEXT_MODELS, *MOE_MODELS}) == sum(map(len, (TINY_MODELS, TEXT_MODELS, MOE_MODELS)))

@@ -66,7 +66,8 @@ def resolve_model(model: ModelSource, config: Any = None) -> ModelUnderTest:
     if isinstance(model, tuple):
         if len(model) != 2 or not isinstance(model[0], type):
             raise TypeError(f"a model pair is (model_class, config), got {model!r}")
-        return ModelUnderTest(model[0].__name__, model[0], config if config is not None else model[1])
+        config = config if config is not None else model[1]
+        return ModelUnderTest(getattr(config, "model_type", None) or model[0].__name__, model[0], config)
     if isinstance(model, os.PathLike) or (isinstance(model, str) and Path(model).is_dir()):
         from fusion_core.commands._common import resolve_checkpoint
 
