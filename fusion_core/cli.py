@@ -157,8 +157,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 (row.get("dtype") or "-") if i == 0 else "",
                 row["op"] if i == 0 else "",
             ))
-    print(f"\n{len(result['transforms'])} checkpoint tensor group(s) would be transformed:\n")
-    print(table(("ORIGINAL KEY", "SHAPE", "", "FUSED KEY", "SHAPE", "DTYPE", "OP"), rows))
+    if rows:
+        print(f"\n{len(result['transforms'])} checkpoint tensor group(s) would be transformed:\n")
+        print(table(("ORIGINAL KEY", "SHAPE", "", "FUSED KEY", "SHAPE", "DTYPE", "OP"), rows))
+    else:
+        print("\nNo checkpoint tensor changes: the fused modules run on the original weights.")
     checkpoint = result["checkpoint"]
     if checkpoint["error"]:
         print(f"\nCheckpoint does not match the plan: {checkpoint['error']}")
