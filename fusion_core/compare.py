@@ -37,6 +37,13 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+__all__ = [
+    "TOLERANCES", "Comparison", "Inputs", "ModuleReport", "RoundTripReport", "SampleInputs", "WholeModelReport",
+    "checkpoint_tensors", "compare_checkpoints", "compare_models", "compare_outputs", "iter_checkpoint_tensors",
+    "median_seconds", "model_inputs", "relative_error", "round_trip", "synthetic_inputs", "tensors_of",
+    "tower_inputs",
+]
+
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 """One call of a module: ``(args, kwargs)``."""
 

@@ -17,6 +17,7 @@ from fusion_core import cli
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import compat  # noqa: E402  (repository tooling: scripts/compat.py)
+import gen_api  # noqa: E402  (repository tooling: scripts/gen_api.py)
 
 DOCS = ROOT / "docs"
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
@@ -86,3 +87,23 @@ def test_compatibility_matrix_is_current():
     assert (DOCS / "compatibility.md").read_text() == compat.render(recorded), hint
     assert all(cell == "pass" for cell in (r["patch_embeddings"] for r in matrix["results"].values())
                if cell != "absent")
+
+
+def test_api_reference_is_current():
+    assert (DOCS / "api.md").read_text() == gen_api.render(), (
+        f"docs/api.md is stale: regenerate with {sys.executable} scripts/gen_api.py"
+    )
+
+
+def test_api_reference_covers_every_public_name():
+    import fusion_core
+    from fusion_core.testing import kit, pytest_plugin
+
+    text = (DOCS / "api.md").read_text()
+    names = [n for n in fusion_core.__all__ if n != "__version__"] + kit.__all__ + pytest_plugin.__all__
+    names += [f"Conformance.{m}" for m in vars(pytest_plugin.Conformance) if not m.startswith("_")]
+    names += [f"{cls}.{m}" for cls in ("TransformOp", "FusionFamily") for m in ("forward_shapes", "make_transforms")
+              if m in vars(getattr(fusion_core, cls))]
+    names += ["register_fusion_families", "SampleInputs", "compare_models", "ALL_TINY_MODELS", "tiny_model"]
+    missing = [n for n in names if f"`{n}" not in text]
+    assert not missing, f"docs/api.md lacks {missing}"

@@ -59,8 +59,9 @@ your own fusion. The four parts of a family:
 1. ``is_fusable(module, options)``: is this (meta-device) module something the fused class
    computes exactly? Decide from the module itself, never from names alone.
 2. ``target_modules_patterns``: optional regexes that pre-filter module paths.
-3. ``make_fused_class(original_cls, options)``: a subclass of the original class that does not
-   override ``__init__``; ``fusion_finalize()`` runs once the fused tensors are in place.
+3. ``fused_mixin``: the fused behaviour, mixed into a subclass of each original class (the
+   default ``make_fused_class``); it does not override ``__init__``, and ``fusion_finalize()``
+   runs once the fused tensors are in place.
 4. ``make_transforms(config, options)``: module-relative weight transforms from the original
    checkpoint layout to the fused one; fusion-core inverts them to save the original layout.
 """
@@ -98,23 +99,19 @@ class {cls}(FusionFamily):
 
     name = "{name}"
     options_model = {cls}Options
+    # The default make_fused_class mixes this into a subclass of each original class, keeping
+    # the class name (transformers and accelerate match some lists by name). Override
+    # make_fused_class only when one mixin is not enough.
+    fused_mixin = TransposedLinearMixin
     target_modules_patterns = ()
 
-    def __init__(self) -> None:
-        self._classes: dict[type[nn.Module], type[nn.Module]] = {{}}
-
     def is_fusable(self, module: nn.Module, options: Any) -> bool:
+        # Exact class check: a subclass may compute something else (see docs/recipes.md).
         return type(module) is nn.Linear and module.in_features >= options.min_features
 
-    def make_fused_class(self, original_cls: type[nn.Module], options: Any) -> type[nn.Module]:
-        fused = self._classes.get(original_cls)
-        if fused is None:
-            # Keep the original class name: transformers and accelerate match some lists by name.
-            fused = type(original_cls.__name__, (TransposedLinearMixin, original_cls), {{"__module__": __name__}})
-            self._classes[original_cls] = fused
-        return fused
-
     def make_transforms(self, config: Any, options: Any) -> list[WeightTransform]:
+        # ``config`` is the model's PretrainedConfig in a real load (None in module-level kit
+        # checks unless the test passes config=).
         return [WeightTransform(("weight",), ("weight_t",), Transpose(0, 1))]
 '''
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ __all__ = [
     "registered", "relative_error", "resolve_model",
 ]
 
-ModelSource = Union[str, "os.PathLike[str]", tuple[Any, Any]]
+ModelSource = str | os.PathLike[str] | tuple[Any, Any]
 """A tiny-model name, a ``(model_class, config)`` pair, or a checkpoint directory."""
 
 Inputs = Sequence[Any] | Mapping[str, Any] | tuple[Sequence[Any], Mapping[str, Any]]

@@ -39,6 +39,8 @@ from typing import Any
 
 import pytest
 
+__all__ = ["Conformance", "fusion_conformance", "fusion_registered", "fusion_tiny_checkpoint"]
+
 
 class Conformance:
     """The conformance checks of :mod:`fusion_core.testing.kit`, bound to one test's ``tmp_path``.

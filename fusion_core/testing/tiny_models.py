@@ -21,6 +21,11 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "ALL_TINY_MODELS", "MOE_MODELS", "TEXT_MODELS", "TINY_MODELS", "TinyModel", "TinyTextModel", "auto_class",
+    "save_tiny_model", "tiny_model",
+]
+
 _TEXT = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     vocab_size=128, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
