@@ -1,0 +1,249 @@
+"""Multi-process scenarios for tests/test_distributed.py: real gloo process groups on CPU.
+
+``python tests/distributed_worker.py SCENARIO WORLD OUT`` saves a tiny checkpoint, spawns WORLD
+processes (``torch.multiprocessing``), and each rank runs SCENARIO and writes ``OUT/rank<r>.json``:
+``{check: [ok, detail]}``. Every check compares with the *unfused* model loaded in one process
+(no constants). One process group runs many checks, because each spawn costs seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+FUSION = {"qkv": True, "gate_up": True}
+Checks = dict[str, list[Any]]
+
+
+def text_config(world: int) -> Any:
+    """A GQA Qwen2 (q/k/v with biases) whose q and k/v heads split evenly over ``world`` ranks.
+
+    Qwen2, not Llama with ``attention_bias``: 4.57's rowwise style renames a rowwise bias in
+    ``state_dict`` after a forward (``o_proj._bias``), unfused or not.
+    """
+    from transformers import Qwen2Config
+
+    kv = world  # one k/v head per rank, two q heads per rank
+    return Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2 * kv, num_key_value_heads=kv,
+        head_dim=8, vocab_size=128, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+
+
+def is_tf5() -> bool:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0]) >= 5
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().float() - b.detach().float()).abs().max())
+
+
+def close(checks: Checks, name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-5) -> None:
+    diff = max_diff(actual, expected) if actual.shape == expected.shape else float("inf")
+    checks[name] = [diff <= tol, f"max |diff| {diff:.3g} (shapes {tuple(actual.shape)} vs {tuple(expected.shape)})"]
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.state_dict().items()}
+
+
+def same_state(checks: Checks, name: str, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+               tol: float = 1e-5, exact: bool = False) -> None:
+    if actual.keys() != expected.keys():
+        checks[name] = [False, f"keys differ: {sorted(actual.keys() ^ expected.keys())[:6]}"]
+        return
+    worst = max(expected, key=lambda k: max_diff(actual[k], expected[k]))
+    diff = max_diff(actual[worst], expected[worst])
+    ok = all(torch.equal(actual[k], expected[k]) for k in expected) if exact else diff <= tol
+    checks[name] = [ok, f"worst {worst}: max |diff| {diff:.3g}"]
+
+
+def saved(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def refused(checks: Checks, name: str, load: Callable[[], Any], *needles: str) -> None:
+    from fusion_core import FusionLoadError
+
+    try:
+        load()
+    except FusionLoadError as exc:
+        checks[name] = [all(n in str(exc) for n in needles), str(exc)]
+    else:
+        checks[name] = [False, "loaded without an error"]
+
+
+def sgd_step(model: torch.nn.Module, ids: torch.Tensor) -> float:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(loss.detach())
+
+
+# -- tensor parallelism ----------------------------------------------------------------------------
+def tensor_parallel(rank: int, world: int, path: Path, out: Path) -> Checks:
+    """Fused qkv+gate_up under transformers' tensor parallelism, against the unfused model in one process."""
+    from transformers import AutoModelForCausalLM
+
+    import fusion_core
+
+    checks: Checks = {}
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = torch.tensor([[1, 5, 7, 9, 11, 3], [1, 4, 8, 16, 32, 64]])
+
+    def load(**kwargs: Any) -> Any:
+        return fusion_core.from_pretrained(AutoModelForCausalLM, path, fusion_config=FUSION, **kwargs)
+
+    fused = load(tp_plan="auto")
+    attention = fused.model.layers[1].self_attn
+    ref_attention = reference.model.layers[1].self_attn
+    own = [getattr(ref_attention, p).weight.chunk(world)[rank] for p in ("q_proj", "k_proj", "v_proj")]
+    close(checks, "merged weight is [q_r; k_r; v_r]", attention.qkv_proj.weight.to_local(), torch.cat(own), tol=0)
+    own_bias = [getattr(ref_attention, p).bias.chunk(world)[rank] for p in ("q_proj", "k_proj", "v_proj")]
+    close(checks, "merged bias is [q_r; k_r; v_r]", attention.qkv_proj.bias.to_local(), torch.cat(own_bias), tol=0)
+    with torch.no_grad():
+        close(checks, "logits (tp_plan='auto')", fused(ids).logits, reference(ids).logits)
+    generated = fused.generate(ids[:1], max_new_tokens=6, do_sample=False)
+    expected = reference.generate(ids[:1], max_new_tokens=6, do_sample=False)
+    checks["generate"] = [torch.equal(generated, expected), f"{generated.tolist()} vs {expected.tolist()}"]
+
+    fusion_core.save_pretrained(fused, out / "saved")
+    if rank == 0:
+        same_state(checks, "save: original layout, same bytes", saved(out / "saved"), saved(path), exact=True)
+
+    fused.train()
+    reference.train()
+    loss, ref_loss = sgd_step(fused, ids), sgd_step(reference, ids)
+    checks["training loss"] = [abs(loss - ref_loss) <= 1e-5, f"{loss} vs {ref_loss}"]
+    same_state(checks, "trained weights (state_dict, original layout)", full_state(fused), reference.state_dict())
+    fusion_core.save_pretrained(fused, out / "trained")
+    if rank == 0:
+        same_state(checks, "save after training", saved(out / "trained"), reference.state_dict())
+
+    # The other spellings of a plan: the newer 5.x argument, and an explicit plan.
+    plan = {f"model.layers.*.{p}": style for p, style in (
+        ("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise"), ("self_attn.v_proj", "colwise"),
+        ("self_attn.o_proj", "rowwise"), ("mlp.gate_proj", "colwise"), ("mlp.up_proj", "colwise"),
+        ("mlp.down_proj", "rowwise"),
+    )}
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()  # untrained again
+    if is_tf5():
+        from transformers.distributed import DistributedConfig
+
+        spelled = load(distributed_config=DistributedConfig(tp_size=world))
+        with torch.no_grad():
+            close(checks, "logits (DistributedConfig)", spelled(ids).logits, reference(ids).logits)
+        explicit = load(tp_plan=plan)
+        bad = dict(plan, **{"model.layers.*.self_attn.k_proj": "colwise_gather_output"})
+        refuse = lambda: load(tp_plan=bad)  # noqa: E731
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+        config.base_model_tp_plan = {k.removeprefix("model."): v for k, v in plan.items()}
+        explicit = load(tp_plan="auto", config=config)
+        bad_config = AutoConfig.from_pretrained(path)
+        bad_config.base_model_tp_plan = dict(config.base_model_tp_plan, **{"layers.*.self_attn.k_proj": "colwise_rep"})
+        refuse = lambda: load(tp_plan="auto", config=bad_config)  # noqa: E731
+    with torch.no_grad():
+        close(checks, "logits (explicit plan)", explicit(ids).logits, reference(ids).logits)
+    refused(checks, "a gathered k_proj is refused", refuse, "model.layers.0.self_attn", "k_proj", "colwise")
+    return checks
+
+
+# -- data parallelism --------------------------------------------------------------------------------
+def data_parallel(rank: int, world: int, path: Path, out: Path) -> Checks:
+    """DDP and FSDP2 training steps: the fused model against the unfused one, same group, same batches."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import AutoModelForCausalLM
+
+    import fusion_core
+
+    checks: Checks = {}
+    ids = torch.tensor([[1, 5, 7, 9, 11, 3], [1, 4, 8, 16, 32, 64]])[rank % 2 :: 2]  # each rank its own batch
+
+    def models() -> tuple[Any, Any]:
+        fused = fusion_core.from_pretrained(AutoModelForCausalLM, path, fusion_config=FUSION).train()
+        return fused, AutoModelForCausalLM.from_pretrained(path).train()
+
+    fused, plain = models()
+    merged = [type(m).__name__ for m in fused.modules() if "fused_projection" in dir(type(m))]
+    checks["the model is fused"] = [len(merged) == 2 * len(fused.model.layers), f"merged modules: {merged}"]
+    losses = [sgd_step(DistributedDataParallel(m), ids) for m in (fused, plain)]
+    checks["DDP loss"] = [abs(losses[0] - losses[1]) <= 1e-5, f"{losses}"]
+    same_state(checks, "DDP trained weights", fused.state_dict(), plain.state_dict())
+
+    fused, plain = models()
+    for model in (fused, plain):
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    losses = [sgd_step(m, ids) for m in (fused, plain)]
+    checks["FSDP2 loss"] = [abs(losses[0] - losses[1]) <= 1e-5, f"{losses}"]
+    same_state(checks, "FSDP2 trained weights", full_state(fused), full_state(plain))
+    fusion_core.save_pretrained(fused, out / "fsdp")
+    plain_state = full_state(plain)
+    if rank == 0:
+        same_state(checks, "save after FSDP2 training", saved(out / "fsdp"), plain_state)
+    return checks
+
+
+SCENARIOS = {"tensor_parallel": tensor_parallel, "data_parallel": data_parallel}
+
+
+def run_rank(rank: int, world: int, scenario: str, path: str, out: str, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        checks = SCENARIOS[scenario](rank, world, Path(path), Path(out))
+    except Exception:
+        checks = {"scenario ran": [False, traceback.format_exc()]}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(checks, indent=1))
+    dist.destroy_process_group()
+
+
+def main(scenario: str, world: int, out: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    path = Path(tempfile.mkdtemp(prefix="fusion-dist-ckpt-"))
+    AutoModelForCausalLM.from_config(text_config(world)).save_pretrained(path)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out.mkdir(parents=True, exist_ok=True)
+    mp.spawn(run_rank, args=(world, scenario, str(path), str(out), port), nprocs=world)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]))

@@ -1,0 +1,115 @@
+"""Fused models under tensor parallelism, DDP and FSDP2, in real gloo process groups on CPU.
+
+Each multi-process test spawns one process group (tests/distributed_worker.py) that runs a whole
+scenario and reports its checks; every check compares with the unfused model. The rules'
+refusals are checked here in-process too, with a stand-in plan lookup, because they decide
+before any tensor is sharded.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fusion_gate_up.family import GateUpFamily
+from fusion_patch_embeddings.family import PatchEmbeddingsFamily
+from fusion_qkv.family import QkvFamily, QkvOptions
+from torch import nn
+
+import fusion_core
+from fusion_core.parallel import PackedColwise, Replicated, TensorParallelRefusal, check_tensor_parallel_rule
+from fusion_core.transforms import Concat, WeightTransform, bind_transforms
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+
+
+def run_scenario(scenario: str, world: int, tmp_path: Path) -> None:
+    """Run a scenario on ``world`` processes; fail with every rank's failed checks."""
+    result = subprocess.run(
+        [sys.executable, str(WORKER), scenario, str(world), str(tmp_path)],
+        capture_output=True, text=True, timeout=900,
+    )
+    reports = {rank: tmp_path / f"rank{rank}.json" for rank in range(world)}
+    missing = [rank for rank, file in reports.items() if not file.exists()]
+    assert result.returncode == 0 and not missing, f"ranks {missing} reported nothing:\n{result.stderr[-4000:]}"
+    failed = {}
+    for rank, file in reports.items():
+        checks = json.loads(file.read_text())
+        assert checks, f"rank {rank} ran no check"
+        failed.update({f"rank {rank}: {name}": detail for name, (ok, detail) in checks.items() if not ok})
+    assert not failed, "\n".join(f"{name}: {detail}" for name, detail in failed.items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_fused_load_runs_generates_trains_and_saves(world: int, tmp_path: Path) -> None:
+    """tp_plan='auto' (and, at world 2, the 5.x DistributedConfig spelling and an explicit plan)."""
+    run_scenario("tensor_parallel", world, tmp_path)
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp2_training_steps_match_the_unfused_model(tmp_path: Path) -> None:
+    run_scenario("data_parallel", 2, tmp_path)
+
+
+# -- the rules, in-process ----------------------------------------------------------------------------
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dim = 4
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(8, 16), nn.Linear(8, 8), nn.Linear(8, 8)
+
+
+def attention_plan() -> tuple[Attention, object]:
+    from fusion_core.transforms import ModulePlan
+
+    module = Attention()
+    shapes = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+    transforms = bind_transforms("qkv", "layers.0.attn", shapes, QkvFamily().make_transforms(None, QkvOptions()))
+    return module, ModulePlan("qkv", "layers.0.attn", Attention, Attention, transforms)
+
+
+def test_packed_colwise_refuses_parts_planned_differently() -> None:
+    module, plan = attention_plan()
+    styles = {"layers.0.attn.q_proj.weight": "colwise", "layers.0.attn.k_proj.weight": "colwise_rep"}
+    rule = PackedColwise(("q_proj", "k_proj", "v_proj"), "qkv_proj")
+    with pytest.raises(TensorParallelRefusal, match=r"k_proj.weight': 'colwise_rep'.*only when every one is 'colwise'"):
+        rule.localize(module, plan, styles.get)
+
+
+def test_packed_colwise_needs_loaded_shards() -> None:
+    module, plan = attention_plan()
+    rule = PackedColwise(("q_proj", "k_proj", "v_proj"), "qkv_proj")
+    with pytest.raises(TensorParallelRefusal, match="'layers.0.attn.q_proj.weight' is planned 'colwise' but was not"):
+        rule.localize(module, plan, lambda name: "colwise")
+
+
+def test_unplanned_modules_stay_unsharded_and_replicated_refuses_a_plan() -> None:
+    module, plan = attention_plan()
+    rule = PackedColwise(("q_proj", "k_proj", "v_proj"), "qkv_proj")
+    assert rule.localize(module, plan, lambda name: None) is None
+    with pytest.raises(TensorParallelRefusal, match="'layers.0.attn.v_proj.bias' is planned 'rowwise'.*unsharded only"):
+        Replicated().localize(module, plan, {"layers.0.attn.v_proj.bias": "rowwise"}.get)
+
+
+@pytest.mark.parametrize("family", [QkvFamily, GateUpFamily, PatchEmbeddingsFamily])
+def test_shipped_families_declare_a_consistent_rule(family: type) -> None:
+    assert check_tensor_parallel_rule(family()) is not None
+
+
+def test_a_rule_that_contradicts_the_transforms_is_caught() -> None:
+    class Wrong:
+        name = "wrong"
+        options_model = fusion_core.FamilyOptions
+        tensor_parallel = PackedColwise(("q_proj", "k_proj"), "qk_proj")
+
+        def make_transforms(self, config: object, options: object) -> list[WeightTransform]:
+            return [WeightTransform(("k_proj.weight", "q_proj.weight"), ("qk_proj.weight",), Concat(n=2, dim=0))]
+
+    with pytest.raises(AssertionError, match="not \\('q_proj', 'k_proj'\\) in order"):
+        check_tensor_parallel_rule(Wrong())
