@@ -137,9 +137,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0 if result["ok"] else 1
     print(f"{result['model_dir']}: {result['model_class']}, {result['layout']} layout; "
           f"fusion_config {json.dumps(result['fusion_config'])}")
+    if result["skipped"]:
+        print(f"\nSkipped, nothing to fuse (required=False): {', '.join(result['skipped'])}")
     if not result["modules"]:
-        print(f"\nNothing to fuse: {result['error']}")
-        return 1
+        print(f"\nNothing to fuse: {result['error'] or 'every family was skipped'}")
+        return 0 if result["ok"] else 1
     print(f"\n{len(result['modules'])} module(s) of {result['scanned_modules']} would be replaced:\n")
     print(table(("MODULE", "FAMILY", "ORIGINAL CLASS", "FUSED CLASS"),
                 [(m["module"], m["family"], m["original_class"], m["fused_class"]) for m in result["modules"]]))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -30,6 +29,7 @@ from fusion_core.config import FusionConfig
 from fusion_core.errors import DiscoveryError, PlanError
 from fusion_core.layout import fuse_instance
 from fusion_core.patching import LOAD_LOCK, ClassRoute, no_routing
+from fusion_core.patterns import search_any
 from fusion_core.plugins import PluginSource, RegisteredFamily
 from fusion_core.spec import FamilyOptions
 from fusion_core.transforms import FusionPlan, ModulePlan, WeightTransform, bind_transforms
@@ -127,11 +127,12 @@ def discover(model_cls: Any, config: Any, fusion_config: FusionConfig) -> Discov
 
 
 def _module_selected(path: str, patterns: Sequence[str], options: FamilyOptions) -> bool:
-    if patterns and not any(re.search(p, path) for p in patterns):
+    # Linear-time matching: options can come from a downloaded config.json (see fusion_core.patterns).
+    if patterns and not search_any(patterns, path):
         return False
-    if options.target_modules is not None and not any(re.search(p, path) for p in options.target_modules):
+    if options.target_modules is not None and not search_any(options.target_modules, path):
         return False
-    return not any(re.search(p, path) for p in options.exclude_modules)
+    return not search_any(options.exclude_modules, path)
 
 
 def _fused_class(family: RegisteredFamily, original: type[nn.Module], options: FamilyOptions) -> type[nn.Module]:
@@ -177,6 +178,7 @@ def _discover(
     meta_model = build_meta_model(model_cls, config)
     modules = list(meta_model.named_modules())
     plans: list[ModulePlan] = []
+    skipped: list[str] = []
     class_owner: dict[type[nn.Module], tuple[str, type[nn.Module]]] = {}
     for family, options in families:
         where = f"family {family.name!r} ({family.source})"
@@ -198,6 +200,9 @@ def _discover(
                 chosen.append((path, module))
             elif fusable is not False:
                 raise DiscoveryError(f"{where}: is_fusable must return a bool, got {fusable!r} for {path!r}")
+        if not chosen and not options.required:
+            skipped.append(family.name)
+            continue
         if not chosen:
             raise DiscoveryError(
                 f"{where} found nothing to fuse in {type(meta_model).__name__}: {len(modules)} modules, "
@@ -222,7 +227,7 @@ def _discover(
                 raise PlanError(f"{exc} [{family.source}]") from None
             plans.append(ModulePlan(family.name, path, original, fused, bound, tuple(leaves)))
     order = {path: i for i, (path, _) in enumerate(modules)}
-    plan = FusionPlan(tuple(sorted(plans, key=lambda p: order[p.path])))
+    plan = FusionPlan(tuple(sorted(plans, key=lambda p: order[p.path])), skipped=tuple(skipped))
     by_path = plan.by_path()
     routes: dict[type[nn.Module], ClassRoute] = {}
     for original, (_, fused) in class_owner.items():

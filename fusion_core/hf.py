@@ -24,6 +24,7 @@ import contextvars
 import functools
 import itertools
 import json
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -51,6 +52,8 @@ from fusion_core.record import (
 from fusion_core.transforms import FusionPlan, ModulePlan
 
 PLAN_ATTRIBUTE = "_fusion_plan"
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["LOAD_LOCK", "from_pretrained", "get_fusion_plan", "save_pretrained"]
 
@@ -98,6 +101,9 @@ def from_pretrained(
         with LOAD_LOCK:
             return model_cls.from_pretrained(name_or_path, config=config, output_loading_info=want_info, **kwargs)
     discovery = discover(model_cls, config, fusion)
+    for name in discovery.plan.skipped:
+        logger.warning("fusion family %r found nothing to fuse in %s and is left out (required=False)", name,
+                       discovery.model_class.__name__)
     if local.is_dir():
         check_checkpoint(local / kwargs.get("subfolder", ""), discovery.plan, fused_dir)
     on_built = convert_to_fused if fused_dir else None

@@ -28,6 +28,7 @@ from pydantic import BaseModel
 
 from fusion_core import hookspecs
 from fusion_core.errors import PluginError, UnknownFamilyError
+from fusion_core.patterns import compile_pattern
 from fusion_core.spec import FamilyOptions, ModuleFusionSpec
 
 ENTRY_POINT_GROUP = "fusion_core"
@@ -117,8 +118,8 @@ def validate_spec(spec: object) -> ModuleFusionSpec:
         raise TypeError(f"family {spec.name!r}: target_modules_patterns must be a sequence of regexes, not a str")
     for pattern in patterns:
         try:
-            re.compile(pattern)
-        except (re.error, TypeError) as exc:
+            compile_pattern(pattern)
+        except (ValueError, TypeError) as exc:
             raise ValueError(
                 f"family {spec.name!r}: invalid target_modules_patterns entry {pattern!r}: {exc}"
             ) from None

@@ -18,7 +18,6 @@ layout), switches its class, applies the family's transforms to its tensors, and
 from __future__ import annotations
 
 import importlib
-import re
 import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -26,6 +25,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
+from fusion_core.patterns import compile_pattern
 from fusion_core.transforms import WeightTransform
 
 
@@ -34,7 +34,12 @@ class FamilyOptions(BaseModel):
 
     ``target_modules`` and ``exclude_modules`` are regular expressions searched in module paths
     (``model.visual.patch_embed.proj``), the way PEFT scopes adapters: a module is considered only
-    when it matches one of ``target_modules`` (when given) and none of ``exclude_modules``.
+    when it matches one of ``target_modules`` (when given) and none of ``exclude_modules``. They
+    run on RE2, in time linear in the path (see :mod:`fusion_core.patterns`).
+
+    ``required`` (default True) makes a family that finds nothing to fuse in a model an error,
+    the way PEFT treats ``target_modules`` that match nothing; ``required=False`` skips the
+    family for that model instead, with a warning, so one ``fusion_config`` serves many models.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -45,16 +50,18 @@ class FamilyOptions(BaseModel):
     exclude_modules: tuple[str, ...] = Field(
         default=(), description="Regexes; module paths matching any of them are left alone."
     )
+    required: bool = Field(
+        default=True,
+        description="False: a model in which the family finds nothing to fuse loads without it (a warning), "
+        "instead of raising DiscoveryError.",
+    )
 
     @field_validator("target_modules", "exclude_modules")
     @classmethod
     def _patterns_compile(cls, patterns: tuple[str, ...] | None) -> tuple[str, ...] | None:
-        """A bad regex is a config error here, not a ``re.error`` from deep inside discovery."""
+        """A bad regex is a config error here, not an error from deep inside discovery."""
         for pattern in patterns or ():
-            try:
-                re.compile(pattern)
-            except re.error as exc:
-                raise ValueError(f"invalid regular expression {pattern!r}: {exc}") from None
+            compile_pattern(pattern)
         return patterns
 
 

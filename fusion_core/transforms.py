@@ -319,9 +319,13 @@ class ModulePlan:
 
 @dataclass(frozen=True)
 class FusionPlan:
-    """All module plans of one load, in model order; checked for overlapping claims on creation."""
+    """All module plans of one load, in model order; checked for overlapping claims on creation.
+
+    ``skipped`` names the families that found nothing to fuse and were left out (``required=False``).
+    """
 
     modules: tuple[ModulePlan, ...] = ()
+    skipped: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_conflicts(self.modules)

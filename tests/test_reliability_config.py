@@ -254,3 +254,69 @@ def test_conflicting_families_are_a_plan_error_before_loading(families, spy, qwe
         fusion_core.from_pretrained(QWEN, directory, fusion_config={"patch_embeddings": True, "copycat": True})
     assert spy["from_pretrained"] == 0  # only the meta-device discovery model was built
     assert installed_classes() == []
+
+
+# -- patterns from files run in linear time ------------------------------------------------------------------
+
+_LOAD_SCRIPT = """
+import sys
+import fusion_core
+from fusion_core.testing.tiny_models import TINY_MODELS, auto_class
+try:
+    fusion_core.from_pretrained(auto_class(TINY_MODELS["qwen2_vl"]), sys.argv[1])
+except fusion_core.FusionError as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.parametrize("option", ["target_modules", "exclude_modules"])
+def test_a_catastrophic_pattern_in_a_downloaded_config_does_not_hang_loading(option, qwen_dir, tmp_path):
+    """``(.*.*)*X`` backtracks for minutes in Python's re on a 30-character path. Loading runs in a
+    subprocess under a timeout (a bound, not a measurement): with linear-time matching it ends at once."""
+    import subprocess
+    import sys
+
+    directory = tmp_path / "downloaded"
+    shutil.copytree(qwen_dir, directory)
+    config = json.loads((directory / "config.json").read_text())
+    options = {option: ["(.*.*)*X"]}
+    config["fusion_core"] = {"fusion_config": {"patch_embeddings": options}}
+    (directory / "config.json").write_text(json.dumps(config))
+    try:
+        result = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, str(directory)], capture_output=True,
+                                text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"loading with {options} did not finish within 240 s")
+    assert result.returncode == 0, result.stderr[-2000:]
+    if option == "target_modules":  # the pattern matches no module path: nothing to fuse, said so
+        assert "DiscoveryError" in result.stdout and "0 passed the name patterns" in result.stdout
+    else:  # it excludes nothing: the load is fused
+        assert result.stdout == ""
+
+
+@pytest.mark.parametrize("pattern", [r"(?=visual)patch", r"(proj)\1"])
+def test_patterns_that_cannot_run_in_linear_time_are_refused_at_validation(pattern):
+    with pytest.raises(ValidationError, match="invalid regular expression") as info:
+        fusion_core.parse_fusion_config({"patch_embeddings": {"target_modules": [pattern]}})
+    assert info.value.errors()[0]["loc"] == ("patch_embeddings", "target_modules")
+
+
+# -- a family that finds nothing to fuse -----------------------------------------------------------------------
+
+def test_a_family_that_is_not_required_is_skipped_where_it_finds_nothing(qwen_dir, caplog):
+    """One fusion_config across a fleet: required=False skips the family, in the plan and in a warning;
+    the default still raises."""
+    absent = {"patch_embeddings": {"target_modules": ["no_such_module"]}}
+    with pytest.raises(fusion_core.DiscoveryError, match="found nothing to fuse"):
+        fusion_core.from_pretrained(QWEN, qwen_dir, fusion_config=absent)
+    skipped = {"patch_embeddings": {"target_modules": ["no_such_module"], "required": False}}
+    with caplog.at_level("WARNING", logger="fusion_core"):
+        model = fusion_core.from_pretrained(QWEN, qwen_dir, fusion_config=skipped)
+    assert type(model.model.visual.patch_embed.proj) is nn.Conv3d
+    plan = fusion_core.get_fusion_plan(model)
+    assert plan.modules == () and plan.skipped == ("patch_embeddings",)
+    assert "'patch_embeddings' found nothing to fuse" in caplog.text and "required=False" in caplog.text
+    assert model.config.fusion_core == {"fusion_config": skipped}
+    fused = fusion_core.from_pretrained(QWEN, qwen_dir, fusion_config={"patch_embeddings": {"required": False}})
+    assert fusion_core.get_fusion_plan(fused).skipped == ()
+    assert type(fused.model.visual.patch_embed.proj) is not nn.Conv3d

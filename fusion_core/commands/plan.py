@@ -37,6 +37,7 @@ def run_plan(
         "error": None,
         "error_type": None,
         "modules": [],
+        "skipped": [],
         "transforms": [],
         "checkpoint": {"checked": False, "error": None},
     }
@@ -48,6 +49,7 @@ def run_plan(
     plan = discovery.plan
     result["ok"] = True
     result["scanned_modules"] = discovery.scanned_modules
+    result["skipped"] = list(plan.skipped)
     result["modules"] = [
         {
             "family": m.family,
