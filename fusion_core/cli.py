@@ -9,7 +9,8 @@
     fusion new-family NAME [--dir DIR]            scaffold a plugin distribution
 
 Every command takes ``--json`` (machine-readable output on stdout). Exit status: 0 success,
-1 a failed check or an error naming its cause, 2 a usage error.
+1 a failed check or an error naming its cause, 2 a usage error. When the reader of stdout goes away
+(``fusion list --json | head -1``) the command stops quietly with status 1, as Python's own tools do.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from itertools import zip_longest
@@ -341,7 +343,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         transformers.logging.disable_progress_bar()
     try:
-        return int(args.func(args))
+        status = int(args.func(args))
+        sys.stdout.flush()  # here, so that a closed pipe is met inside this try, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        # The reader closed stdout: nothing more can be said. Point stdout at /dev/null so the
+        # interpreter's final flush of what is still buffered does not fail a second time.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (FusionError, ValidationError, OSError) as exc:
         status = 2 if isinstance(exc, UsageError) else 1
         if getattr(args, "json", False):

@@ -243,6 +243,19 @@ def test_list_shows_where_each_family_comes_from():
     assert "LOCATION" in out and family["location"] in out
 
 
+@pytest.mark.parametrize("args", [["list", "--json"], ["list"]])
+def test_a_closed_pipe_ends_the_command_quietly(args):
+    """``fusion list --json | head -1``: the reader is gone before anything is written."""
+    read_end, write_end = os.pipe()
+    process = subprocess.Popen([sys.executable, "-m", "fusion_core", *args], stdout=write_end,
+                               stderr=subprocess.PIPE, text=True)
+    os.close(write_end)
+    os.close(read_end)  # long before the command has imported what it needs and printed
+    _, stderr = process.communicate(timeout=600)
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+    assert process.returncode == 1
+
+
 def test_every_command_takes_json():
     parser = cli.build_parser()
     commands = parser._subparsers._group_actions[0].choices
