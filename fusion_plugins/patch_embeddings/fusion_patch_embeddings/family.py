@@ -3,7 +3,9 @@
 A Conv3d whose stride equals its kernel, with no padding, dilation 1 and one group, looks at
 disjoint patches: each output position is a dot product of one flattened patch with each
 filter. That is exactly ``linear(patches, weight.flatten(1), bias)``, which runs at GEMM speed
-where a Conv3d does not (FINDINGS.md: 5.6-7.7x in float32 on CPU).
+where a Conv3d often does not: on CPU the fused module runs at the speed of a bare ``F.linear``
+on the same data, and how much faster than the Conv3d that is depends on the CPU's Conv3d kernel
+and the dtype (measured figures and their method: ``docs/benchmarks.md``).
 
 The family fuses the Conv3d itself, whatever its parent module and attribute are called, so
 Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V and video models (VideoMAE, ViViT, V-JEPA 2) are all
