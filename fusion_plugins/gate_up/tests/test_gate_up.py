@@ -7,11 +7,12 @@ import copy
 import pytest
 import torch
 import transformers
-from fusion_gate_up import GateUpFamily, GateUpMixin, MergedSlice
+from fusion_gate_up import GateUpFamily, GateUpMixin
 from fusion_gate_up.family import refusal
 from torch import nn
 
 import fusion_core
+from fusion_core.merged import MergedSlice
 from fusion_core.testing import kit
 from fusion_core.testing.kit import (
     TOLERANCES,

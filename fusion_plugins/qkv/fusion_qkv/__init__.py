@@ -1,6 +1,5 @@
 """The ``qkv`` fusion family: attention q/k/v projections run as one merged GEMM."""
 
-from fusion_core.merged import MergedLinear, MergedSlice
 from fusion_qkv.family import QkvFamily, QkvMixin, QkvOptions
 
-__all__ = ["MergedLinear", "MergedSlice", "QkvFamily", "QkvMixin", "QkvOptions"]
+__all__ = ["QkvFamily", "QkvMixin", "QkvOptions"]

@@ -17,8 +17,9 @@ all three have one. Everything else (``o_proj``, ``q_norm``, ...) is untouched.
 Refused (``is_fusable`` is False), so they keep their original class:
 
 - cross-attention: a module flagged ``is_cross_attention``, a class named ``*CrossAttention``,
-  a module at a cross-attention path (``encoder_attn``, ``cross_attn``, ...; see
-  :data:`CROSS_ATTENTION_PATHS`), or k/v projections that read a different width than q;
+  a module at a cross-attention path (``encoder_attn``, ``cross_attn``, ...; never even offered:
+  :data:`CROSS_ATTENTION_PATHS` is always in ``exclude_modules``), or k/v projections that read
+  a different width than q;
 - projections that are not plain ``nn.Linear`` (a subclass with its own ``forward``: quantised,
   LoRA, ``Conv1D``), or that are shared between q, k and v;
 - tensors of different dtypes, or a bias on some of the three projections but not all;
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import Field, field_validator
 from torch import nn
 
 from fusion_core import Concat, FamilyOptions, FusionFamily, WeightTransform
@@ -41,11 +43,25 @@ MERGED = "qkv_proj"
 
 #: Module paths never considered: the decoder's attention over encoder states in encoder-decoder
 #: models (BART ``encoder_attn``, T5-style ``EncDecAttention``, ``cross_attn``, ``crossattention``).
-CROSS_ATTENTION_PATHS = r"(?i)^(?!.*(?:encoder_attn|encdecattention|cross_?attn|cross_?attention)(?:\.|$))"
+#: Always part of ``exclude_modules`` (RE2 syntax: module-path patterns run in linear time).
+CROSS_ATTENTION_PATHS = r"(?i)(?:encoder_attn|encdecattention|cross_?attn|cross_?attention)(?:\.|$)"
 
 
 class QkvOptions(FamilyOptions):
-    """Options of ``qkv``: the common ``target_modules`` / ``exclude_modules`` scoping."""
+    """Options of ``qkv``: the common ``target_modules`` / ``exclude_modules`` scoping.
+
+    ``exclude_modules`` always includes :data:`CROSS_ATTENTION_PATHS`, whatever else is given.
+    """
+
+    exclude_modules: tuple[str, ...] = Field(
+        default=(CROSS_ATTENTION_PATHS,),
+        description="Regexes; module paths matching any of them are left alone (cross-attention paths always are).",
+    )
+
+    @field_validator("exclude_modules")
+    @classmethod
+    def _always_exclude_cross_attention(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
+        return patterns if CROSS_ATTENTION_PATHS in patterns else (*patterns, CROSS_ATTENTION_PATHS)
 
 
 
@@ -83,7 +99,7 @@ class QkvFamily(FusionFamily):
     fused_mixin = QkvMixin
     #: Under a tensor-parallel plan with q_proj/k_proj/v_proj colwise, each rank merges its own heads.
     tensor_parallel = PackedColwise(PROJECTIONS, MERGED, unit="head_dim")
-    target_modules_patterns = (CROSS_ATTENTION_PATHS,)
+    target_modules_patterns = ()
 
     def is_fusable(self, module: nn.Module, options: Any) -> bool:
         return refusal(module) is None

@@ -8,11 +8,12 @@ import re
 import pytest
 import torch
 import transformers
-from fusion_qkv import MergedSlice, QkvFamily, QkvMixin
+from fusion_qkv import QkvFamily, QkvMixin, QkvOptions
 from fusion_qkv.family import CROSS_ATTENTION_PATHS, refusal
 from torch import nn
 
 import fusion_core
+from fusion_core.merged import MergedSlice
 from fusion_core.testing import kit
 from fusion_core.testing.kit import (
     TOLERANCES,
@@ -215,7 +216,12 @@ def test_refuses_real_cross_attention_and_single_qkv_classes():
     ],
 )
 def test_cross_attention_paths_are_not_considered(path, considered):
-    assert (re.search(CROSS_ATTENTION_PATHS, path) is not None) is considered
+    assert (re.search(CROSS_ATTENTION_PATHS, path) is None) is considered
+
+
+def test_cross_attention_paths_stay_excluded_whatever_the_user_excludes():
+    assert CROSS_ATTENTION_PATHS in QkvOptions().exclude_modules
+    assert QkvOptions(exclude_modules=["vision"]).exclude_modules == ("vision", CROSS_ATTENTION_PATHS)
 
 
 def test_registered_through_its_entry_point():

@@ -1,0 +1,166 @@
+"""PEFT LoRA on fused models by the original module names, compared with the same LoRA on the unfused model.
+
+Each test builds the same adapter (same seed, non-zero LoRA weights) on the unfused and the fused
+model and checks what a user sees: outputs, adapter files, merged checkpoints, gradients.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModel, AutoModelForCausalLM
+
+import fusion_core
+from fusion_core.merged import MergedSlice
+from fusion_core.testing.tiny_models import TEXT_MODELS, save_tiny_model
+
+peft = pytest.importorskip("peft")
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+
+BOTH = {"qkv": True, "gate_up": True}
+TARGETS = ["q_proj", "v_proj", "gate_proj"]
+IDS = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("llama")
+    save_tiny_model(TEXT_MODELS["llama"], directory)
+    return directory
+
+
+def _plain(directory: Path) -> Any:
+    return AutoModelForCausalLM.from_pretrained(directory)
+
+
+def _fused(directory: Path) -> Any:
+    return fusion_core.from_pretrained(AutoModelForCausalLM, directory, fusion_config=BOTH)
+
+
+def _lora(model: Any, targets: list[str] = TARGETS, seed: int = 0, **options: Any) -> Any:
+    torch.manual_seed(seed)  # init_lora_weights=False: random A and B, so the adapter changes the output
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False,
+                                            **options))
+
+
+def _logits(model: Any, ids: torch.Tensor = IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def _assert_same_files(a: Path, b: Path, name: str) -> None:
+    left, right = load_file(a / name), load_file(b / name)
+    assert list(left) and sorted(left) == sorted(right)
+    for key in left:
+        assert left[key].shape == right[key].shape and torch.equal(left[key], right[key]), key
+
+
+def test_lora_by_original_names_matches_the_unfused_model(llama, tmp_path):
+    plain, fused = _lora(_plain(llama)), _lora(_fused(llama))
+    attention = fused.base_model.model.model.layers[0].self_attn
+    assert isinstance(attention.q_proj.base_layer, MergedSlice)
+    assert not torch.equal(_logits(plain), _logits(_plain(llama)))  # the adapter does something
+    torch.testing.assert_close(_logits(fused), _logits(plain), rtol=0, atol=1e-5)
+    # q, k and v still share one GEMM under the adapter
+    assert attention.fused_projection.merged_gemms > 0 and attention.fused_projection.own_gemms == 0
+
+    plain.save_pretrained(tmp_path / "plain")
+    fused.save_pretrained(tmp_path / "fused")
+    _assert_same_files(tmp_path / "plain", tmp_path / "fused", "adapter_model.safetensors")
+
+
+def test_adapters_load_both_ways(llama, tmp_path):
+    plain, fused = _lora(_plain(llama), seed=1), _lora(_fused(llama), seed=2)
+    plain.save_pretrained(tmp_path / "from-plain")
+    fused.save_pretrained(tmp_path / "from-fused")
+    onto_fused = PeftModel.from_pretrained(_fused(llama), tmp_path / "from-plain")
+    onto_plain = PeftModel.from_pretrained(_plain(llama), tmp_path / "from-fused")
+    torch.testing.assert_close(_logits(onto_fused), _logits(plain), rtol=0, atol=1e-5)
+    torch.testing.assert_close(_logits(onto_plain), _logits(fused), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("safe_merge", [False, True])
+def test_merge_and_unload_saves_the_checkpoint_the_unfused_merge_saves(llama, tmp_path, safe_merge):
+    plain = _lora(_plain(llama)).merge_and_unload(safe_merge=safe_merge)
+    fused = _lora(_fused(llama)).merge_and_unload(safe_merge=safe_merge)
+    assert isinstance(fused.model.layers[0].self_attn.q_proj, MergedSlice)
+    torch.testing.assert_close(_logits(fused), _logits(plain), rtol=0, atol=1e-5)
+    plain.save_pretrained(tmp_path / "plain")
+    fusion_core.save_pretrained(fused, tmp_path / "fused")
+    saved = [(tmp_path / side / "model.safetensors").read_bytes() for side in ("plain", "fused")]
+    assert saved[0] == saved[1]
+
+
+def test_unload_several_adapters_and_set_adapter(llama):
+    reference = _logits(_fused(llama))
+    plain, fused = _lora(_plain(llama)), _lora(_fused(llama))
+    for model in (plain, fused):
+        torch.manual_seed(5)
+        model.add_adapter("second", LoraConfig(r=2, target_modules=["k_proj", "up_proj"], init_lora_weights=False))
+    for name in ("second", "default"):
+        plain.set_adapter(name)
+        fused.set_adapter(name)
+        torch.testing.assert_close(_logits(fused), _logits(plain), rtol=0, atol=1e-5)
+    with fused.disable_adapter():
+        torch.testing.assert_close(_logits(fused), reference, rtol=0, atol=0)
+    # merging then unmerging restores the fused weights
+    fused.merge_adapter()
+    torch.testing.assert_close(_logits(fused), _logits(plain), rtol=0, atol=1e-5)
+    fused.unmerge_adapter()
+    base = fused.unload()
+    assert isinstance(base.model.layers[0].self_attn.k_proj, MergedSlice)
+    torch.testing.assert_close(_logits(base), reference, rtol=0, atol=1e-5)
+
+
+def test_training_gradients_match(llama):
+    plain, fused = _lora(_plain(llama)), _lora(_fused(llama))
+    for model in (plain, fused):
+        model.train()
+        model(input_ids=IDS, labels=IDS).loss.backward()
+    grads = {n: p.grad for n, p in plain.named_parameters() if p.requires_grad}
+    fused_grads = {n: p.grad for n, p in fused.named_parameters() if p.requires_grad}
+    assert grads and sorted(grads) == sorted(fused_grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert not any(p.requires_grad for n, p in fused.named_parameters() if "qkv_proj" in n or "gate_up_proj" in n)
+
+
+def test_fusing_or_unfusing_a_model_with_adapters_is_refused(llama):
+    with_adapter = _lora(_plain(llama)).base_model.model
+    with pytest.raises(fusion_core.FusionError, match="adapter layers"):
+        fusion_core.fuse(with_adapter, BOTH)
+    fused = _lora(_fused(llama)).base_model.model
+    with pytest.raises(fusion_core.FusionError, match="merge_and_unload"):
+        fusion_core.unfuse(fused)
+
+
+def test_targeting_the_merged_container_names_the_projections(llama):
+    with pytest.raises(ValueError, match="q_proj/k_proj/v_proj"):
+        _lora(_fused(llama), targets=["qkv_proj"])
+
+
+def test_lora_on_a_fused_patch_embedding(tiny_checkpoint, tmp_path):
+    directory, _ = tiny_checkpoint("videomae")
+    pixels = torch.randn(2, 4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    plain = _lora(AutoModel.from_pretrained(directory), targets=["projection"])
+    fused = _lora(fusion_core.from_pretrained(AutoModel, directory, fusion_config={"patch_embeddings": True}),
+                  targets=["projection"])
+
+    def hidden(model: Any) -> torch.Tensor:
+        with torch.no_grad():
+            return model(pixel_values=pixels).last_hidden_state
+
+    torch.testing.assert_close(hidden(fused), hidden(plain), rtol=0, atol=1e-5)
+    plain.save_pretrained(tmp_path / "plain")
+    fused.save_pretrained(tmp_path / "fused")
+    _assert_same_files(tmp_path / "plain", tmp_path / "fused", "adapter_model.safetensors")
+    merged_plain, merged_fused = plain.merge_and_unload(), fused.merge_and_unload()
+    torch.testing.assert_close(hidden(merged_fused), hidden(merged_plain), rtol=0, atol=1e-5)
+    merged_plain.save_pretrained(tmp_path / "merged-plain")
+    fusion_core.save_pretrained(merged_fused, tmp_path / "merged-fused")
+    assert ((tmp_path / "merged-plain" / "model.safetensors").read_bytes()
+            == (tmp_path / "merged-fused" / "model.safetensors").read_bytes())
