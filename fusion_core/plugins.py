@@ -5,6 +5,18 @@ entry point in the ``fusion_core`` group implements :func:`~fusion_core.hookspec
 A plugin that fails (its import, its hook, what it registers) is recorded as a
 :class:`PluginFailure` naming its distribution and version; the others keep working.
 
+The core knows no family by name. One rule settles name clashes, whatever the load order: a
+family name claimed by two plugins is usable from neither, and each claimant is reported naming
+the others, until one is uninstalled or left out with ``FUSION_CORE_ALLOWED_PLUGINS``. A family
+that is not installed is hinted from installed metadata (a distribution declaring that entry
+point) or from the naming convention ``fusion-<name>`` (what ``fusion new-family`` creates).
+
+The core knows no family by name. One rule settles name clashes, whatever the load order: a
+family name claimed by two plugins is usable from neither, and both are reported, each naming
+the other, until one is uninstalled or left out with ``FUSION_CORE_ALLOWED_PLUGINS``. A family
+that is not installed is hinted from installed metadata (a distribution declaring that entry
+point) or from the naming convention ``fusion-<name>`` (what ``fusion new-family`` creates).
+
 Environment:
 
 - ``FUSION_CORE_DISABLE_PLUGIN_AUTOLOAD=1``: load no entry point at all;
@@ -35,13 +47,6 @@ ENTRY_POINT_GROUP = "fusion_core"
 DISABLE_AUTOLOAD_ENV = "FUSION_CORE_DISABLE_PLUGIN_AUTOLOAD"
 STRICT_ENV = "FUSION_CORE_STRICT_PLUGINS"
 ALLOWED_ENV = "FUSION_CORE_ALLOWED_PLUGINS"
-
-#: Families whose providing distribution is known, for the hint when one is not installed.
-KNOWN_PROVIDERS: dict[str, str] = {
-    "patch_embeddings": "fusion-patch-embeddings",
-    "qkv": "fusion-qkv",
-    "gate_up": "fusion-gate-up",
-}
 
 _FAMILY_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -132,7 +137,7 @@ class FamilyRegistry:
     def __init__(self) -> None:
         self._families: dict[str, RegisteredFamily] = {}
         self.failures: list[PluginFailure] = []
-        self._ambiguous: set[str] = set()
+        self._claims: dict[str, list[PluginSource]] = {}  # family name -> every plugin source that claimed it
         self.strict = _env_flag(STRICT_ENV)
         self._pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self._pm.add_hookspecs(hookspecs)
@@ -160,14 +165,18 @@ class FamilyRegistry:
         close = difflib.get_close_matches(name, list(self._families), n=1)
         if close:
             message += f". Did you mean {close[0]!r}?"
-        provider = KNOWN_PROVIDERS.get(name)
-        if provider:
-            message += f". Family {name!r} is provided by the distribution {provider!r}: pip install {provider}"
         # A plugin whose import failed names no family; its entry point usually has the family's name.
         failed = [f for f in self.failures if name in (f.family, f.source.plugin)]
         if failed:
-            message += f". It failed to load: {failed[0]}"
-        return message
+            return message + f". It failed to load: {failed[0]}"
+        declared = next((ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == name), None)
+        if declared is not None and declared.dist is not None:
+            why = f" ({DISABLE_AUTOLOAD_ENV}=1)" if _env_flag(DISABLE_AUTOLOAD_ENV) else ""
+            return message + (f". The installed distribution {declared.dist.name} {declared.dist.version} declares "
+                              f"the plugin {name!r}, which is not loaded{why}")
+        distribution = conventional_distribution(name)
+        return message + (f". By fusion-core's naming convention it is provided by the distribution "
+                          f"{distribution!r}: pip install {distribution}")
 
     # -- writing ---------------------------------------------------------------------------
     def register_family(self, spec: object, *, source: PluginSource = PROGRAMMATIC) -> RegisteredFamily:
@@ -181,6 +190,9 @@ class FamilyRegistry:
             raise PluginError(
                 f"{source}: family name {valid.name!r} is already registered by {existing.source}"
             )
+        if len(self._claims.get(valid.name, ())) > 1:
+            raise PluginError(f"{source}: family name {valid.name!r} is disabled: {self._claimants(valid.name)} "
+                              "all claim it")
         registered = RegisteredFamily(valid, source)
         self._families[valid.name] = registered
         return registered
@@ -222,23 +234,33 @@ class FamilyRegistry:
             self._fail(source, f"register_fusion_families must call register(spec) and return None, got {result!r}")
         for spec in pending:
             name = getattr(spec, "name", None)
-            family = name if isinstance(name, str) else None
-            first = self._families.get(family) if family is not None else None
-            if first is not None and _is_known_provider(source, first.name) and not _is_known_provider(
-                first.source, first.name
-            ):
-                # The distribution known to provide this family wins over a same-named squatter,
-                # whichever entry point loaded first; the squatter is reported.
-                del self._families[first.name]
-                self._fail(first.source, f"family name {first.name!r} belongs to {source}; this plugin's "
-                           "family of the same name is ignored", family=first.name)
             try:
-                added.append(self.register_family(spec, source=source).name)
-            except PluginError as exc:
-                self._fail(source, str(exc).removeprefix(f"{source}: "), family=family)
-                known_first = first is not None and _is_known_provider(first.source, first.name)
-                if first is not None and first.source.distribution is not None and not known_first:
-                    self._ambiguous.add(first.name)
+                valid = validate_spec(spec)
+            except (TypeError, ValueError) as exc:
+                self._fail(source, str(exc), family=name if isinstance(name, str) else None)
+                continue
+            claims = self._claims.setdefault(valid.name, [])
+            claims.append(source)
+            if len(claims) == 1 and valid.name not in self._families:
+                self._families[valid.name] = RegisteredFamily(valid, source)
+                added.append(valid.name)
+                continue
+            # A second claim, in either load order: which family runs must never depend on entry-point
+            # order, so neither does. Every claimant is reported, each naming the others.
+            first = self._families.pop(valid.name, None)
+            if first is not None and first.source not in claims:
+                claims.insert(0, first.source)
+            if first is not None:
+                self._report_clash(valid.name, first.source)
+            self._report_clash(valid.name, source)
+
+    def _claimants(self, name: str) -> str:
+        return " and ".join(str(claim) for claim in self._claims.get(name, ()))
+
+    def _report_clash(self, name: str, source: PluginSource) -> None:
+        others = " and ".join(str(claim) for claim in self._claims[name] if claim is not source)
+        self._fail(source, f"family name {name!r} is also registered by {others}; the family is disabled until "
+                   f"one is uninstalled or left out with {ALLOWED_ENV}", family=name)
 
     def _fail(self, source: PluginSource, reason: str, family: str | None = None) -> None:
         failure = PluginFailure(source, reason, family)
@@ -266,24 +288,11 @@ class FamilyRegistry:
                 self._fail(source, f"import of {entry_point.value!r} failed: {type(exc).__name__}: {exc}")
                 continue
             self.register_plugin(plugin, source=source)
-        self._disable_ambiguous()
-
-    def _disable_ambiguous(self) -> None:
-        """A family name two plugins claim is usable from neither: which one runs must never depend on
-        entry-point order (a second plugin could otherwise shadow, or be shadowed by, the one the user meant).
-        The one exception: a family in KNOWN_PROVIDERS stays with the distribution that provides it."""
-        for name in sorted(self._ambiguous):
-            first = self._families.pop(name, None)
-            if first is not None:
-                self._fail(first.source, f"family name {name!r} is also registered by another plugin (see the other "
-                           f"failure); the family is disabled until one is uninstalled or left out with {ALLOWED_ENV}",
-                           family=name)
-        self._ambiguous.clear()
 
 
-def _is_known_provider(source: PluginSource, family: str) -> bool:
-    provider = KNOWN_PROVIDERS.get(family)
-    return provider is not None and _normalize(source.distribution or "") == _normalize(provider)
+def conventional_distribution(family: str) -> str:
+    """The distribution name fusion-core's convention gives a family (``gate_up`` -> ``fusion-gate-up``)."""
+    return "fusion-" + family.replace("_", "-")
 
 
 def _normalize(distribution: str) -> str:

@@ -66,9 +66,13 @@ def test_non_mapping_is_rejected(toy, value):
 
 
 def test_missing_family_names_its_distribution(monkeypatch):
+    """From installed metadata when a distribution declares the plugin, else by the naming convention."""
     monkeypatch.setenv("FUSION_CORE_DISABLE_PLUGIN_AUTOLOAD", "1")
     import fusion_core
 
     fusion_core.reset_registry()
-    with pytest.raises(ValidationError, match="pip install fusion-patch-embeddings"):
+    with pytest.raises(ValidationError, match="installed distribution fusion-patch-embeddings .* not loaded"):
         FusionConfig.model_validate({"patch_embeddings": True})
+    with pytest.raises(ValidationError, match="provided by the distribution 'fusion-not-installed': pip install "
+                                              "fusion-not-installed"):
+        FusionConfig.model_validate({"not_installed": True})

@@ -212,14 +212,16 @@ def test_duplicate_family_names_disable_the_name_and_name_both_distributions(sit
     _patch_embeddings_still_works(qwen_dir)
 
 
-def test_a_plugin_claiming_a_shipped_family_name_is_reported_and_never_replaces_it(site, qwen_dir):
-    """Entry-point order must not decide which 'patch_embeddings' runs: the distribution known to
-    provide it keeps it, and the squatter is reported with its distribution and version."""
+def test_a_plugin_claiming_a_shipped_family_name_never_replaces_it(site, qwen_dir):
+    """Entry-point order must not decide which 'patch_embeddings' runs, and the core keeps no list of
+    who owns which name: the name is disabled, both claimants are reported naming each other."""
     site.family("aaa-squatter", "patch_embeddings", version="9.9")
     registry = fusion_core.get_registry()
-    assert registry.get("patch_embeddings").source.distribution == "fusion-patch-embeddings"
-    assert "aaa-squatter 9.9" in _failures_text() and "patch_embeddings" in _failures_text()
-    _patch_embeddings_still_works(qwen_dir)
+    assert "patch_embeddings" not in registry
+    text = _failures_text()
+    assert "aaa-squatter 9.9" in text and "fusion-patch-embeddings" in text and "patch_embeddings" in text
+    with pytest.raises(ValidationError, match=r"(?s)aaa-squatter 9\.9.*FUSION_CORE_ALLOWED_PLUGINS"):
+        fusion_core.from_pretrained(QWEN, qwen_dir, fusion_config=PATCH)
 
 
 def test_allow_list_keeps_the_squatter_out(site, qwen_dir, monkeypatch):
@@ -333,7 +335,8 @@ def test_disable_autoload_imports_no_plugin_at_all(site, tmp_path, monkeypatch, 
     registry = fusion_core.get_registry()
     assert registry.names() == [] and registry.failures == []
     assert not marker.exists()
-    with pytest.raises(ValidationError, match="pip install fusion-patch-embeddings"):
+    with pytest.raises(ValidationError, match=r"installed distribution fusion-patch-embeddings .* not loaded "
+                                              r"\(FUSION_CORE_DISABLE_PLUGIN_AUTOLOAD=1\)"):
         fusion_core.from_pretrained(QWEN, qwen_dir, fusion_config=PATCH)
     # families can still be registered by hand
     from fusion_patch_embeddings import PatchEmbeddingsFamily
@@ -392,7 +395,7 @@ def test_plugin_registry_is_usable_on_every_model_after_failures(site, qwen_dir)
 
 
 @pytest.mark.parametrize("squatter_first", [True, False])
-def test_known_provider_keeps_its_family_in_either_load_order(squatter_first):
+def test_a_clashing_family_name_is_disabled_in_either_load_order(squatter_first):
     import types
 
     from fusion_patch_embeddings import PatchEmbeddingsFamily
@@ -409,5 +412,8 @@ def test_known_provider_keeps_its_family_in_either_load_order(squatter_first):
     known = (plugin(), PluginSource("patch_embeddings", "fusion-patch-embeddings", "0.1.0"))
     for obj, source in [squatter, known] if squatter_first else [known, squatter]:
         registry.register_plugin(obj, source=source)
-    assert registry.get("patch_embeddings").source.distribution == "fusion-patch-embeddings"
-    assert any(f.source.distribution == "evil-dist" for f in registry.failures)
+    assert "patch_embeddings" not in registry
+    assert {f.source.distribution for f in registry.failures} == {"evil-dist", "fusion-patch-embeddings"}
+    assert all("evil-dist" in str(f) and "fusion-patch-embeddings" in str(f) for f in registry.failures)
+    with pytest.raises(fusion_core.PluginError, match="disabled"):  # nor can it be taken by hand afterwards
+        registry.register_family(PatchEmbeddingsFamily())
