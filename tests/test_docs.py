@@ -27,7 +27,7 @@ def python_blocks(page: str) -> list[str]:
     return FENCE.findall((DOCS / page).read_text())
 
 
-@pytest.mark.parametrize("page", ["index.md", "writing-a-family.md"])
+@pytest.mark.parametrize("page", ["index.md", "writing-a-family.md", "recipes.md", "tiny-models.md"])
 def test_python_snippets_run(page, tmp_path):
     blocks = python_blocks(page)
     assert blocks, f"{page} has no python block"
@@ -107,3 +107,10 @@ def test_api_reference_covers_every_public_name():
     names += ["register_fusion_families", "SampleInputs", "compare_models", "ALL_TINY_MODELS", "tiny_model"]
     missing = [n for n in names if f"`{n}" not in text]
     assert not missing, f"docs/api.md lacks {missing}"
+
+
+def test_tiny_models_page_lists_every_tiny_model():
+    from fusion_core.testing.tiny_models import ALL_TINY_MODELS
+
+    text = (DOCS / "tiny-models.md").read_text()
+    assert not [name for name in ALL_TINY_MODELS if f"| `{name}` |" not in text]
