@@ -13,8 +13,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from fusion_core import Concat, Flatten, FusionPlan, Identity, PlanError, Split, Transpose, WeightTransform
-from fusion_core.layout import convert_to_fused, finalize, fused_layout
+from fusion_core import (
+    Concat,
+    Flatten,
+    FusionPlan,
+    Identity,
+    PlanError,
+    Split,
+    Stack,
+    Transpose,
+    Unstack,
+    WeightTransform,
+)
+from fusion_core.layout import convert_to_fused, finalize, fused_layout, same_bits
 from fusion_core.transforms import BoundTransform, LeafSpec, ModulePlan, bind_transforms, check_conflicts
 
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -31,17 +42,13 @@ def _random_bits(shape, dtype, seed):
     return torch.randint(info.min, info.max, shape, dtype=bits, generator=gen).view(dtype)
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(_BITS[a.dtype]), b.view(_BITS[b.dtype]))
-
-
 @st.composite
 def op_cases(draw):
     """An op with source tensors it accepts."""
     dtype = draw(st.sampled_from(DTYPES))
     seed = draw(st.integers(0, 2**31 - 1))
     shape = draw(shapes)
-    kind = draw(st.sampled_from(["identity", "flatten", "transpose", "concat", "split"]))
+    kind = draw(st.sampled_from(["identity", "flatten", "transpose", "concat", "split", "stack", "unstack"]))
     if kind == "identity":
         return Identity(), [_random_bits(shape, dtype, seed)]
     if kind == "flatten":
@@ -49,7 +56,14 @@ def op_cases(draw):
     if kind == "transpose":
         dims = st.integers(0, len(shape) - 1)
         return Transpose(draw(dims), draw(dims)), [_random_bits(shape, dtype, seed)]
+    if kind == "stack":
+        n = draw(st.integers(1, 4))
+        dim = draw(st.integers(0, len(shape)))
+        return Stack(n=n, dim=dim), [_random_bits(shape, dtype, seed + i) for i in range(n)]
     dim = draw(st.integers(0, len(shape) - 1))
+    if kind == "unstack":  # at least one entry: zero tensors cannot be stacked back (Stack needs n >= 1)
+        shape = (*shape[:dim], max(shape[dim], 1), *shape[dim + 1:])
+        return Unstack(n=shape[dim], dim=dim), [_random_bits(shape, dtype, seed)]
     if kind == "concat":
         sizes = draw(st.lists(st.integers(0, 4), min_size=1, max_size=4))
         parts = [_random_bits((*shape[:dim], s, *shape[dim + 1:]), dtype, seed + i) for i, s in enumerate(sizes)]
@@ -70,7 +84,7 @@ def test_every_op_inverse_restores_its_sources_bit_for_bit(case):
     restored = op.inverse(outputs, shapes_in)
     assert len(restored) == len(sources)
     for original, back in zip(sources, restored, strict=True):
-        assert _same_bits(original, back), op
+        assert same_bits(original, back), op
 
 
 @SETTINGS
@@ -105,11 +119,11 @@ def test_fused_module_presents_and_accepts_the_original_layout_bit_for_bit(case)
     presented = module.state_dict()
     assert list(presented) == list(leaves)  # same keys, same order
     for name, tensor in zip(names, sources, strict=True):
-        assert _same_bits(presented[name], tensor)
+        assert same_bits(presented[name], tensor)
     module.load_state_dict(presented)
     again = module.state_dict()
     for name, tensor in zip(names, sources, strict=True):
-        assert _same_bits(again[name], tensor)
+        assert same_bits(again[name], tensor)
 
 
 # -- plan conflict detection ------------------------------------------------------------------------------
@@ -172,5 +186,5 @@ def test_properties_cover_every_op_and_dtype():
     import fusion_core.transforms as transforms
 
     ops = {c for c in vars(transforms).values() if isinstance(c, type) and issubclass(c, transforms.TransformOp)}
-    assert ops - {transforms.TransformOp} == {Identity, Flatten, Transpose, Concat, Split}
+    assert ops - {transforms.TransformOp} == {Identity, Flatten, Transpose, Concat, Split, Stack, Unstack}
     assert set(DTYPES) == {torch.float32, torch.float16, torch.bfloat16, torch.int8}
