@@ -1,0 +1,72 @@
+"""torch.compile and torch.export on fused models: no graph break the unfused model does not have, same outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModel, AutoModelForCausalLM
+
+import fusion_core
+from fusion_core.testing.tiny_models import TEXT_MODELS, save_tiny_model
+
+ALL_TEXT = {"qkv": True, "gate_up": True}
+IDS = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("llama")
+    save_tiny_model(TEXT_MODELS["llama"], directory)
+    return directory
+
+
+def _breaks(model: Any, **inputs: Any) -> tuple[int, int, list[str]]:
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(**inputs)
+    return explained.graph_count, explained.graph_break_count, [str(r.reason) for r in explained.break_reasons]
+
+
+def test_fused_text_model_has_the_graph_breaks_of_the_unfused_one(llama):
+    plain = AutoModelForCausalLM.from_pretrained(llama).eval()
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT).eval()
+    with torch.no_grad():
+        expected, got = _breaks(plain, input_ids=IDS), _breaks(fused, input_ids=IDS)
+    assert got[:2] == expected[:2], f"unfused {expected}, fused {got}"
+
+
+def test_fused_patch_embedding_has_the_graph_breaks_of_the_unfused_one(tiny_checkpoint):
+    directory, plain = tiny_checkpoint("videomae")
+    fused = fusion_core.from_pretrained(AutoModel, directory, fusion_config={"patch_embeddings": True})
+    pixels = torch.randn(2, 4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = _breaks(plain.eval(), pixel_values=pixels), _breaks(fused.eval(), pixel_values=pixels)
+    assert got[:2] == expected[:2], f"unfused {expected}, fused {got}"
+
+
+def test_fullgraph_inductor_matches_the_unfused_model(llama):
+    plain = AutoModelForCausalLM.from_pretrained(llama).eval()
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT).eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, fullgraph=True)
+    with torch.no_grad():
+        expected = plain(input_ids=IDS).logits
+        got = compiled(input_ids=IDS).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    # eager calls after compiling still merge (the per-slice path is only taken while tracing)
+    projection = fused.model.layers[0].self_attn.fused_projection
+    before = projection.merged_gemms
+    with torch.no_grad():
+        fused(input_ids=IDS)
+    assert projection.merged_gemms == before + 1
+
+
+def test_torch_export_matches_the_unfused_model(llama):
+    plain = AutoModelForCausalLM.from_pretrained(llama).eval()
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT).eval()
+    inputs = {"input_ids": IDS, "use_cache": False}  # a DynamicCache output is no pytree, fused or not
+    exported = torch.export.export(fused, (), inputs)
+    with torch.no_grad():
+        torch.testing.assert_close(exported.module()(**inputs).logits, plain(**inputs).logits, rtol=1e-4, atol=1e-5)
