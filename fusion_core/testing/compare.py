@@ -15,6 +15,7 @@ from fusion_core.compare import (
     compare_models,
     compare_outputs,
     iter_checkpoint_tensors,
+    median_seconds,
     model_inputs,
     relative_error,
     round_trip,
@@ -26,5 +27,5 @@ from fusion_core.compare import (
 __all__ = [
     "TOLERANCES", "Comparison", "ModuleReport", "RoundTripReport", "SampleInputs", "WholeModelReport",
     "checkpoint_tensors", "compare_checkpoints", "compare_models", "compare_outputs", "iter_checkpoint_tensors",
-    "model_inputs", "relative_error", "round_trip", "synthetic_inputs", "tensors_of", "tower_inputs",
+    "median_seconds", "model_inputs", "relative_error", "round_trip", "synthetic_inputs", "tensors_of", "tower_inputs",
 ]
