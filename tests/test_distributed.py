@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from fusion_gate_up.family import GateUpFamily
 from fusion_patch_embeddings.family import PatchEmbeddingsFamily
 from fusion_qkv.family import QkvFamily, QkvOptions
@@ -28,8 +29,8 @@ WORKER = Path(__file__).with_name("distributed_worker.py")
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
 
-def run_scenario(scenario: str, world: int, tmp_path: Path) -> None:
-    """Run a scenario on ``world`` processes; fail with every rank's failed checks."""
+def run_scenario(scenario: str, world: int, tmp_path: Path, expected: set[str]) -> None:
+    """Run a scenario on ``world`` processes; fail with every rank's failed checks or an ``expected`` one not run."""
     result = subprocess.run(
         [sys.executable, str(WORKER), scenario, str(world), str(tmp_path)],
         capture_output=True, text=True, timeout=900,
@@ -42,19 +43,29 @@ def run_scenario(scenario: str, world: int, tmp_path: Path) -> None:
         checks = json.loads(file.read_text())
         assert checks, f"rank {rank} ran no check"
         failed.update({f"rank {rank}: {name}": detail for name, (ok, detail) in checks.items() if not ok})
+        failed.update({f"rank {rank}: {name}": "did not run" for name in expected - checks.keys()})
     assert not failed, "\n".join(f"{name}: {detail}" for name, detail in failed.items())
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_fused_load_runs_generates_trains_and_saves(world: int, tmp_path: Path) -> None:
-    """tp_plan='auto' (and, at world 2, the 5.x DistributedConfig spelling and an explicit plan)."""
-    run_scenario("tensor_parallel", world, tmp_path)
+    """tp_plan='auto', the 5.x DistributedConfig spelling, an explicit plan; at world 2 a VL model too."""
+    expected = {
+        "merged weight is [q_r; k_r; v_r]", "logits (tp_plan='auto')", "generate", "training loss",
+        "trained weights (state_dict, original layout)", "logits (explicit plan)", "a gathered k_proj is refused",
+    }
+    if world == 2:
+        expected |= {"vision tower output (patch_embeddings)", "VL text logits (qkv, gate_up sharded)"}
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        expected.add("logits (DistributedConfig)")
+    run_scenario("tensor_parallel", world, tmp_path, expected)
 
 
 @pytest.mark.slow
 def test_ddp_and_fsdp2_training_steps_match_the_unfused_model(tmp_path: Path) -> None:
-    run_scenario("data_parallel", 2, tmp_path)
+    expected = {"the model is fused", "DDP loss", "DDP trained weights", "FSDP2 loss", "FSDP2 trained weights"}
+    run_scenario("data_parallel", 2, tmp_path, expected)
 
 
 # -- the rules, in-process ----------------------------------------------------------------------------
