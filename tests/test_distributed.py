@@ -9,6 +9,7 @@ before any tensor is sharded.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ import fusion_core
 from fusion_core.parallel import PackedColwise, Replicated, TensorParallelRefusal, check_tensor_parallel_rule
 from fusion_core.transforms import Concat, WeightTransform, bind_transforms
 
+ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("distributed_worker.py")
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
@@ -66,6 +68,28 @@ def test_tensor_parallel_fused_load_runs_generates_trains_and_saves(world: int, 
 def test_ddp_and_fsdp2_training_steps_match_the_unfused_model(tmp_path: Path) -> None:
     expected = {"the model is fused", "DDP loss", "DDP trained weights", "FSDP2 loss", "FSDP2 trained weights"}
     run_scenario("data_parallel", 2, tmp_path, expected)
+
+
+@pytest.mark.slow
+def test_the_documented_torchrun_script_runs_and_saves_the_original_layout(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from fusion_core.testing.tiny_models import TEXT_MODELS
+
+    script = tmp_path / "tp_generate.py"
+    page = (ROOT / "docs" / "distributed.md").read_text()
+    script.write_text(re.findall(r"^```python\n(.*?)^```", page, re.S | re.M)[0])
+    checkpoint, out = tmp_path / "checkpoint", tmp_path / "saved"
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(TEXT_MODELS["llama"].make_config()).save_pretrained(checkpoint)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command = [*torchrun, str(script), str(checkpoint), str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    # q: 4 heads, k and v: 2 heads, of 8 rows each: 64 merged rows, 32 on each rank.
+    assert result.stdout.count("qkv_proj (64, 32), local (32, 32)") == 2, result.stdout
+    original, saved = load_file(checkpoint / "model.safetensors"), load_file(out / "model.safetensors")
+    assert original.keys() == saved.keys() and all(torch.equal(original[k], saved[k]) for k in original)
 
 
 # -- the rules, in-process ----------------------------------------------------------------------------
