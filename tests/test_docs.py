@@ -27,7 +27,7 @@ def python_blocks(page: str) -> list[str]:
     return FENCE.findall((DOCS / page).read_text())
 
 
-@pytest.mark.parametrize("page", ["index.md", "writing-a-family.md", "recipes.md", "tiny-models.md"])
+@pytest.mark.parametrize("page", ["index.md", "writing-a-family.md", "recipes.md", "tiny-models.md", "interop.md"])
 def test_python_snippets_run(page, tmp_path):
     blocks = python_blocks(page)
     assert blocks, f"{page} has no python block"
