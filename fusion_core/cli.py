@@ -22,7 +22,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from itertools import zip_longest
-from typing import Any
+from typing import Any, cast
 
 from fusion_core.plugins import get_registry
 
@@ -255,7 +255,7 @@ def cmd_new_family(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(f"Created {result['distribution']} in {result['directory']}:")
-    for name in result["files"]:
+    for name in cast("list[str]", result["files"]):
         print(f"  {name}")
     print(f"\nNext: pip install -e {result['directory']} && pytest {result['directory']}")
     return 0

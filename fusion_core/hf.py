@@ -211,10 +211,10 @@ def _verify_loading_info(model: nn.Module, info: dict[str, Any], plan: FusionPla
     matcher = KeyMatcher(dict.fromkeys(names))
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         for key in _keys(info, kind):
-            module = owners.get(matcher.lookup(key) or "")
-            if module is not None:
+            owner = owners.get(matcher.lookup(key) or "")
+            if owner is not None:
                 raise FusionLoadError(
-                    f"family {module.family!r}, module {module.path!r}: transformers reported "
+                    f"family {owner.family!r}, module {owner.path!r}: transformers reported "
                     f"{kind.replace('_', ' ')[:-1]} {key!r}; a fused module never keeps an unloaded weight"
                 )
 

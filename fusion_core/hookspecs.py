@@ -11,9 +11,12 @@ whose module-level functions are marked with :data:`hookimpl`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
+
+if TYPE_CHECKING:
+    from fusion_core.spec import ModuleFusionSpec
 
 PROJECT_NAME = "fusion_core"
 
@@ -23,7 +26,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 @hookspec
-def register_fusion_families(register: Callable[[Any], None]) -> None:
+def register_fusion_families(register: Callable[[ModuleFusionSpec[Any]], None]) -> None:
     """Register the fusion families this plugin provides.
 
     Called once per plugin when the registry loads. Call ``register(spec)`` once per family,

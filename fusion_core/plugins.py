@@ -74,7 +74,7 @@ PROGRAMMATIC = PluginSource("<programmatic>")
 
 @dataclass(frozen=True)
 class RegisteredFamily:
-    spec: ModuleFusionSpec
+    spec: ModuleFusionSpec[Any]
     source: PluginSource
 
     @property
@@ -95,7 +95,7 @@ class PluginFailure:
         return f"{what}: {self.reason}"
 
 
-def validate_spec(spec: object) -> ModuleFusionSpec:
+def validate_spec(spec: object) -> ModuleFusionSpec[Any]:
     """Check that ``spec`` satisfies :class:`ModuleFusionSpec`; raise ``TypeError``/``ValueError`` why not."""
     if isinstance(spec, type):  # the class has every attribute, but its methods would be called unbound
         raise TypeError(f"register an instance of {spec.__qualname__}, not the class itself")

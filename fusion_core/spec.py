@@ -20,13 +20,16 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
 from fusion_core.patterns import compile_pattern
 from fusion_core.transforms import WeightTransform
+
+if TYPE_CHECKING:  # transformers is imported by the pipeline, not by the protocol
+    from transformers import PretrainedConfig
 
 
 class FamilyOptions(BaseModel):
@@ -65,37 +68,46 @@ class FamilyOptions(BaseModel):
         return patterns
 
 
+OptionsT = TypeVar("OptionsT", bound=FamilyOptions)
+
+
 @runtime_checkable
-class ModuleFusionSpec(Protocol):
-    """What the registry checks a registered family against."""
+class ModuleFusionSpec(Protocol[OptionsT]):
+    """What the registry checks a registered family against.
+
+    Generic in the family's options model: every method receives an instance of
+    ``options_model`` (``ModuleFusionSpec[QkvOptions]``; ``ModuleFusionSpec[Any]`` for any family).
+    """
 
     name: str
     description: str
-    options_model: type[FamilyOptions]
+    options_model: type[OptionsT]
     target_modules_patterns: Sequence[str]
 
-    def is_fusable(self, module: nn.Module, options: Any) -> bool:
+    def is_fusable(self, module: nn.Module, options: OptionsT) -> bool:
         """Can this (meta-device) module instance be replaced by the fused class exactly?"""
         ...
 
-    def make_fused_class(self, original_cls: type[nn.Module], options: Any) -> type[nn.Module]:
+    def make_fused_class(self, original_cls: type[nn.Module], options: OptionsT) -> type[nn.Module]:
         """The runtime replacement class: a subclass of ``original_cls`` (see the module docs)."""
         ...
 
-    def make_transforms(self, config: Any, options: Any) -> Sequence[WeightTransform]:
+    def make_transforms(self, config: PretrainedConfig, options: OptionsT) -> Sequence[WeightTransform]:
         """Module-relative weight transforms from the original layout to the fused layout."""
         ...
 
 
-class FusionFamily:
+class FusionFamily(Generic[OptionsT]):
     """A base class with the defaults most families want; subclass it and fill in the rest.
 
-    ``description`` defaults to the first line of the class docstring.
+    ``description`` defaults to the first line of the class docstring. Subclass
+    ``FusionFamily[MyOptions]`` (with ``options_model = MyOptions``) and type checkers know what
+    every method's ``options`` is.
     """
 
     name: ClassVar[str]
     description: ClassVar[str] = ""
-    options_model: ClassVar[type[FamilyOptions]] = FamilyOptions
+    options_model: type[OptionsT] = FamilyOptions  # type: ignore[assignment]  # the default for FamilyOptions
     target_modules_patterns: ClassVar[Sequence[str]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -103,19 +115,19 @@ class FusionFamily:
         if not cls.__dict__.get("description") and cls.__doc__:
             cls.description = cls.__doc__.strip().splitlines()[0]
 
-    def is_fusable(self, module: nn.Module, options: Any) -> bool:
+    def is_fusable(self, module: nn.Module, options: OptionsT) -> bool:
         raise NotImplementedError(f"family {self.name!r} must implement is_fusable")
 
     fused_mixin: ClassVar[type | None] = None
     """Set this to a mixin class (usually a :class:`FusedModule` subclass) and the default
     :meth:`make_fused_class` returns ``fused_subclass(fused_mixin, original_cls)``."""
 
-    def make_fused_class(self, original_cls: type[nn.Module], options: Any) -> type[nn.Module]:
+    def make_fused_class(self, original_cls: type[nn.Module], options: OptionsT) -> type[nn.Module]:
         if self.fused_mixin is None:
             raise NotImplementedError(f"family {self.name!r} must set fused_mixin or implement make_fused_class")
         return fused_subclass(self.fused_mixin, original_cls)
 
-    def make_transforms(self, config: Any, options: Any) -> Sequence[WeightTransform]:
+    def make_transforms(self, config: PretrainedConfig, options: OptionsT) -> Sequence[WeightTransform]:
         return ()
 
     def __repr__(self) -> str:

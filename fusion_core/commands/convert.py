@@ -208,16 +208,11 @@ def verify_conversion(result: dict[str, Any], model_class: str | None = None) ->
     problems = [f"no checkpoint tensor for model key {k!r}" for k in state if k not in mapping]
     problems += [f"checkpoint tensor {k!r} is not in the model" for k in sorted(set(index) - set(mapping.values()))]
     handles: dict[str, Any] = {}
-    try:
+    with ExitStack() as stack:
         for key, ckpt_key in mapping.items():
             file = index[ckpt_key].file
             if file not in handles:
-                handles[file] = safe_open(str(Path(original_dir) / file), "pt").__enter__()
-            expected = handles[file].get_tensor(ckpt_key)
-            got = state[key]
-            if not same_bits(got, expected):
+                handles[file] = stack.enter_context(safe_open(str(Path(original_dir) / file), "pt"))
+            if not same_bits(state[key], handles[file].get_tensor(ckpt_key)):
                 problems.append(f"{ckpt_key!r} differs from the loaded model's {key!r}")
-    finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
     return {"ok": not problems, "tensors": len(mapping), "problems": problems}

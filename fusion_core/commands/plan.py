@@ -77,7 +77,9 @@ def run_plan(
     return result
 
 
-def describe_with_checkpoint(plan: FusionPlan, index: dict[str, TensorInfo], checkpoint: Checkpoint) -> list[dict]:
+def describe_with_checkpoint(
+    plan: FusionPlan, index: dict[str, TensorInfo], checkpoint: Checkpoint
+) -> list[dict[str, object]]:
     """:meth:`FusionPlan.describe` rows, each with the checkpoint keys, files and dtypes involved.
 
     ``checkpoint_keys`` maps every model key of the row (original and fused) to its key in a
