@@ -152,6 +152,7 @@ def _present_original(
             break
         keys.append(key)
     block = {key[len(prefix):]: state_dict.pop(key) for key in reversed(keys)}
+    order = {name: i for i, name in enumerate(plan.original_leaves)}
     with torch.no_grad():
         for bound in plan.transforms:
             if not all(t.name in block for t in bound.targets):
@@ -159,10 +160,38 @@ def _present_original(
             fused = [block.pop(t.name) for t in bound.targets]
             originals = bound.op.inverse(fused, [s.shape for s in bound.sources])
             for spec, tensor in zip(bound.sources, originals, strict=True):
-                block[spec.name] = tensor
-    order = {name: i for i, name in enumerate(plan.original_leaves)}
-    for leaf in sorted(block, key=lambda name: order.get(name, len(order))):
+                presented = _presented(module, spec.name)
+                order[presented] = order[spec.name]
+                block[presented] = tensor
+    children = {name: i for i, name in enumerate(module._modules)}
+
+    def position(leaf: str) -> tuple[int, int]:
+        # Own tensors first, then each child's in module order (as nn.Module.state_dict goes); in a
+        # child, the original tensors before anything a wrapper added (an adapter's lora_A, ...).
+        child = leaf.partition(".")[0] if "." in leaf else None
+        return (-1 if child is None else children.get(child, len(children)), order.get(leaf, len(order)))
+
+    for leaf in sorted(block, key=position):
         state_dict[prefix + leaf] = block[leaf]
+
+
+def _presented(module: nn.Module, leaf: str) -> str:
+    """The name the unfused model gives ``leaf`` now: through wrappers that hold the original module as
+    ``base_layer`` (PEFT's tuner layers: ``q_proj.weight`` is ``q_proj.base_layer.weight`` there)."""
+    path, _, name = leaf.rpartition(".")
+    if not path:
+        return leaf
+    parts: list[str] = []
+    owner: nn.Module | None = module
+    for part in path.split("."):
+        owner = owner._modules.get(part) if owner is not None else None
+        if owner is None:
+            return leaf
+        parts.append(part)
+    while name not in owner._parameters and name not in owner._buffers and "base_layer" in owner._modules:
+        owner = owner._modules["base_layer"]
+        parts.append("base_layer")
+    return ".".join([*parts, name])
 
 
 def _accept_original(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
@@ -171,7 +200,7 @@ def _accept_original(module: nn.Module, state_dict: dict[str, Any], prefix: str,
         return
     with torch.no_grad():
         for bound in plan.transforms:
-            keys = [prefix + s.name for s in bound.sources]
+            keys = [prefix + _presented(module, s.name) for s in bound.sources]
             if not all(k in state_dict for k in keys):
                 continue
             outputs = bound.op.forward([state_dict.pop(k) for k in keys])

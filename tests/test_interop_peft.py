@@ -73,6 +73,18 @@ def test_lora_by_original_names_matches_the_unfused_model(llama, tmp_path):
     _assert_same_files(tmp_path / "plain", tmp_path / "fused", "adapter_model.safetensors")
 
 
+def test_wrapped_model_state_dict_is_the_unfused_one(llama):
+    plain, fused = _lora(_plain(llama)), _lora(_fused(llama))
+    expected, got = plain.state_dict(), fused.state_dict()
+    assert "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight" in expected
+    assert list(got) == list(expected)
+    assert all(torch.equal(got[key], expected[key]) for key in expected)
+    # and the full state dict of the unfused wrapped model loads into the fused one
+    other = _lora(_fused(llama), seed=3)
+    other.load_state_dict(expected)
+    torch.testing.assert_close(_logits(other), _logits(plain), rtol=0, atol=1e-5)
+
+
 def test_adapters_load_both_ways(llama, tmp_path):
     plain, fused = _lora(_plain(llama), seed=1), _lora(_fused(llama), seed=2)
     plain.save_pretrained(tmp_path / "from-plain")
