@@ -143,13 +143,24 @@ def tensor_parallel(rank: int, world: int, path: Path, out: Path) -> Checks:
     if rank == 0:
         same_state(checks, "save after training", saved(out / "trained"), reference.state_dict())
 
-    # The other spellings of a plan: the newer 5.x argument, and an explicit plan.
+    if world == 2:
+        plan_spellings(checks, path, world, ids, load)
+        vision_language(checks, out)
+    else:
+        head_split_refused(checks, out)
+    return checks
+
+
+def plan_spellings(checks: Checks, path: Path, world: int, ids: torch.Tensor, load: Callable[..., Any]) -> None:
+    """The newer 5.x argument and an explicit plan load the same; a plan that gathers k_proj is refused."""
+    from transformers import AutoModelForCausalLM
+
     plan = {f"model.layers.*.{p}": style for p, style in (
         ("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise"), ("self_attn.v_proj", "colwise"),
         ("self_attn.o_proj", "rowwise"), ("mlp.gate_proj", "colwise"), ("mlp.up_proj", "colwise"),
         ("mlp.down_proj", "rowwise"),
     )}
-    reference = AutoModelForCausalLM.from_pretrained(path).eval()  # untrained again
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
     if is_tf5():
         from transformers.distributed import DistributedConfig
 
@@ -171,7 +182,50 @@ def tensor_parallel(rank: int, world: int, path: Path, out: Path) -> Checks:
     with torch.no_grad():
         close(checks, "logits (explicit plan)", explicit(ids).logits, reference(ids).logits)
     refused(checks, "a gathered k_proj is refused", refuse, "model.layers.0.self_attn", "k_proj", "colwise")
-    return checks
+
+
+def head_split_refused(checks: Checks, out: Path) -> None:
+    """Two k/v heads over four ranks: each rank's k rows would split a head, so the fused load is refused."""
+    from transformers import AutoModelForCausalLM
+
+    import fusion_core
+
+    path = out / "two_kv_heads"
+    if dist.get_rank() == 0:
+        AutoModelForCausalLM.from_config(text_config(2)).save_pretrained(path)
+    dist.barrier()
+    load = lambda: fusion_core.from_pretrained(AutoModelForCausalLM, path, fusion_config=FUSION, tp_plan="auto")  # noqa: E731
+    refused(checks, "k/v heads split over ranks are refused", load,
+            "model.layers.0.self_attn", "k_proj.weight", "splits a head_dim of 8")
+
+
+def vision_language(checks: Checks, out: Path) -> None:
+    """Qwen2-VL under tp_plan='auto': the text model is sharded, the fused patch embedding is replicated."""
+    from operator import attrgetter
+
+    import fusion_core
+    from fusion_core.testing.tiny_models import TINY_MODELS, auto_class, save_tiny_model
+
+    tiny = TINY_MODELS["qwen2_vl"]
+    path = out / "qwen2_vl"
+    if dist.get_rank() == 0:
+        save_tiny_model(tiny, path)
+    dist.barrier()
+    model_cls = auto_class(tiny)
+    reference = model_cls.from_pretrained(path).eval()
+    fusion = {"patch_embeddings": True, **FUSION}
+    fused = fusion_core.from_pretrained(model_cls, path, fusion_config=fusion, tp_plan="auto").eval()
+    inputs = tiny.make_vision_input(reference.config, torch.Generator().manual_seed(0))
+    tower = attrgetter(tiny.vision_path)
+    patch = type(tower(fused).patch_embed.proj).__qualname__
+    checks["vision tower: patch embedding fused"] = ["PatchLinearMixin" in patch, patch]
+    with torch.no_grad():
+        vision, expected = (tower(model)(**inputs) for model in (fused, reference))
+        vision, expected = (getattr(v, "last_hidden_state", v) for v in (vision, expected))
+        close(checks, "vision tower output (patch_embeddings)", vision, expected, tol=1e-4)
+        ids = torch.tensor([[1, 5, 7, 9]])
+        logits = [model(input_ids=ids).logits for model in (fused, reference)]
+        close(checks, "VL text logits (qkv, gate_up sharded)", *logits)
 
 
 # -- data parallelism --------------------------------------------------------------------------------
