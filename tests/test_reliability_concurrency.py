@@ -133,3 +133,43 @@ def test_threads_with_different_fusion_configs_get_their_own(tiny_checkpoint):
         fused = isinstance(model.model.visual.patch_embed.proj, PatchLinearMixin)
         assert fused is (index % 4 in (0, 1)), index
     assert installed_classes() == []
+
+
+def test_discover_holds_the_load_lock_whoever_calls_it(tiny_checkpoint, monkeypatch):
+    """fusion plan, fusion convert and the kit call discover() directly: its meta build (which may patch
+    nn.Module.register_parameter for the whole process) must still run under the load lock."""
+    from fusion_core import discovery
+    from fusion_core.patching import LOAD_LOCK
+
+    held: list[bool] = []
+    real_build = discovery.build_meta_model
+
+    def build(*args, **kwargs):
+        held.append(LOAD_LOCK._is_owned())
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(discovery, "build_meta_model", build)
+    tiny = TINY_MODELS["qwen2_vl"]
+    discovery.discover(auto_class(tiny), tiny.make_config(), fusion_core.parse_fusion_config(PATCH))
+    assert held == [True]
+    assert not LOAD_LOCK._is_owned()
+
+
+def test_the_loading_report_capture_is_gone_after_every_load(tiny_checkpoint, monkeypatch):
+    """The loading report is taken by wrapping transformers' _load_pretrained_model for the load only."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.__dict__["_load_pretrained_model"]
+    directory, _ = tiny_checkpoint("qwen2_vl")
+    cls = auto_class(TINY_MODELS["qwen2_vl"])
+    fusion_core.from_pretrained(cls, directory, fusion_config=PATCH)
+    assert PreTrainedModel.__dict__["_load_pretrained_model"] is original
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("transformers failed")
+
+    failing = type(original)(broken)  # staticmethod on 5.x, classmethod on 4.57
+    monkeypatch.setattr(PreTrainedModel, "_load_pretrained_model", failing)
+    with pytest.raises(RuntimeError, match="transformers failed"):
+        fusion_core.from_pretrained(cls, directory, fusion_config=PATCH)
+    assert PreTrainedModel.__dict__["_load_pretrained_model"] is failing
