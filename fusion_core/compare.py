@@ -23,6 +23,7 @@ Tolerances (:data:`TOLERANCES`) bound :func:`relative_error` per dtype.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -471,28 +472,27 @@ def compare_checkpoints(source: Path, saved: Path) -> RoundTripReport:
     if not problems:
         from safetensors import safe_open
 
+        from fusion_core.layout import same_bits
+
         handles: dict[str, Any] = {}
-        try:
+        with contextlib.ExitStack() as stack:
             for key, info in want.items():
                 other = have[key]
                 for directory, item in ((source, info), (saved, other)):
                     path = str(Path(directory) / item.file)
                     if path not in handles:
-                        handles[path] = safe_open(path, "pt").__enter__()
+                        handles[path] = stack.enter_context(safe_open(path, "pt"))
                 a = handles[str(Path(source) / info.file)].get_tensor(key)
                 b = handles[str(Path(saved) / other.file)].get_tensor(key)
-                if not torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)):
+                if not same_bits(a, b):
                     problems.append(f"{key!r}: bytes differ")
-        finally:
-            for handle in handles.values():
-                handle.__exit__(None, None, None)
     return RoundTripReport(ok=not problems, tensors=len(want), problems=problems)
 
 
 def round_trip(fused: nn.Module, source: Path) -> RoundTripReport:
     """Save ``fused`` in the original layout to a temporary directory and compare with ``source``."""
-    import fusion_core
+    from fusion_core.hf import save_pretrained
 
     with tempfile.TemporaryDirectory(prefix="fusion-check-") as tmp:
-        fusion_core.save_pretrained(fused, Path(tmp) / "saved")
+        save_pretrained(fused, Path(tmp) / "saved")
         return compare_checkpoints(Path(source), Path(tmp) / "saved")

@@ -267,7 +267,8 @@ class WeightTransform:
     optional: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.sources, str) or isinstance(self.targets, str):
+        # A runtime guard for untyped callers: ("weight") is a string, not a one-tuple.
+        if isinstance(self.sources, str) or isinstance(self.targets, str):  # type: ignore[unreachable]
             raise TypeError("WeightTransform sources and targets are tuples of leaf names, not strings")
         if (len(self.sources), len(self.targets)) != tuple(self.op.arity):
             raise ValueError(

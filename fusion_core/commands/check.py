@@ -50,6 +50,8 @@ def run_check(
     step("fused load")
     fused = from_pretrained(checkpoint.model_cls, checkpoint.directory, fusion_config=fusion, **kwargs)
     plan = get_fusion_plan(fused)
+    if plan is None:  # from_pretrained always records one; a None here is a pipeline bug
+        raise RuntimeError(f"the fused load of {checkpoint.directory} recorded no fusion plan")
     registry = get_registry()
     specs = {name: registry.get(name).spec for name in plan.families}
     comparison = compare_models(plain, fused, plan, specs=specs, seed=seed, repeats=repeats, on_step=step)

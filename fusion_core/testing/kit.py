@@ -92,8 +92,8 @@ def model_config(model: ModelSource) -> Any:
     return resolve_model(model).config
 
 
-def build_model(resolved: ModelUnderTest, seed: int = 0) -> nn.Module:
-    """The plain model with random weights (seeded), or loaded from its checkpoint directory."""
+def build_model(resolved: ModelUnderTest, seed: int = 0) -> Any:
+    """The plain ``PreTrainedModel`` with random weights (seeded), or loaded from its checkpoint directory."""
     if resolved.directory is not None:
         return resolved.model_cls.from_pretrained(resolved.directory, config=copy.deepcopy(resolved.config)).eval()
     torch.manual_seed(seed)
@@ -120,7 +120,7 @@ def module_factory(model: ModelSource, path: str, seed: int = 0, config: Any = N
 
 
 # -- one module --------------------------------------------------------------------------------
-def _transforms(spec: ModuleFusionSpec, config: Any, options: FamilyOptions) -> list[Any]:
+def _transforms(spec: ModuleFusionSpec[Any], config: Any, options: FamilyOptions) -> list[Any]:
     try:
         return list(spec.make_transforms(config, options))
     except Exception as exc:
@@ -131,7 +131,7 @@ def _transforms(spec: ModuleFusionSpec, config: Any, options: FamilyOptions) -> 
 
 
 def fuse_module(
-    module: nn.Module, spec: ModuleFusionSpec, options: FamilyOptions | None = None, config: Any = None,
+    module: nn.Module, spec: ModuleFusionSpec[Any], options: FamilyOptions | None = None, config: Any = None,
     path: str = "",
 ) -> nn.Module:
     """A fused deep copy of one loaded ``module``, as a fused load would produce it."""
@@ -160,7 +160,7 @@ def _call(module: nn.Module, inputs: Inputs) -> Any:
 def assert_numerically_equivalent(
     module_factory: Callable[[], nn.Module],
     inputs_factory: Callable[[torch.dtype], Inputs],
-    spec: ModuleFusionSpec,
+    spec: ModuleFusionSpec[Any],
     dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16),
     options: FamilyOptions | None = None,
     config: Any = None,
@@ -200,7 +200,7 @@ def assert_numerically_equivalent(
 
 
 def assert_state_dict_round_trip(
-    module: nn.Module, spec: ModuleFusionSpec, options: FamilyOptions | None = None, config: Any = None
+    module: nn.Module, spec: ModuleFusionSpec[Any], options: FamilyOptions | None = None, config: Any = None
 ) -> None:
     """The fused module presents the original state dict bit for bit and accepts it back."""
     original_state = module.state_dict()
@@ -219,7 +219,7 @@ def assert_state_dict_round_trip(
 
 
 def assert_transform_round_trip(
-    module: nn.Module, spec: ModuleFusionSpec, options: FamilyOptions | None = None, config: Any = None
+    module: nn.Module, spec: ModuleFusionSpec[Any], options: FamilyOptions | None = None, config: Any = None
 ) -> list[BoundTransform]:
     """Every transform of ``spec``, bound to ``module``, goes forward and back bit for bit.
 
@@ -333,7 +333,7 @@ def assert_transform_op(
 
 
 # -- options ---------------------------------------------------------------------------------
-def assert_options_schema(spec: ModuleFusionSpec) -> dict[str, Any]:
+def assert_options_schema(spec: ModuleFusionSpec[Any]) -> dict[str, Any]:
     """The options model is valid, strict, frozen, JSON-describable and accepted by ``FusionConfig``.
 
     Returns the JSON schema (what ``fusion list --json`` shows users).
@@ -346,7 +346,7 @@ def assert_options_schema(spec: ModuleFusionSpec) -> dict[str, Any]:
     validate_spec(spec)
     model = spec.options_model
     defaults = model()
-    schema = model.model_json_schema()
+    schema: dict[str, Any] = model.model_json_schema()
     if schema.get("additionalProperties") is not False:
         raise AssertionError(f"{model.__name__}: the JSON schema must forbid unknown options")
     if model.model_validate(defaults.model_dump(mode="json")) != defaults:
@@ -366,7 +366,8 @@ def assert_options_schema(spec: ModuleFusionSpec) -> dict[str, Any]:
         raise AssertionError(f"{model.__name__}: options must be frozen (they key caches)")
     registry = FamilyRegistry()
     registry.register_family(spec)
-    for setting in (True, False, {}, defaults.model_dump(mode="json", exclude_defaults=True)):
+    settings: list[Any] = [True, False, {}, defaults.model_dump(mode="json", exclude_defaults=True)]
+    for setting in settings:
         parse_fusion_config({spec.name: setting}, registry)
     try:
         parse_fusion_config({spec.name: {"__surely_not_an_option__": 1}}, registry)
@@ -386,7 +387,7 @@ def _setting(options: FamilyOptions | Mapping[str, Any] | None) -> Any:
 
 
 def assert_discovers(
-    spec: ModuleFusionSpec,
+    spec: ModuleFusionSpec[Any],
     model: ModelSource,
     options: FamilyOptions | Mapping[str, Any] | None = None,
     expected_modules: Sequence[str] | None = None,
@@ -416,7 +417,7 @@ def assert_discovers(
 
 
 @contextmanager
-def registered(*specs: ModuleFusionSpec) -> Iterator[None]:
+def registered(*specs: ModuleFusionSpec[Any]) -> Iterator[None]:
     """Register ``specs`` in the process-wide registry for the block (replacing same-named families)."""
     from fusion_core.plugins import get_registry
 
@@ -437,7 +438,7 @@ def registered(*specs: ModuleFusionSpec) -> Iterator[None]:
 
 
 def assert_fused_load(
-    spec: ModuleFusionSpec,
+    spec: ModuleFusionSpec[Any],
     model: ModelSource,
     directory: str | os.PathLike[str],
     options: FamilyOptions | Mapping[str, Any] | None = None,
@@ -453,8 +454,8 @@ def assert_fused_load(
     (:mod:`fusion_core.compare`), and saving must write the source checkpoint back exactly.
     Returns the comparison.
     """
-    import fusion_core
     from fusion_core.compare import compare_models, round_trip
+    from fusion_core.hf import from_pretrained, get_fusion_plan
 
     resolved = resolve_model(model, config)
     plain = build_model(resolved, seed)
@@ -464,8 +465,10 @@ def assert_fused_load(
         source = Path(directory) / resolved.label
         plain.save_pretrained(source)
     with registered(spec):
-        fused = fusion_core.from_pretrained(resolved.model_cls, source, fusion_config={spec.name: _setting(options)})
-    plan = fusion_core.get_fusion_plan(fused)
+        fused = from_pretrained(resolved.model_cls, source, fusion_config={spec.name: _setting(options)})
+    plan = get_fusion_plan(fused)
+    if plan is None:
+        raise AssertionError(f"family {spec.name!r} on {resolved.label}: the fused load returned an unfused model")
     comparison = compare_models(plain, fused, plan, specs={spec.name: spec}, seed=seed, repeats=1)
     comparison.round_trip = round_trip(fused, source)
     if not comparison.ok:

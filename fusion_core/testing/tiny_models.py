@@ -55,11 +55,11 @@ def _qwen_vl_input(config: Any, gen: torch.Generator) -> dict[str, torch.Tensor]
 
 
 def _video_input(config: Any, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    frames = getattr(config, "num_frames", None) or getattr(config, "frames_per_clip", 4)
-    size = getattr(config, "image_size", None) or getattr(config, "crop_size", 32)
+    frames: Any = getattr(config, "num_frames", None) or getattr(config, "frames_per_clip", 4)
+    size: Any = getattr(config, "image_size", None) or getattr(config, "crop_size", 32)
     size = size[0] if isinstance(size, (list, tuple)) else size
-    channels = getattr(config, "num_channels", None) or getattr(config, "in_chans", 3)
-    return {"pixel_values": torch.randn(2, frames, channels, size, size, generator=gen)}
+    channels: Any = getattr(config, "num_channels", None) or getattr(config, "in_chans", 3)
+    return {"pixel_values": torch.randn(2, int(frames), int(channels), int(size), int(size), generator=gen)}
 
 
 def _vjepa2_input(config: Any, gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -178,7 +178,7 @@ def save_tiny_model(tiny: TinyModel | TinyTextModel, directory: str | Path, seed
 def _version() -> str:
     import transformers
 
-    return transformers.__version__
+    return str(transformers.__version__)
 
 
 # -- text-only decoder models (the qkv and gate_up families) ---------------------------------
