@@ -350,3 +350,25 @@ def test_text_and_moe_tiny_models_are_accepted_everywhere(fusion_tiny_checkpoint
         kit.resolve_model("no_such_model")
     # One namespace: no name in two tables.
     assert len({*TINY_MODELS, *TEXT_MODELS, *MOE_MODELS}) == sum(map(len, (TINY_MODELS, TEXT_MODELS, MOE_MODELS)))
+
+
+def test_the_product_does_not_import_the_test_kit():
+    # Issue 12: `fusion check` and the rest of the package run without fusion_core.testing.
+    import ast
+
+    package = Path(fusion_core.__file__).parent
+    offenders = []
+    for path in package.rglob("*.py"):
+        if "testing" in path.relative_to(package).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            if any(n == "fusion_core.testing" or n.startswith("fusion_core.testing.") for n in names):
+                offenders.append(str(path.relative_to(package)))
+    assert not offenders, f"product modules importing the test kit: {offenders}"
+    check = subprocess.run([sys.executable, "-c", "import sys, fusion_core.commands.check, fusion_core.compare; "
+                            "print(any(m.startswith('fusion_core.testing') for m in sys.modules))"],
+                           capture_output=True, text=True, timeout=600)
+    assert check.stdout.strip() == "False", check.stdout + check.stderr
