@@ -31,19 +31,28 @@ def quantile(values: Sequence[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class Summary:
-    """Median and p10/p90 of a list of samples."""
+    """Median, p10/p90 and min/max of a list of samples."""
 
     median: float
     p10: float
     p90: float
     n: int
+    min: float = 0.0
+    max: float = 0.0
 
     @classmethod
     def of(cls, values: Sequence[float]) -> Summary:
-        return cls(statistics.median(values), quantile(values, 0.1), quantile(values, 0.9), len(values))
+        return cls(statistics.median(values), quantile(values, 0.1), quantile(values, 0.9), len(values),
+                   min(values), max(values))
 
     def fmt(self, scale: float = 1.0, digits: int = 2, unit: str = "") -> str:
+        """``median [p10-p90]``."""
         m, lo, hi = (v * scale for v in (self.median, self.p10, self.p90))
+        return f"{m:.{digits}f}{unit} [{lo:.{digits}f}-{hi:.{digits}f}]"
+
+    def fmt_range(self, scale: float = 1.0, digits: int = 2, unit: str = "") -> str:
+        """``median [min-max]``: with the few rounds an end-to-end row affords, the whole range."""
+        m, lo, hi = (v * scale for v in (self.median, self.min, self.max))
         return f"{m:.{digits}f}{unit} [{lo:.{digits}f}-{hi:.{digits}f}]"
 
 
@@ -52,12 +61,16 @@ def interleaved(
     rounds: int,
     inner: int = 1,
     warmup: int = 1,
+    sync: Callable[[], None] | None = None,
 ) -> dict[str, list[float]]:
     """Seconds per call of each contender, ``rounds`` samples each, interleaved and rotated.
 
     Each sample is the mean of ``inner`` back-to-back calls (to lift very short calls above the
-    timer's resolution). ``warmup`` untimed rounds run first.
+    timer's resolution). ``warmup`` untimed rounds run first. ``sync`` (e.g.
+    ``torch.cuda.synchronize``) runs before each sample starts and before it stops, so queued
+    device work is counted in the sample that queued it.
     """
+    wait = sync or (lambda: None)
     names = list(contenders)
     for _ in range(warmup):
         for name in names:
@@ -67,9 +80,11 @@ def interleaved(
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
             fn = contenders[name]
+            wait()
             start = time.perf_counter()
             for _ in range(inner):
                 fn()
+            wait()
             samples[name].append((time.perf_counter() - start) / inner)
     return samples
 
@@ -118,7 +133,7 @@ class Table:
 
 
 def budget_table(budgets: Sequence[Budget]) -> Table:
-    table = Table("Budgets (issue 5)", ["budget", "limit", "measured", "result"])
+    table = Table("Budgets", ["budget", "limit", "measured", "result"])
     for b in budgets:
         verdict = "PASS" if b.passed else "MISS"
         table.rows.append([b.name, b.limit, b.measured, verdict + (f" ({b.note})" if b.note else "")])
@@ -164,6 +179,7 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "platform": platform.platform(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 
 

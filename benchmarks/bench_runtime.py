@@ -57,28 +57,35 @@ class RuntimePlan:
     min_rounds: int
     max_rounds: int
     compile_backend: str = "inductor"
+    device: str = "cpu"
 
 
-def plan_for(quick: bool, compile_enabled: bool) -> RuntimePlan:
+def plan_for(quick: bool, compile_enabled: bool, device: str = "cpu",
+             dtypes: tuple[str, ...] = ("fp32", "bf16")) -> RuntimePlan:
     if quick:
-        return RuntimePlan(SHAPES[:1], (256,), ("fp32", "bf16"), SHAPES[:1] if compile_enabled else (), (256,),
-                           0.15, 3, 5)
-    return RuntimePlan(SHAPES, (256, 1024, 4096, 16384), ("fp32", "bf16"),
-                       SHAPES if compile_enabled else (), (1024, 4096), 2.5, 7, 40)
+        return RuntimePlan(SHAPES[:1], (256,), dtypes, SHAPES[:1] if compile_enabled else (), (256,),
+                           0.15, 3, 5, device=device)
+    return RuntimePlan(SHAPES, (256, 1024, 4096, 16384), dtypes,
+                       SHAPES if compile_enabled else (), (1024, 4096), 2.5, 7, 40, device=device)
 
 
-def _patch_embedding_contenders(shape: PatchShape, n: int, dtype: torch.dtype, compiled: bool, backend: str
-                                ) -> tuple[dict[str, Callable[[], Any]], float]:
+def device_sync(device: str) -> Callable[[], None] | None:
+    """What makes a wall-clock sample include the device work it queued (None on CPU)."""
+    return torch.cuda.synchronize if device.startswith("cuda") else None
+
+
+def _patch_embedding_contenders(shape: PatchShape, n: int, dtype: torch.dtype, compiled: bool, backend: str,
+                                device: str = "cpu") -> tuple[dict[str, Callable[[], Any]], float]:
     from fusion_patch_embeddings.family import PatchEmbeddingsFamily
 
     from fusion_core.testing.kit import fuse_module
 
     torch.manual_seed(0)
     k = (shape.temporal, shape.patch, shape.patch)
-    conv = nn.Conv3d(shape.channels, shape.out, kernel_size=k, stride=k, bias=shape.bias).to(dtype).eval()
+    conv = nn.Conv3d(shape.channels, shape.out, kernel_size=k, stride=k, bias=shape.bias).to(device, dtype).eval()
     fused = fuse_module(conv, PatchEmbeddingsFamily()).eval()
     # The Qwen-VL / GLM-4V towers call their projection on rows of flattened patches viewed as [N, C, T, P, P].
-    x = torch.randn(n, shape.fan_in, dtype=dtype).view(n, shape.channels, *k)
+    x = torch.randn(n, shape.fan_in, dtype=dtype, device=device).view(n, shape.channels, *k)
     weight = conv.weight.detach().reshape(shape.out, -1)  # a view: the same storage the fused module uses
     bias = conv.bias.detach() if conv.bias is not None else None
 
@@ -110,10 +117,13 @@ def _patch_embedding_contenders(shape: PatchShape, n: int, dtype: torch.dtype, c
 def _calibrate(contenders: dict[str, Callable[[], Any]], plan: RuntimePlan) -> tuple[int, int]:
     """(rounds, inner): each sample >= ~5 ms, about ``seconds_per_config`` per config in all."""
     times = {}
+    wait = device_sync(plan.device) or (lambda: None)
     for name, fn in contenders.items():
         fn()  # warm-up (and, compiled, the compilation itself)
+        wait()
         start = time.perf_counter()
         fn()
+        wait()
         times[name] = time.perf_counter() - start
     inner = max(1, min(50, int(0.005 / max(min(times.values()), 1e-6))))
     per_round = sum(times.values()) * inner
@@ -140,10 +150,11 @@ def run_patch_embeddings(plan: RuntimePlan, log: Callable[[str], None]) -> tuple
     for shape, n, dt, compiled in configs:
         mode = f"compile({plan.compile_backend})" if compiled else "eager"
         start = time.perf_counter()
-        contenders, err = _patch_embedding_contenders(shape, n, DTYPES[dt], compiled, plan.compile_backend)
+        contenders, err = _patch_embedding_contenders(shape, n, DTYPES[dt], compiled, plan.compile_backend,
+                                                      plan.device)
         setup_s = time.perf_counter() - start
         rounds, inner = _calibrate(contenders, plan)
-        samples = interleaved(contenders, rounds=rounds, inner=inner, warmup=0)
+        samples = interleaved(contenders, rounds=rounds, inner=inner, warmup=0, sync=device_sync(plan.device))
         s = {k: Summary.of(v) for k, v in samples.items()}
         speedup = ratios(samples["conv3d"], samples["fused"])
         overhead = ratios(samples["fused"], samples["floor"])
@@ -206,7 +217,8 @@ def _text_config(quick: bool) -> Any:
                        num_key_value_heads=2, vocab_size=8192, max_position_embeddings=4096)
 
 
-def run_text_families(quick: bool, log: Callable[[str], None]) -> tuple[Table | None, list[dict[str, Any]], list[str]]:
+def run_text_families(quick: bool, log: Callable[[str], None], device: str = "cpu", dtype: str = "fp32"
+                      ) -> tuple[Table | None, list[dict[str, Any]], list[str]]:
     """Decoder layer and whole-model forward, plain vs fused, for each installed text family."""
     import fusion_core
 
@@ -227,42 +239,47 @@ def run_text_families(quick: bool, log: Callable[[str], None]) -> tuple[Table | 
     with tempfile.TemporaryDirectory(prefix="fusion-bench-text-") as tmp:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
-        plain = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        plain = AutoModelForCausalLM.from_pretrained(tmp, dtype=DTYPES[dtype]).to(device).eval()
         combos = [*available, "+".join(available)] if len(available) > 1 else available
         for family in combos:
             try:
                 fused = fusion_core.from_pretrained(
                     AutoModelForCausalLM, tmp, fusion_config={f: True for f in family.split("+")},
-                    dtype=torch.float32,
-                ).eval()
+                    dtype=DTYPES[dtype],
+                ).to(device).eval()
             except Exception as exc:  # a family that does not cover this architecture: report, go on
                 notes.append(f"family {family!r} could not load a Qwen2 model fused: {type(exc).__name__}: {exc}")
                 continue
             for b, s in sizes:
                 ids = torch.randint(0, config.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+                ids = ids.to(device)
                 for what, make in (("decoder layer", _layer_call), ("whole model", _model_call)):
                     try:
                         contenders = {"plain": make(plain, ids), "fused": make(fused, ids)}
-                        rounds, inner = (3, 1) if quick else _rounds_for(contenders)
-                        samples = interleaved(contenders, rounds=rounds, inner=inner, warmup=1)
+                        rounds, inner = (3, 1) if quick else _rounds_for(contenders, device)
+                        samples = interleaved(contenders, rounds=rounds, inner=inner, warmup=1,
+                                              sync=device_sync(device))
                     except Exception as exc:
                         notes.append(f"{family} {what} {b}x{s}: {type(exc).__name__}: {exc}")
                         continue
                     sp = {k: Summary.of(v) for k, v in samples.items()}
                     speed = ratios(samples["plain"], samples["fused"])
-                    results.append({"family": family, "what": what, "batch": b, "seq": s, "dtype": "fp32",
+                    results.append({"family": family, "what": what, "batch": b, "seq": s, "dtype": dtype,
                                     "seconds": sp, "speedup_plain_over_fused": speed, "samples": samples})
-                    table.rows.append([family, what, f"{b}x{s}", "fp32", sp["plain"].fmt(1e3), sp["fused"].fmt(1e3),
+                    table.rows.append([family, what, f"{b}x{s}", dtype, sp["plain"].fmt(1e3), sp["fused"].fmt(1e3),
                                        speed.fmt(unit="x")])
                     log(f"  {family} {what} {b}x{s}: speedup {speed.fmt(unit='x')}")
     table.notes += notes
     return table, results, notes
 
 
-def _rounds_for(contenders: dict[str, Callable[[], Any]]) -> tuple[int, int]:
+def _rounds_for(contenders: dict[str, Callable[[], Any]], device: str) -> tuple[int, int]:
+    wait = device_sync(device) or (lambda: None)
+    wait()
     start = time.perf_counter()
     for fn in contenders.values():
         fn()
+    wait()
     per_round = time.perf_counter() - start
     return int(max(5, min(30, 2.0 / max(per_round, 1e-6)))), 1
 
@@ -280,7 +297,7 @@ def _layer_call(model: nn.Module, ids: torch.Tensor) -> Callable[[], Any]:
     layer = base.layers[0]
     with torch.inference_mode():
         hidden = base.embed_tokens(ids)
-        position_ids = torch.arange(ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1)
+        position_ids = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand(ids.shape[0], -1)
         position_embeddings = base.rotary_emb(hidden, position_ids)
 
     def call() -> Any:

@@ -1,0 +1,219 @@
+"""Where an end-to-end gain can and cannot come from, in figures a reader can check.
+
+- Vision tower: the patch embedding's share of the tower's FLOPs (``torch.utils.flop_counter``
+  per module, on a real-width tower, extrapolated to the full depth by blocks; the analytic
+  count is printed beside it), and the time the fused patch embedding saves at this size
+  (Conv3d vs fused, interleaved), hence the tower speed-up fusion can deliver at most.
+- Decode: the bytes one decoded token reads (every weight once, the tied ``lm_head`` included,
+  plus the KV cache) against this machine's memory bandwidth, measured by a large tensor copy:
+  the bandwidth bound on decode tokens/s. A merged GEMM reads the same bytes as three.
+- Operators: a hardware-independent count from ``torch.profiler`` of the aten operators run per
+  decoded token and per tower forward, plain vs fused; compiled, the graphs and kernels run and
+  the graph breaks. That count is what fusion removes whatever the hardware.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from bench_common import Summary, Table, interleaved
+from bench_e2e import DTYPES, sync, tower_input
+from bench_models import QWEN2_05B_LAYERS, QWEN2_VL_TOWER_DEPTH, text_config, tower_config
+from torch import nn
+
+# --------------------------------------------------------------------------- memory bandwidth
+
+
+def memory_bandwidth(device: str, quick: bool) -> dict[str, Any]:
+    """GB/s of a large tensor copy (bytes read + bytes written), median [min-max] of interleaved rounds."""
+    n_bytes = (16 << 20) if quick else ((2 << 30) if device.startswith("cuda") else (512 << 20))
+    src = torch.ones(n_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+
+    def copy() -> None:
+        dst.copy_(src)
+        sync(device)
+
+    samples = interleaved({"copy": copy}, rounds=3 if quick else 15, inner=1, warmup=2)["copy"]
+    rates = Summary.of([2 * n_bytes / s / 1e9 for s in samples])
+    return {"bytes": n_bytes, "gb_per_s": rates}
+
+
+# --------------------------------------------------------------------------- decode bytes per token
+
+
+def decode_bytes(config: Any, dtype: torch.dtype, context: int) -> dict[str, int]:
+    """Bytes one decode step reads: each parameter once (tied lm_head counted once) and the KV cache."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    size = torch.tensor([], dtype=dtype).element_size()
+    weights = sum(p.numel() for p in model.parameters()) * size  # parameters() yields a tied tensor once
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * context * size
+    return {"weights": weights, "kv_cache": kv, "total": weights + kv}
+
+
+# --------------------------------------------------------------------------- FLOPs of the tower
+
+
+def tower_flops(quick: bool, patches: int, depth: int, device: str) -> dict[str, Any]:
+    """FLOPs of one tower forward by module, counted on a 2-block tower and extrapolated to ``depth`` blocks."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+    config = tower_config(quick, 2)
+    tower = Qwen2VisionTransformerPretrainedModel._from_config(config.vision_config).float().to(device).eval()
+    pixels, grid = tower_input(config, patches, torch.float32, device)
+    counter = FlopCounterMode(display=False)
+    with torch.inference_mode(), counter:
+        tower(pixels, grid_thw=grid)
+    by_module = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
+
+    def find(suffix: str) -> int:
+        return next((v for k, v in by_module.items() if k.endswith(suffix)), 0)
+
+    patch, block, merger = find(".patch_embed"), find(".blocks.0"), find(".merger")
+    total_2 = by_module.get("Global", 0)
+    total = total_2 + (depth - 2) * block
+    vision = config.vision_config
+    fan_in = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    return {
+        "patches": patches, "depth": depth, "patch_embed": patch, "block": block, "merger": merger, "total": total,
+        "share": patch / total if total else 0.0, "analytic_patch_embed": 2 * patches * fan_in * vision.embed_dim,
+    }
+
+
+def patch_embedding_saving(quick: bool, patches: int, dtype: torch.dtype, device: str) -> dict[str, Any]:
+    """Seconds of the tower's own Conv3d and of its fused replacement on ``patches`` patches (interleaved)."""
+    from fusion_patch_embeddings.family import PatchEmbeddingsFamily
+
+    from fusion_core.testing.kit import fuse_module
+
+    vision = tower_config(quick, 2).vision_config
+    k = (vision.temporal_patch_size, vision.patch_size, vision.patch_size)
+    conv = nn.Conv3d(vision.in_channels, vision.embed_dim, kernel_size=k, stride=k, bias=False).to(device, dtype)
+    fused = fuse_module(conv, PatchEmbeddingsFamily()).eval()
+    x = torch.randn(patches, vision.in_channels, *k, device=device, dtype=dtype)
+
+    def call(module: nn.Module) -> Callable[[], Any]:
+        def run() -> Any:
+            with torch.inference_mode():
+                module(x)
+            sync(device)
+
+        return run
+
+    samples = interleaved({"conv3d": call(conv), "fused": call(fused)}, rounds=3 if quick else 15, warmup=1)
+    return {"conv3d_s": Summary.of(samples["conv3d"]), "fused_s": Summary.of(samples["fused"])}
+
+
+# --------------------------------------------------------------------------- the section
+
+
+def run(quick: bool, device: str, dtypes: tuple[str, ...], e2e: dict[str, Any], log: Callable[[str], None], *,
+        text_layers: int | None = None, tower_depth: int | None = None, patches: int | None = None,
+        compile_backend: str = "inductor") -> tuple[list[Table], dict[str, Any]]:
+    import fusion_core
+
+    e2e_plan = e2e.get("plan", {})
+    layers = text_layers or e2e_plan.get("text_layers") or (2 if quick else QWEN2_05B_LAYERS)
+    depth = tower_depth or e2e_plan.get("tower_depth") or (2 if quick else QWEN2_VL_TOWER_DEPTH)
+    n_patches = patches or e2e_plan.get("patches") or (64 if quick else 1024)
+    prompt, new = e2e_plan.get("prompt", 8 if quick else 16), e2e_plan.get("new_tokens", 6 if quick else 32)
+    rows = e2e.get("rows", [])
+    registry = fusion_core.get_registry()
+    data: dict[str, Any] = {}
+    tables: list[Table] = []
+
+    # -- decode: bytes per token against the memory bandwidth
+    bandwidth = memory_bandwidth(device, quick)
+    data["bandwidth"] = bandwidth
+    config = text_config(quick, layers)
+    context = prompt + new // 2  # the mean KV length over the decode
+    t = Table(f"Decode: bytes read per token vs this machine's memory bandwidth ({device})",
+              ["dtype", "weights MB", f"KV cache MB (mean context {context})", "bytes/token MB",
+               "copy bandwidth GB/s", "bound tok/s", "measured decode tok/s plain (eager)", "of the bound"])
+    for dt in dtypes:
+        b = decode_bytes(config, DTYPES[dt], context)
+        bound = bandwidth["gb_per_s"].median * 1e9 / b["total"]
+        measured = [r for r in rows if r["workload"] == "generate" and r["dtype"] == dt and r["mode"] == "eager"]
+        rate = (new - 1) / measured[0]["plain_decode_s"].median if measured else None
+        data.setdefault("decode_bytes", {})[dt] = {**b, "bound_tok_s": bound, "measured_tok_s": rate}
+        t.rows.append([dt, f"{b['weights'] / 1e6:.0f}", f"{b['kv_cache'] / 1e6:.2f}", f"{b['total'] / 1e6:.0f}",
+                       bandwidth["gb_per_s"].fmt_range(digits=1), f"{bound:.1f}",
+                       "-" if rate is None else f"{rate:.1f}", "-" if rate is None else f"{rate / bound:.0%}"])
+    t.notes.append(f"bandwidth: copy of a {bandwidth['bytes'] >> 20} MiB tensor, bytes read + written per second; "
+                   "a merged q/k/v or gate/up GEMM reads the same weight bytes as the separate ones, so where decode "
+                   "runs near this bound fusion can only save per-operator overhead")
+    tables.append(t)
+
+    # -- the tower: the patch embedding's share of FLOPs and of time
+    if "patch_embeddings" in registry:
+        flops = tower_flops(quick, n_patches, depth, device)
+        data["tower_flops"] = flops
+        width = tower_config(quick, depth).vision_config.embed_dim
+        t = Table(f"Vision tower: where the patch embedding fusion can gain (depth {depth}, width {width}, "
+                  f"{n_patches} patches)",
+                  ["what", "value"])
+        t.rows += [
+            ["patch embedding GFLOP (counted / analytic 2 * patches * fan-in * width)",
+             f"{flops['patch_embed'] / 1e9:.4g} / {flops['analytic_patch_embed'] / 1e9:.4g}"],
+            ["one block GFLOP", f"{flops['block'] / 1e9:.4g}"],
+            ["merger GFLOP", f"{flops['merger'] / 1e9:.4g}"],
+            [f"tower GFLOP (2-block count + {depth - 2} blocks)", f"{flops['total'] / 1e9:.4g}"],
+            ["patch embedding share of the tower's FLOPs", f"{flops['share']:.3%}"],
+        ]
+        for dt in dtypes:
+            saving = patch_embedding_saving(quick, n_patches, DTYPES[dt], device)
+            data.setdefault("patch_saving", {})[dt] = saving
+            saved = saving["conv3d_s"].median - saving["fused_s"].median
+            tower_rows = [r for r in rows if r["workload"] == "tower" and r["dtype"] == dt and r["mode"] == "eager"]
+            t.rows.append([f"{dt}: Conv3d -> fused patch embedding ms (this size)",
+                           f"{saving['conv3d_s'].median * 1e3:.2f} -> {saving['fused_s'].median * 1e3:.2f} "
+                           f"(saves {saved * 1e3:.2f} ms)"])
+            if tower_rows:
+                plain_s = tower_rows[0]["plain_s"].median
+                expected = plain_s / max(plain_s - saved, 1e-12)
+                t.rows.append([f"{dt}: expected tower speed = plain / (plain - saved), plain {plain_s:.3f} s",
+                               f"{expected:.4f}x (measured {tower_rows[0]['speed'].fmt_range(unit='x')})"])
+        t.notes.append("FLOPs from torch.utils.flop_counter per module on a real-width 2-block tower; blocks are "
+                       "identical, so the full tower adds (depth - 2) more")
+        tables.append(t)
+
+    counts = e2e.get("op_counts", {})
+    if counts:
+        tables.append(_counts_table(counts, layers, depth, device, compile_backend))
+    else:
+        data["op_counts_note"] = "operator counts come from the e2e section: run it in the same command"
+    return tables, data
+
+
+def _counts_table(counts: dict[str, Any], layers: int, depth: int, device: str, backend: str) -> Table:
+    cuda = device.startswith("cuda")
+    header = ["what", "model", "aten ops (from Python)", "aten ops (all)", "GEMMs", "compiled graphs run",
+              "inductor kernels", *(["GPU kernels"] if cuda else [])]
+    t = Table(f"Operators run per decoded token ({layers} layers) and per tower forward (depth {depth}), "
+              f"torch.profiler, {device}", header)
+    for key, per in counts.items():
+        for model, c in per.items():
+            t.rows.append([key, model, *(_count(c[k]) for k in ("aten_top", "aten_all", "gemm", "graphs",
+                                                               "inductor_kernels")),
+                           *([_count(c.get("kernels", 0))] if cuda else [])])
+    t.notes += [
+        "per decoded token: the profile of a 6-token greedy generate minus that of a 2-token one, over the 4 extra "
+        "decode steps (generate's own per-token work included); per tower forward: one forward of the timed input",
+        "aten ops (from Python): aten operators not nested in another aten operator, i.e. dispatched by the model's "
+        "Python code; GEMMs: aten::mm/addmm/bmm/baddbmm calls",
+        f"compiled (backend {backend!r}): graphs run = compiled regions entered per call (more than one: graph "
+        "breaks); inductor kernels: C++/Triton kernels run (inductor's kernel profiling on)"
+        + ("; GPU kernels: every kernel launched, compiled or not" if cuda else ""),
+    ]
+    return t
+
+
+def _count(value: float) -> str:
+    return f"{value:.0f}" if float(value).is_integer() else f"{value:.2f}"
