@@ -60,6 +60,8 @@ def test_discovery_check_names_the_modules(fusion_conformance):
     assert plan.modules[0].fused_class.__mro__[1] is PatchLinearMixin
     with pytest.raises(AssertionError, match="expected"):
         fusion_conformance.discovery(FAMILY, "vivit", expected_modules=["nowhere"])
+    with pytest.raises(AssertionError, match="'patch_embeddings' on llama: planned nothing"):
+        fusion_conformance.discovery(FAMILY, "llama")
 
 
 class _Off(PatchLinearMixin):

@@ -400,13 +400,18 @@ def assert_discovers(
     """
     from fusion_core.config import parse_fusion_config
     from fusion_core.discovery import discover
+    from fusion_core.errors import DiscoveryError, PlanError
     from fusion_core.plugins import FamilyRegistry
 
     resolved = resolve_model(model, config)
     registry = FamilyRegistry()
     registry.register_family(spec)
     fusion = parse_fusion_config({spec.name: _setting(options)}, registry)
-    plan = discover(resolved.model_cls, resolved.config, fusion).plan
+    try:
+        plan = discover(resolved.model_cls, resolved.config, fusion).plan
+    except (DiscoveryError, PlanError) as exc:
+        nothing = "planned nothing: " if "found nothing to fuse" in str(exc) else ""
+        raise AssertionError(f"family {spec.name!r} on {resolved.label}: {nothing}{exc}") from exc
     if not plan.modules:
         raise AssertionError(f"family {spec.name!r} planned nothing on {resolved.label}")
     if expected_modules is not None:
