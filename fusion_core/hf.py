@@ -37,7 +37,7 @@ from fusion_core.config import FusionConfig, parse_fusion_config
 from fusion_core.discovery import Discovery, discover
 from fusion_core.errors import CheckpointError, FusionLoadError, SaveError
 from fusion_core.layout import convert_to_fused, fuse_instance, fused_layout, module_plan
-from fusion_core.parallel.saving import gathered_save_kwargs, rank_zero_directory
+from fusion_core.parallel.saving import gathered_save_kwargs, is_writer, rank_zero_directory
 from fusion_core.parallel.tensor_parallel import tensor_parallel_fusion
 from fusion_core.patching import LOAD_LOCK, BuildScope, class_patch_scope
 from fusion_core.plugins import PluginSource, get_registry
@@ -297,7 +297,7 @@ def save_pretrained(
     with rank_zero_directory(target) as staging:
         with nullcontext() if save_original_format else fused_layout():
             model.save_pretrained(staging, **gathered_save_kwargs(model, transformers_kwargs))  # type: ignore[operator]
-        if not save_original_format:
+        if not save_original_format and is_writer():  # other ranks of a process group wrote no config
             config_path = staging / CONFIG_NAME
             write_config(staging, json.loads(config_path.read_text()), None, fused=True)
             config_path.unlink()

@@ -134,10 +134,20 @@ def tensor_parallel(rank: int, world: int, path: Path, out: Path) -> Checks:
     if rank == 0:
         same_state(checks, "save: original layout, same bytes", saved(out / "saved"), saved(path), exact=True)
 
+    fusion_core.save_pretrained(fused, out / "fused_layout", save_original_format=False)
+    if rank == 0:
+        single = fusion_core.from_pretrained(AutoModelForCausalLM, out / "fused_layout")
+        with torch.no_grad():
+            close(checks, "fused-layout save loads in one process", single(ids).logits, reference(ids).logits)
+
     fused.train()
     reference.train()
     loss, ref_loss = sgd_step(fused, ids), sgd_step(reference, ids)
     checks["training loss"] = [abs(loss - ref_loss) <= 1e-5, f"{loss} vs {ref_loss}"]
+    merged = attention.fused_projection
+    checks["q/k/v share one GEMM per call"] = [
+        merged.merged_gemms > 0 and merged.own_gemms == 0, f"merged {merged.merged_gemms}, own {merged.own_gemms}"
+    ]
     same_state(checks, "trained weights (state_dict, original layout)", full_state(fused), reference.state_dict())
     fusion_core.save_pretrained(fused, out / "trained")
     if rank == 0:

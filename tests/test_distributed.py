@@ -45,7 +45,8 @@ def run_scenario(scenario: str, world: int, tmp_path: Path, expected: set[str]) 
         checks = json.loads(file.read_text())
         assert checks, f"rank {rank} ran no check"
         failed.update({f"rank {rank}: {name}": detail for name, (ok, detail) in checks.items() if not ok})
-        failed.update({f"rank {rank}: {name}": "did not run" for name in expected - checks.keys()})
+        if rank == 0:  # rank 0 runs every check; the others skip those on files only rank 0 writes
+            failed.update({f"rank 0: {name}": "did not run" for name in expected - checks.keys()})
     assert not failed, "\n".join(f"{name}: {detail}" for name, detail in failed.items())
 
 
@@ -55,7 +56,8 @@ def test_tensor_parallel_fused_load_runs_generates_trains_and_saves(world: int, 
     """tp_plan='auto'; at world 2 also the 5.x DistributedConfig spelling, an explicit plan and a VL model."""
     expected = {
         "merged weight is [q_r; k_r; v_r]", "logits (tp_plan='auto')", "generate", "training loss",
-        "trained weights (state_dict, original layout)",
+        "trained weights (state_dict, original layout)", "fused-layout save loads in one process",
+        "q/k/v share one GEMM per call",
     }
     if world == 2:
         expected |= {"logits (explicit plan)", "a gathered k_proj is refused", "vision tower output (patch_embeddings)",

@@ -30,6 +30,11 @@ def _distributed() -> bool:
     )
 
 
+def is_writer() -> bool:
+    """Whether this process writes checkpoints: rank 0 of a process group, or a process outside one."""
+    return not _distributed() or torch.distributed.get_rank() == 0
+
+
 def gathered_save_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     """``kwargs`` for ``save_pretrained``, with a gathered full ``state_dict`` when the model holds DTensors.
 

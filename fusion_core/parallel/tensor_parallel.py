@@ -215,6 +215,26 @@ class ShardedMergedLinear(MergedLinear):
         return super().__call__(index, input)
 
 
+def _present_fused_in_order(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Inside ``fused_layout()``: present each rank-major merged tensor gathered, in the plain ``[a; b]`` order.
+
+    A fused-layout checkpoint holds the merged tensor of a single-process load; the rank-major
+    order would load there as wrong rows. Gathering is a collective: every rank must ask.
+    """
+    dtensor = dtensor_type()
+    for bound in module.__dict__[PLAN_ATTRIBUTE].transforms:
+        if not isinstance(bound.op, RankMajorConcat):
+            continue
+        for target in bound.targets:
+            value = state_dict.get(prefix + target.name)
+            if dtensor is None or not isinstance(value, dtensor):
+                continue  # already presented in the original layout
+            world = bound.op.mesh.size()
+            sizes = [spec.shape[0] // world for spec in bound.sources]
+            ranks = [block.split(sizes) for block in value.full_tensor().split(sum(sizes))]
+            state_dict[prefix + target.name] = torch.cat([ranks[r][i] for i in range(len(sizes)) for r in range(world)])
+
+
 def shard_merged_module(module: nn.Module, plan: ModulePlan, sharded: ShardedModule) -> None:
     """Make a module fused from its local rows a sharded module: DTensor parameters, rank-major layout."""
     transforms = list(plan.transforms)
@@ -229,6 +249,7 @@ def shard_merged_module(module: nn.Module, plan: ModulePlan, sharded: ShardedMod
             set_leaf(module, target.name, _from_local(local.detach(), sharded.mesh, target.shape))
         transforms[index] = replace(bound, op=RankMajorConcat(n=bound.op.n, mesh=sharded.mesh))
     module.__dict__[PLAN_ATTRIBUTE] = replace(plan, transforms=tuple(transforms))
+    module.register_state_dict_post_hook(_present_fused_in_order)
     merged = module.__dict__.get("_fusion_merged")
     if not isinstance(merged, MergedLinear):
         raise FusionLoadError(
