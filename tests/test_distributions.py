@@ -167,3 +167,14 @@ def test_third_party_family_is_found_used_and_gone_when_uninstalled(fresh_python
     assert "transposed_head" not in _families(fresh_python)
     gone = _run(fresh_python, "-c", LOAD, str(llama_dir), "transposed_head", check=False)
     assert gone.returncode == 3 and "unknown fusion family 'transposed_head'" in gone.stdout
+
+
+def test_the_distributions_ship_their_type_hints(fresh_python):
+    """PEP 561: the core and the plugin packages carry ``py.typed`` when installed from their wheels."""
+    _pip(fresh_python, str(ROOT / "fusion_plugins" / "patch_embeddings"))
+    script = ("import pathlib, fusion_core, fusion_patch_embeddings\n"
+              "for package in (fusion_core, fusion_patch_embeddings):\n"
+              "    print(pathlib.Path(package.__file__).parent / 'py.typed')\n")
+    markers = [Path(line) for line in _run(fresh_python, "-I", "-c", script).stdout.split()]  # -I: not the cwd
+    assert len(markers) == 2 and all(marker.is_file() for marker in markers), markers
+    assert all("site-packages" in str(marker) for marker in markers)  # the installed wheels, not the source tree
