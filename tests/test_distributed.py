@@ -24,6 +24,7 @@ from torch import nn
 
 import fusion_core
 from fusion_core.parallel import PackedColwise, Replicated, TensorParallelRefusal, check_tensor_parallel_rule
+from fusion_core.testing import kit
 from fusion_core.transforms import Concat, WeightTransform, bind_transforms
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,7 +140,7 @@ def test_unplanned_modules_stay_unsharded_and_replicated_refuses_a_plan() -> Non
 
 @pytest.mark.parametrize("family", [QkvFamily, GateUpFamily, PatchEmbeddingsFamily])
 def test_shipped_families_declare_a_consistent_rule(family: type) -> None:
-    assert check_tensor_parallel_rule(family()) is not None
+    assert kit.assert_tensor_parallel_rule(family()) is not None
 
 
 def test_a_rule_that_contradicts_the_transforms_is_caught() -> None:

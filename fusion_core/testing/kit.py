@@ -34,6 +34,7 @@ from fusion_core.transforms import BoundTransform, FusionPlan, ModulePlan, Shape
 __all__ = [
     "TOLERANCES", "ModelSource", "ModelUnderTest", "assert_discovers", "assert_fused_load",
     "assert_numerically_equivalent", "assert_options_schema", "assert_state_dict_round_trip",
+    "assert_tensor_parallel_rule",
     "assert_transform_op", "assert_transform_round_trip", "build_model", "fuse_module", "model_config",
     "module_factory",
     "registered", "relative_error", "resolve_model",
@@ -330,6 +331,18 @@ def assert_transform_op(
                                  "not ValueError (the plan reports only ValueError as a shape mismatch)") from None
         else:
             raise AssertionError(f"{op!r}: forward_shapes accepted shapes {list(bad_shapes)} it should reject")
+
+
+# -- tensor parallelism ----------------------------------------------------------------------
+def assert_tensor_parallel_rule(spec: ModuleFusionSpec[Any], config: Any = None, options: Any = None) -> Any:
+    """The family's ``tensor_parallel`` rule agrees with its transforms (see ``docs/distributed.md``).
+
+    Returns the rule, or None for a family that declares none (it then runs unsharded, and a
+    plan entry on its original tensors is refused at load).
+    """
+    from fusion_core.parallel import check_tensor_parallel_rule
+
+    return check_tensor_parallel_rule(spec, config, options)
 
 
 # -- options ---------------------------------------------------------------------------------
