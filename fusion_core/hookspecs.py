@@ -32,9 +32,10 @@ def register_fusion_families(register: Callable[[ModuleFusionSpec[Any]], None]) 
     Called once per plugin when the registry loads. Call ``register(spec)`` once per family,
     with an object satisfying :class:`fusion_core.ModuleFusionSpec`. Return nothing.
 
-    An exception raised here, an object that is not a spec, or a family name another plugin
-    already took is reported against this plugin's distribution; the other plugins' families
-    stay usable (``FUSION_CORE_STRICT_PLUGINS=1`` turns the report into an error).
+    An exception raised here, or an object that is not a spec, is reported against this plugin's
+    distribution; the other plugins' families stay usable. A family name another plugin also
+    registers is usable from neither, whatever the load order, and both are reported naming each
+    other (``FUSION_CORE_STRICT_PLUGINS=1`` turns any report into an error).
 
     Example::
 
