@@ -23,12 +23,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
 
 from fusion_core.transforms import BoundTransform, Concat, LeafSpec, ModulePlan
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 StyleLookup = Callable[[str], "str | None"]
 """Full parameter path (``model.layers.0.self_attn.q_proj.weight``) -> its plan style, or None."""
@@ -40,13 +43,13 @@ class TensorParallelRefusal(Exception):
     """A module cannot run exactly under the plan; the message is the reason."""
 
 
-def dtensor_type() -> type | None:
-    """``DTensor`` where torch.distributed is available, else None (nothing can be sharded then)."""
+def is_dtensor(value: object) -> TypeGuard[DTensor]:
+    """A DTensor (never, where torch.distributed is not available: nothing can be sharded then)."""
     if not torch.distributed.is_available():
-        return None
+        return False
     from torch.distributed.tensor import DTensor
 
-    return DTensor
+    return isinstance(value, DTensor)
 
 
 def leaf_tensor(module: nn.Module, leaf: str) -> torch.Tensor | None:
@@ -66,7 +69,7 @@ def set_leaf(module: nn.Module, leaf: str, tensor: torch.Tensor) -> None:
     path, _, name = leaf.rpartition(".")
     owner = module.get_submodule(path) if path else module
     old = owner._parameters[name]
-    owner._parameters[name] = nn.Parameter(tensor, requires_grad=old.requires_grad)
+    owner._parameters[name] = nn.Parameter(tensor, requires_grad=old is None or old.requires_grad)
 
 
 @dataclass
@@ -104,7 +107,6 @@ class TensorParallelRule(ABC):
 
 def refuse_sharded(module: nn.Module, plan: ModulePlan, styles: StyleLookup, why: str) -> None:
     """Refuse any planned or already-sharded original tensor of a module that must run unsharded."""
-    dtensor = dtensor_type()
     for bound in plan.transforms:
         for spec in bound.sources:
             key = plan.full_key(spec.name)
@@ -112,7 +114,7 @@ def refuse_sharded(module: nn.Module, plan: ModulePlan, styles: StyleLookup, why
             if style is not None:
                 raise TensorParallelRefusal(f"{key!r} is planned {style!r}, but {why}")
             tensor = leaf_tensor(module, spec.name)
-            if dtensor is not None and isinstance(tensor, dtensor):
+            if is_dtensor(tensor):
                 raise TensorParallelRefusal(
                     f"{key!r} was loaded sharded ({tuple(tensor.placements)}) with no plan entry naming it, "
                     f"but {why}"
@@ -172,7 +174,7 @@ class PackedColwise(TensorParallelRule):
         for name in self.projections:  # the emptied originals give the merged projection its part sizes
             child = module._modules.get(name)
             if child is not None and hasattr(child, "out_features"):
-                child.out_features = rows[f"{name}.weight"]
+                setattr(child, "out_features", rows[f"{name}.weight"])  # noqa: B010 (an nn.Module attribute)
         sharded = tuple(i for i, b in enumerate(plan.transforms) if self._own(b))
         transforms = list(plan.transforms)
         for index in sharded:
@@ -188,17 +190,20 @@ class PackedColwise(TensorParallelRule):
     def _local_rows(self, module: nn.Module, plan: ModulePlan, leaf: str) -> tuple[torch.Tensor, Any, int]:
         key = plan.full_key(leaf)
         tensor = leaf_tensor(module, leaf)
-        dtensor = dtensor_type()
         if tensor is None:
             raise TensorParallelRefusal(
                 f"{key!r} is planned {COLWISE!r} but the module holds no such tensor (a fused-layout checkpoint "
                 "cannot be loaded under a tensor-parallel plan: load the original-layout checkpoint)"
             )
-        if dtensor is None or not isinstance(tensor, dtensor):
+        if not is_dtensor(tensor):
             raise TensorParallelRefusal(f"{key!r} is planned {COLWISE!r} but was not loaded as a DTensor shard")
+        from torch.distributed.tensor import Shard
+
         mesh = tensor.device_mesh
         placements = tuple(tensor.placements)
-        if mesh.ndim != 1 or len(placements) != 1 or not placements[0].is_shard() or placements[0].dim % tensor.dim():
+        if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard) or (
+            placements[0].dim % tensor.dim()
+        ):
             raise TensorParallelRefusal(f"{key!r} has placements {placements} on a {mesh.ndim}-D mesh, not Shard(0)")
         world = mesh.size()
         total = int(tensor.shape[0])

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fusion_core.checkpoint import atomic_directory
-from fusion_core.parallel.rules import dtensor_type
+from fusion_core.parallel.rules import is_dtensor
 
 
 def _distributed() -> bool:
@@ -41,13 +41,10 @@ def gathered_save_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, 
     Every rank must call this (the gathers are collectives). A model without DTensor parameters,
     or a call that passes its own ``state_dict``, gets ``kwargs`` unchanged.
     """
-    dtensor = dtensor_type()
-    if "state_dict" in kwargs or dtensor is None or not _distributed():
-        return kwargs
-    if not any(isinstance(p, dtensor) for p in model.parameters()):
+    if "state_dict" in kwargs or not _distributed() or not any(is_dtensor(p) for p in model.parameters()):
         return kwargs
     state = model.state_dict()
-    full = {key: value.full_tensor() if isinstance(value, dtensor) else value for key, value in state.items()}
+    full = {key: value.full_tensor() if is_dtensor(value) else value for key, value in state.items()}
     return {**kwargs, "state_dict": {key: value.detach().cpu().contiguous() for key, value in full.items()}}
 
 

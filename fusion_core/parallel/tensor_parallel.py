@@ -38,7 +38,7 @@ from fusion_core.parallel.rules import (
     StyleLookup,
     TensorParallelRefusal,
     TensorParallelRule,
-    dtensor_type,
+    is_dtensor,
     leaf_tensor,
     set_leaf,
 )
@@ -127,11 +127,10 @@ class RankMajorConcat(TransformOp):
         return self.mesh.get_local_rank(), self.mesh.size()
 
     def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        dtensor = dtensor_type()
         rank, world = self._rank()
         parts = []
         for tensor in tensors:
-            if dtensor is not None and isinstance(tensor, dtensor):
+            if is_dtensor(tensor):
                 parts.append(tensor.redistribute(self.mesh, [_shard0()]).to_local())
             else:
                 parts.append(tensor.chunk(world, dim=0)[rank])
@@ -139,9 +138,8 @@ class RankMajorConcat(TransformOp):
         return (_from_local(torch.cat(parts, dim=0), self.mesh, shape),)
 
     def inverse(self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]) -> tuple[torch.Tensor, ...]:
-        dtensor = dtensor_type()
         fused = tensors[0]
-        local = fused.to_local() if dtensor is not None and isinstance(fused, dtensor) else fused
+        local = fused.to_local() if is_dtensor(fused) else fused
         world = self.mesh.size()
         sizes = [shape[0] // world for shape in source_shapes]
         parts = torch.split(local, sizes, dim=0)
@@ -179,9 +177,13 @@ class _AllReduceInputGrad(torch.autograd.Function):
         return grad, None
 
 
-def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    dtensor = dtensor_type()
-    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor) else tensor
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor; a plain tensor as it is."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def _parameter(owner: nn.Module, name: str) -> torch.Tensor | None:
+    return owner._parameters.get(name)
 
 
 class ShardedMergedLinear(MergedLinear):
@@ -195,19 +197,25 @@ class ShardedMergedLinear(MergedLinear):
 
     @property
     def weight(self) -> torch.Tensor:
-        return _local(self.owner.weight)
+        weight = _parameter(self.owner, "weight")
+        if weight is None:
+            raise RuntimeError(f"the merged projection's {type(self.owner).__name__} has no weight")
+        return _local(weight)
 
     @property
     def bias(self) -> torch.Tensor | None:
-        return _local(getattr(self.owner, "bias", None))
+        bias = _parameter(self.owner, "bias")
+        return None if bias is None else _local(bias)
 
     def __call__(self, index: int, input: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and input.requires_grad:
+        weight = _parameter(self.owner, "weight")
+        if torch.is_grad_enabled() and input.requires_grad and is_dtensor(weight):
             memo = self.__dict__.get("_tp_input")
             if memo is not None and memo[0] is input:
                 wrapped = memo[1]
             else:
-                wrapped = _AllReduceInputGrad.apply(input, self.owner.weight.device_mesh.get_group())
+                group = weight.device_mesh.get_group()
+                wrapped = _AllReduceInputGrad.apply(input, group)  # type: ignore[no-untyped-call]
             output = super().__call__(index, wrapped)
             # Keep the wrapped input only while siblings may still take their part of a merged output.
             self.__dict__["_tp_input"] = (input, wrapped) if self._cache is not None else None
@@ -221,17 +229,16 @@ def _present_fused_in_order(module: nn.Module, state_dict: dict[str, Any], prefi
     A fused-layout checkpoint holds the merged tensor of a single-process load; the rank-major
     order would load there as wrong rows. Gathering is a collective: every rank must ask.
     """
-    dtensor = dtensor_type()
     for bound in module.__dict__[PLAN_ATTRIBUTE].transforms:
         if not isinstance(bound.op, RankMajorConcat):
             continue
         for target in bound.targets:
             value = state_dict.get(prefix + target.name)
-            if dtensor is None or not isinstance(value, dtensor):
+            if not is_dtensor(value):
                 continue  # already presented in the original layout
             world = bound.op.mesh.size()
             sizes = [spec.shape[0] // world for spec in bound.sources]
-            ranks = [block.split(sizes) for block in value.full_tensor().split(sum(sizes))]
+            ranks = [torch.split(block, sizes) for block in torch.split(value.full_tensor(), sum(sizes))]
             state_dict[prefix + target.name] = torch.cat([ranks[r][i] for i in range(len(sizes)) for r in range(world)])
 
 
@@ -246,10 +253,12 @@ def shard_merged_module(module: nn.Module, plan: ModulePlan, sharded: ShardedMod
             )
         for target in bound.targets:
             local = leaf_tensor(module, target.name)
+            if local is None:
+                raise FusionLoadError(f"family {plan.family!r}, module {plan.path!r}: no fused {target.name!r}")
             set_leaf(module, target.name, _from_local(local.detach(), sharded.mesh, target.shape))
         transforms[index] = replace(bound, op=RankMajorConcat(n=bound.op.n, mesh=sharded.mesh))
     module.__dict__[PLAN_ATTRIBUTE] = replace(plan, transforms=tuple(transforms))
-    module.register_state_dict_post_hook(_present_fused_in_order)
+    module.register_state_dict_post_hook(_present_fused_in_order)  # type: ignore[no-untyped-call]
     merged = module.__dict__.get("_fusion_merged")
     if not isinstance(merged, MergedLinear):
         raise FusionLoadError(
