@@ -91,6 +91,12 @@ def test_plan_says_why_nothing_matches(llama_dir):
     code, plan = fusion_json("plan", llama_dir, "-f", PATCH, check=False)
     assert code == 1 and plan["ok"] is False and plan["error_type"] == "DiscoveryError" and plan["modules"] == []
 
+    optional = json.dumps({PATCH: {"required": False}, "qkv": True})  # one config for a fleet: skips, fuses
+    code, plan = fusion_json("plan", llama_dir, "--options", optional)
+    assert code == 0 and plan["ok"] and plan["skipped"] == [PATCH] and {m["family"] for m in plan["modules"]} == {"qkv"}
+    text = fusion("plan", llama_dir, "--options", optional).stdout
+    assert f"Skipped, nothing to fuse (required=False): {PATCH}" in text
+
 
 def test_plan_options_and_config_file(tiny_checkpoint, tmp_path):
     directory, _ = tiny_checkpoint("qwen2_vl")
