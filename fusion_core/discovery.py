@@ -66,7 +66,8 @@ def _instantiate(model_cls: Any, config: Any) -> nn.Module:
     config = copy.deepcopy(config)
     if isinstance(model_cls, type) and issubclass(model_cls, nn.Module):
         return model_cls(config)
-    return model_cls.from_config(config)
+    model: nn.Module = model_cls.from_config(config)
+    return model
 
 
 @contextmanager
@@ -80,7 +81,7 @@ def _parameters_on_meta() -> Iterator[None]:
             meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
             module._parameters[name] = meta
 
-    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:

@@ -62,15 +62,17 @@ def _owner(module: nn.Module, leaf: str, create: bool = False) -> tuple[nn.Modul
 def _pop_leaf(module: nn.Module, leaf: str) -> tuple[torch.Tensor, bool, bool]:
     """Remove a tensor; return it, whether it was a parameter, and its requires_grad."""
     owner, name = _owner(module, leaf)
-    if name in owner._parameters and owner._parameters[name] is not None:
+    param = owner._parameters.get(name)
+    if param is not None:
         # Leave the attribute as None (the ``bias=None`` convention), not absent: a sub-module that
         # gave its tensors away (q_proj -> qkv_proj) stays readable for code that inspects
         # ``module.bias`` while the model is still being loaded (transformers 5.x initialisation).
-        param = owner._parameters[name]
         owner._parameters[name] = None
         return param.detach(), True, param.requires_grad
-    if name in owner._buffers and owner._buffers[name] is not None:
-        return owner._buffers.pop(name), False, False
+    buffer = owner._buffers.get(name)
+    if buffer is not None:
+        del owner._buffers[name]
+        return buffer, False, False
     raise AttributeError(f"{leaf!r} is neither a parameter nor a buffer")
 
 
@@ -182,14 +184,18 @@ def _presented(module: nn.Module, leaf: str) -> str:
     if not path:
         return leaf
     parts: list[str] = []
-    owner: nn.Module | None = module
+    owner = module
     for part in path.split("."):
-        owner = owner._modules.get(part) if owner is not None else None
-        if owner is None:
+        child = owner._modules.get(part)
+        if child is None:
             return leaf
+        owner = child
         parts.append(part)
-    while name not in owner._parameters and name not in owner._buffers and "base_layer" in owner._modules:
-        owner = owner._modules["base_layer"]
+    while name not in owner._parameters and name not in owner._buffers:
+        wrapped = owner._modules.get("base_layer")
+        if wrapped is None:
+            break
+        owner = wrapped
         parts.append("base_layer")
     return ".".join([*parts, name])
 
@@ -213,8 +219,8 @@ def attach_original_layout(module: nn.Module, plan: ModulePlan) -> None:
     if module_plan(module) is not None:
         return
     module.__dict__[PLAN_ATTRIBUTE] = plan
-    module.register_state_dict_post_hook(_present_original)
-    module.register_load_state_dict_pre_hook(_accept_original)
+    module.register_state_dict_post_hook(_present_original)  # type: ignore[no-untyped-call]
+    module.register_load_state_dict_pre_hook(_accept_original)  # type: ignore[no-untyped-call]
 
 
 def detach_original_layout(module: nn.Module) -> None:
@@ -298,17 +304,17 @@ def unfuse_instance(module: nn.Module) -> None:
     if reason is not None:
         raise FusionError(reason)
     plan = module_plan(module)
-    assert plan is not None  # unfuse_refusal checked it
+    if plan is None:  # unfuse_refusal said so already; for type checkers
+        raise FusionError(f"{type(module).__qualname__} is not a module fusion-core fused")
     restored: list[tuple[str, torch.Tensor, bool, bool]] = []
     with torch.no_grad():
         for bound in plan.transforms:
-            fused = []
+            fused: list[tuple[torch.Tensor, bool, bool]] = []
             for spec in bound.targets:
                 owner, name = _owner(module, spec.name)
-                tensor = owner._parameters.get(name)
-                is_param = tensor is not None
-                if tensor is None:
-                    tensor = owner._buffers.get(name)
+                param = owner._parameters.get(name)
+                tensor = param if param is not None else owner._buffers.get(name)
+                is_param = param is not None
                 if tensor is None:
                     raise FusionError(
                         f"family {plan.family!r}, module {plan.path!r}: fused tensor {plan.full_key(spec.name)!r} "

@@ -43,7 +43,7 @@ layer for it. ``copy.deepcopy`` and pickling keep the slices tied to the copied 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -89,24 +89,27 @@ class MergedLinear:
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.owner.weight
+        return cast(torch.Tensor, self.owner.weight)
 
     @property
     def bias(self) -> torch.Tensor | None:
-        return getattr(self.owner, "bias", None)
+        bias: torch.Tensor | None = getattr(self.owner, "bias", None)
+        return bias
 
-    def part(self, tensor: torch.Tensor | None, index: int) -> torch.Tensor | None:
-        """Rows ``index`` of a merged weight or bias: a view, no copy."""
-        if tensor is None:
-            return None
+    def rows(self, tensor: torch.Tensor, index: int) -> torch.Tensor:
+        """Rows of part ``index`` of a merged weight or bias: a view, no copy."""
         start, stop = self.bounds[index]
         return tensor[start:stop]
+
+    def part(self, tensor: torch.Tensor | None, index: int) -> torch.Tensor | None:
+        """:meth:`rows`, passing None through (a projection without bias)."""
+        return None if tensor is None else self.rows(tensor, index)
 
     def __call__(self, index: int, input: torch.Tensor) -> torch.Tensor:
         """Part ``index`` of the merged projection of ``input``: what the original projection computed."""
         if torch.compiler.is_compiling():
             # Traced code gets the original projection's own GEMM: no Python state to guard on.
-            return F.linear(input, self.part(self.weight, index), self.part(self.bias, index))
+            return F.linear(input, self.rows(self.weight, index), self.part(self.bias, index))
         start, stop = self.bounds[index]
         cache = self._cache
         if cache is not None:
@@ -114,13 +117,14 @@ class MergedLinear:
             if cached_input is input and grad == torch.is_grad_enabled() and version == _version(input):
                 rest = pending - {index}
                 self._cache = (cached_input, version, grad, output, rest) if rest else None
-                return output[..., start:stop]
+                part: torch.Tensor = output[..., start:stop]
+                return part
             # A merged output left partly unused: merging does not pay for this module.
             self._cache = None
             self.merging = False
         if not self.merging:
             self.own_gemms += 1
-            return F.linear(input, self.part(self.weight, index), self.part(self.bias, index))
+            return F.linear(input, self.rows(self.weight, index), self.part(self.bias, index))
         output = F.linear(input, self.weight, self.bias)
         self.merged_gemms += 1
         rest = self._all - {index}
@@ -146,6 +150,8 @@ class MergedSlice(nn.Module):
     ``isinstance(m, nn.Linear)`` must not write into the merged weight through a view.
     """
 
+    merged: MergedLinear
+
     def __init__(self, merged: MergedLinear, index: int, in_features: int) -> None:
         """Part ``index`` of ``merged``; ``in_features`` is the width every part reads."""
         super().__init__()
@@ -156,7 +162,7 @@ class MergedSlice(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.merged.part(self.merged.weight, self.index)
+        return self.merged.rows(self.merged.weight, self.index)
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -181,14 +187,15 @@ def merge_children(parent: nn.Module, names: tuple[str, ...], container: str) ->
     from existing slices when the module is finalised again.
     """
     owner = parent._modules.get(container)
-    if owner is None or "weight" not in owner._parameters:
+    weight = owner._parameters.get("weight") if owner is not None else None
+    if owner is None or weight is None:
         raise RuntimeError(f"{type(parent).__name__}: no merged {container}.weight to run {names} from")
-    children = [parent._modules[name] for name in names]
+    children: list[Any] = [parent._modules[name] for name in names]
     sizes = tuple(int(child.out_features) for child in children)
     in_features = int(children[0].in_features)
-    if sum(sizes) != owner.weight.shape[0] or owner.weight.shape[-1] != in_features:
+    if sum(sizes) != weight.shape[0] or weight.shape[-1] != in_features:
         raise RuntimeError(
-            f"{type(parent).__name__}: merged {container}.weight has shape {tuple(owner.weight.shape)}, "
+            f"{type(parent).__name__}: merged {container}.weight has shape {tuple(weight.shape)}, "
             f"expected ({sum(sizes)}, {in_features}) for {dict(zip(names, sizes, strict=True))}"
         )
     merged = MergedLinear(owner, sizes)
@@ -258,4 +265,5 @@ class MergedProjectionsMixin(FusedModule):
     @property
     def fused_projection(self) -> MergedLinear:
         """The merged projection (its counters show whether calls were merged)."""
-        return self.__dict__["_fusion_merged"]
+        merged: MergedLinear = self.__dict__["_fusion_merged"]
+        return merged

@@ -47,6 +47,7 @@ from torch import nn
 
 from fusion_core.layout import PLAN_ATTRIBUTE, module_plan
 from fusion_core.merged import MergedSlice
+from fusion_core.transforms import ModulePlan
 
 __all__ = ["activate", "tuner_layer_paths"]
 
@@ -108,7 +109,8 @@ def _install(lora_model_module: ModuleType) -> None:
     def _create_new_module(lora_config: Any, adapter_name: str, target: nn.Module, **kwargs: Any) -> nn.Module:
         new_module = _fused_lora_layer(lora_config, adapter_name, target, **kwargs)
         if new_module is None:
-            return original(lora_config, adapter_name, target, **kwargs)
+            created: nn.Module = original(lora_config, adapter_name, target, **kwargs)
+            return created
         return new_module
 
     _create_new_module.__wrapped__ = original  # type: ignore[attr-defined]
@@ -134,8 +136,7 @@ def _fused_lora_layer(lora_config: Any, adapter_name: str, target: nn.Module, **
     if isinstance(target, MergedSlice):
         layer_cls: type[nn.Module] = _layer_classes()[nn.Linear]
     elif module_plan(target) is not None:
-        plan = module_plan(target)
-        assert plan is not None
+        plan = _plan(target)
         layer_cls = _layer_class_for(plan.original_class, target)
         if getattr(lora_config, "use_dora", False) and not issubclass(plan.original_class, nn.Linear):
             raise ValueError(
@@ -252,11 +253,10 @@ def _stand_in(module: nn.Module, copy_tensors: bool) -> nn.Module:
         linear = nn.Linear.__new__(nn.Linear)
         nn.Module.__init__(linear)
         linear.in_features, linear.out_features = module.in_features, module.out_features
-        linear.weight = own(module.weight)
+        linear.register_parameter("weight", own(module.weight))
         linear.register_parameter("bias", own(module.bias))
         return linear
-    plan = module_plan(module)
-    assert plan is not None
+    plan = _plan(module)
     stand_in = copy.copy(module)
     for name in ("_parameters", "_buffers", "_modules"):
         stand_in.__dict__[name] = dict(module.__dict__[name])
@@ -279,13 +279,11 @@ def _write_back(fused: nn.Module, stand_in: nn.Module) -> None:
     """Copy the stand-in's (possibly merged) tensors into the fused storage, in the fused layout."""
     with torch.no_grad():
         if isinstance(fused, MergedSlice):
-            fused.weight.copy_(stand_in.weight)
+            fused.weight.copy_(_leaf(stand_in, "weight"))
             if fused.bias is not None:
-                fused.bias.copy_(stand_in.bias)
+                fused.bias.copy_(_leaf(stand_in, "bias"))
             return
-        plan = module_plan(fused)
-        assert plan is not None
-        for bound in plan.transforms:
+        for bound in _plan(fused).transforms:
             sources = [_leaf(stand_in, s.name) for s in bound.sources]
             for spec, tensor in zip(bound.targets, bound.op.forward(sources), strict=True):
                 _leaf(fused, spec.name).copy_(tensor)
@@ -298,7 +296,17 @@ def _parent(module: nn.Module, leaf: str) -> tuple[nn.Module, str]:
 
 def _leaf(module: nn.Module, leaf: str) -> torch.Tensor:
     owner, name = _parent(module, leaf)
-    tensor = owner._parameters.get(name)
-    if tensor is None:
-        tensor = owner._buffers[name]
-    return tensor
+    param = owner._parameters.get(name)
+    if param is not None:
+        return param
+    buffer = owner._buffers.get(name)
+    if buffer is None:
+        raise AttributeError(f"{type(module).__name__} has no tensor {leaf!r}")
+    return buffer
+
+
+def _plan(module: nn.Module) -> ModulePlan:
+    plan = module_plan(module)
+    if plan is None:
+        raise TypeError(f"{type(module).__name__} is not a module fusion-core fused")
+    return plan
