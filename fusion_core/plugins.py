@@ -250,7 +250,7 @@ class FamilyRegistry:
             first = self._families.pop(valid.name, None)
             if first is not None and first.source not in claims:
                 claims.insert(0, first.source)
-            if first is not None:
+            if first is not None and first.source is not source:
                 self._report_clash(valid.name, first.source)
             self._report_clash(valid.name, source)
 
@@ -259,6 +259,9 @@ class FamilyRegistry:
 
     def _report_clash(self, name: str, source: PluginSource) -> None:
         others = " and ".join(str(claim) for claim in self._claims[name] if claim is not source)
+        if not others:
+            self._fail(source, f"registers family name {name!r} twice; the family is disabled", family=name)
+            return
         self._fail(source, f"family name {name!r} is also registered by {others}; the family is disabled until "
                    f"one is uninstalled or left out with {ALLOWED_ENV}", family=name)
 

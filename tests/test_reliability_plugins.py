@@ -417,3 +417,24 @@ def test_a_clashing_family_name_is_disabled_in_either_load_order(squatter_first)
     assert all("evil-dist" in str(f) and "fusion-patch-embeddings" in str(f) for f in registry.failures)
     with pytest.raises(fusion_core.PluginError, match="disabled"):  # nor can it be taken by hand afterwards
         registry.register_family(PatchEmbeddingsFamily())
+
+
+def test_a_plugin_registering_one_name_twice_disables_it_and_says_so():
+    import types
+
+    from fusion_patch_embeddings import PatchEmbeddingsFamily
+
+    from fusion_core.plugins import FamilyRegistry, PluginSource
+
+    def hook(register):
+        register(PatchEmbeddingsFamily())
+        register(PatchEmbeddingsFamily())
+
+    registry = FamilyRegistry()
+    plugin = types.SimpleNamespace(register_fusion_families=fusion_core.hookimpl(hook))
+    registry.register_plugin(plugin, source=PluginSource("twice", "fusion-twice", "1.0"))
+    assert "patch_embeddings" not in registry
+    assert [str(f) for f in registry.failures] == [
+        "family 'patch_embeddings' of plugin 'twice' from distribution fusion-twice 1.0: registers family name "
+        "'patch_embeddings' twice; the family is disabled"
+    ]
