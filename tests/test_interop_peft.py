@@ -41,7 +41,7 @@ def _fused(directory: Path) -> Any:
     return fusion_core.from_pretrained(AutoModelForCausalLM, directory, fusion_config=BOTH)
 
 
-def _lora(model: Any, targets: list[str] = TARGETS, seed: int = 0, **options: Any) -> Any:
+def _lora(model: Any, targets: list[str] | str = TARGETS, seed: int = 0, **options: Any) -> Any:
     torch.manual_seed(seed)  # init_lora_weights=False: random A and B, so the adapter changes the output
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False,
                                             **options))
@@ -83,6 +83,13 @@ def test_wrapped_model_state_dict_is_the_unfused_one(llama):
     other = _lora(_fused(llama), seed=3)
     other.load_state_dict(expected)
     torch.testing.assert_close(_logits(other), _logits(plain), rtol=0, atol=1e-5)
+
+
+def test_all_linear_targets_the_same_modules(llama):
+    plain, fused = _lora(_plain(llama), targets="all-linear"), _lora(_fused(llama), targets="all-linear")
+    assert sorted(fused.targeted_module_names) == sorted(plain.targeted_module_names)
+    assert any(name.endswith("q_proj") for name in plain.targeted_module_names)
+    torch.testing.assert_close(_logits(fused), _logits(plain), rtol=0, atol=1e-5)
 
 
 def test_adapters_load_both_ways(llama, tmp_path):

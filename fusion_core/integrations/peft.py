@@ -19,8 +19,9 @@ way), ``merge_and_unload()`` leaves the merged bytes a merge on the unfused mode
 ``unload()`` puts the fused module back.
 
 **Switching on.** fusion-core calls :func:`activate` whenever it fuses a model. When PEFT's LoRA
-module is already imported, its module factory (``LoraModel._create_new_module``) is wrapped now;
-otherwise a finder wraps it right after PEFT is imported. Nothing is imported early, and the
+module is already imported, its module factory (``LoraModel._create_new_module``) and its
+``target_modules="all-linear"`` expansion (which must count a slice as the ``nn.Linear`` it stands
+for) are wrapped now; otherwise a finder wraps them right after PEFT is imported. Nothing is imported early, and the
 wrapper hands every module that fusion did not make to PEFT unchanged.
 
 Not supported, refused with a clear error: DoRA on a fused patch embedding (PEFT's DoRA reads the
@@ -115,7 +116,30 @@ def _install(lora_model_module: ModuleType) -> None:
 
     _create_new_module.__wrapped__ = original  # type: ignore[attr-defined]
     lora_model._create_new_module = staticmethod(_create_new_module)
+    tuners_utils = sys.modules["peft.tuners.tuners_utils"]
+    tuners_utils._maybe_include_all_linear_layers = _all_linear(  # type: ignore[attr-defined]
+        tuners_utils._maybe_include_all_linear_layers
+    )
     _state["installed"] = True
+
+
+def _all_linear(original: Any) -> Any:
+    """``target_modules="all-linear"`` counts merged slices as the linear layers they stand for."""
+
+    def _maybe_include_all_linear_layers(peft_config: Any, model: nn.Module) -> Any:
+        targets = getattr(peft_config, "target_modules", None)
+        shorthand = isinstance(targets, str) and targets.lower() == "all-linear"
+        result = original(peft_config, model)
+        if shorthand and isinstance(result.target_modules, set):
+            wrapped = tuple(f"{name}." for name in tuner_layer_paths(model))
+            result.target_modules |= {
+                name for name, module in model.named_modules()
+                if isinstance(module, MergedSlice) and not name.startswith(wrapped)
+            }
+        return result
+
+    _maybe_include_all_linear_layers.__wrapped__ = original  # type: ignore[attr-defined]
+    return _maybe_include_all_linear_layers
 
 
 def tuner_layer_paths(model: nn.Module) -> list[str]:
