@@ -191,7 +191,33 @@ def plan_spellings(checks: Checks, path: Path, world: int, ids: torch.Tensor, lo
         refuse = lambda: load(tp_plan="auto", config=bad_config)  # noqa: E731
     with torch.no_grad():
         close(checks, "logits (explicit plan)", explicit(ids).logits, reference(ids).logits)
-    refused(checks, "a gathered k_proj is refused", refuse, "model.layers.0.self_attn", "k_proj", "colwise")
+    refused(checks, "a plan gathering k_proj alone is refused", refuse, "model.layers.0.self_attn", "k_proj")
+    gathered_plan(checks, path, ids, load)
+
+
+def gathered_plan(checks: Checks, path: Path, ids: torch.Tensor, load: Callable[..., Any]) -> None:
+    """An OLMo-2 style plan: q/k/v outputs gathered to full width, o_proj splitting its replicated input."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    gather, split = ("colwise_gather_output", "rowwise_split_input") if is_tf5() else ("colwise_rep", "rowwise_rep")
+    plan = {f"layers.*.self_attn.{p}": gather for p in ("q_proj", "k_proj", "v_proj")}
+    plan["layers.*.self_attn.o_proj"] = split
+    if is_tf5():
+        fused = load(tp_plan={f"model.{key}": style for key, style in plan.items()})
+    else:
+        config = AutoConfig.from_pretrained(path)
+        config.base_model_tp_plan = dict(config.base_model_tp_plan, **plan)
+        fused = load(tp_plan="auto", config=config)
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    merged = fused.model.layers[0].self_attn.fused_projection
+    checks["q/k/v outputs gathered"] = [merged.__dict__.get("_tp_gather") is True, type(merged).__name__]
+    with torch.no_grad():
+        close(checks, "logits (gathered q/k/v plan)", fused.eval()(ids).logits, reference.eval()(ids).logits)
+    fused.train()
+    reference.train()
+    losses = sgd_step(fused, ids), sgd_step(reference, ids)
+    checks["training loss (gathered q/k/v plan)"] = [abs(losses[0] - losses[1]) <= 1e-5, f"{losses}"]
+    same_state(checks, "trained weights (gathered q/k/v plan)", full_state(fused), reference.state_dict())
 
 
 def head_split_refused(checks: Checks, out: Path) -> None:

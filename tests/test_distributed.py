@@ -61,8 +61,9 @@ def test_tensor_parallel_fused_load_runs_generates_trains_and_saves(world: int, 
         "q/k/v share one GEMM per call",
     }
     if world == 2:
-        expected |= {"logits (explicit plan)", "a gathered k_proj is refused", "vision tower output (patch_embeddings)",
-                     "VL text logits (qkv, gate_up sharded)"}
+        expected |= {"logits (explicit plan)", "a plan gathering k_proj alone is refused",
+                     "vision tower output (patch_embeddings)", "VL text logits (qkv, gate_up sharded)",
+                     "q/k/v outputs gathered", "logits (gathered q/k/v plan)", "trained weights (gathered q/k/v plan)"}
         if int(transformers.__version__.split(".")[0]) >= 5:
             expected.add("logits (DistributedConfig)")
     else:
@@ -126,7 +127,7 @@ def test_packed_colwise_refuses_parts_planned_differently() -> None:
 def test_packed_colwise_needs_loaded_shards() -> None:
     module, plan = attention_plan()
     rule = PackedColwise(("q_proj", "k_proj", "v_proj"), "qkv_proj")
-    with pytest.raises(TensorParallelRefusal, match="'layers.0.attn.q_proj.weight' is planned 'colwise' but was not"):
+    with pytest.raises(TensorParallelRefusal, match="'layers.0.attn.q_proj.weight' is planned colwise but was not"):
         rule.localize(module, plan, lambda name: "colwise")
 
 

@@ -9,7 +9,9 @@ tensors of this rank, derived from the original modules' plan entries:
 - :class:`PackedColwise` (``qkv``, ``gate_up``): the fused container concatenates colwise
   projections along their rows. When every projection is planned ``colwise``, each rank's
   merged weight is ``[q_r; k_r; v_r]``: its own rows of every part (grouped-query shapes
-  included), which is exactly what the unfused model runs on that rank.
+  included), which is exactly what the unfused model runs on that rank. When every projection
+  gathers its output (``colwise_gather_output`` on 5.x, ``colwise_rep`` on 4.57: OLMo-2 style
+  plans), the rows are the same and each part's output is gathered to its full width.
 - :class:`Replicated` (``patch_embeddings``, and every family that declares nothing): the fused
   module runs unsharded; a plan entry on any of its tensors is refused.
 
@@ -37,6 +39,8 @@ StyleLookup = Callable[[str], "str | None"]
 """Full parameter path (``model.layers.0.self_attn.q_proj.weight``) -> its plan style, or None."""
 
 COLWISE = "colwise"
+GATHERED_COLWISE = frozenset({"colwise_gather_output", "colwise_rep"})
+"""Colwise styles whose output is gathered to the full width on every rank (5.x and 4.57 names)."""
 
 
 class TensorParallelRefusal(Exception):
@@ -81,6 +85,8 @@ class ShardedModule:
     mesh: Any
     sharded: tuple[int, ...]
     """Indexes (in the plan's transforms) of the transforms whose tensors are sharded."""
+    gather_output: bool = False
+    """Each part's output is gathered to its full width (``colwise_gather_output`` / ``colwise_rep``)."""
 
 
 class TensorParallelRule(ABC):
@@ -156,16 +162,20 @@ class PackedColwise(TensorParallelRule):
         if not any(entries.values()):
             refuse_sharded(module, plan, styles, "none of its parts is planned")
             return None
-        if any(style != COLWISE for style in entries.values()):
+        styles_used = set(entries.values())
+        if not (styles_used == {COLWISE} or styles_used <= GATHERED_COLWISE):
             raise TensorParallelRefusal(
                 f"plan styles {entries}: {self.container} merges {list(self.projections)} exactly only when every one "
-                f"is {COLWISE!r} (each rank then holds its own rows of each) or none is planned"
+                f"is {COLWISE!r} (each rank then holds its own rows of each), every one gathers its output "
+                f"({' or '.join(sorted(GATHERED_COLWISE))}), or none is planned"
             )
+        gather = styles_used <= GATHERED_COLWISE
         meshes: list[Any] = []
         rows: dict[str, int] = {}
         locals_: dict[str, torch.Tensor] = {}
         for leaf in entries:
-            locals_[leaf], mesh, rows[leaf] = self._local_rows(module, plan, leaf)
+            # A gathered output is whole again before any head is formed: the rows may split heads.
+            locals_[leaf], mesh, rows[leaf] = self._local_rows(module, plan, leaf, check_unit=not gather)
             meshes.append(mesh)
         if any(mesh != meshes[0] for mesh in meshes):
             raise TensorParallelRefusal(f"{list(entries)} are sharded over different device meshes")
@@ -185,18 +195,20 @@ class PackedColwise(TensorParallelRule):
                 sources, tuple(LeafSpec(t.name, shape) for t, shape in zip(bound.targets, targets, strict=True)),
                 bound.op,
             )
-        return ShardedModule(self, replace(plan, transforms=tuple(transforms)), meshes[0], sharded)
+        return ShardedModule(self, replace(plan, transforms=tuple(transforms)), meshes[0], sharded, gather)
 
-    def _local_rows(self, module: nn.Module, plan: ModulePlan, leaf: str) -> tuple[torch.Tensor, Any, int]:
+    def _local_rows(
+        self, module: nn.Module, plan: ModulePlan, leaf: str, check_unit: bool
+    ) -> tuple[torch.Tensor, Any, int]:
         key = plan.full_key(leaf)
         tensor = leaf_tensor(module, leaf)
         if tensor is None:
             raise TensorParallelRefusal(
-                f"{key!r} is planned {COLWISE!r} but the module holds no such tensor (a fused-layout checkpoint "
+                f"{key!r} is planned colwise but the module holds no such tensor (a fused-layout checkpoint "
                 "cannot be loaded under a tensor-parallel plan: load the original-layout checkpoint)"
             )
         if not is_dtensor(tensor):
-            raise TensorParallelRefusal(f"{key!r} is planned {COLWISE!r} but was not loaded as a DTensor shard")
+            raise TensorParallelRefusal(f"{key!r} is planned colwise but was not loaded as a DTensor shard")
         from torch.distributed.tensor import Shard
 
         mesh = tensor.device_mesh
@@ -213,7 +225,7 @@ class PackedColwise(TensorParallelRule):
                 "rank would not be a regular shard"
             )
         local_rows = total // world
-        unit = getattr(module, self.unit, None) if self.unit and leaf.endswith("weight") else None
+        unit = getattr(module, self.unit, None) if self.unit and check_unit and leaf.endswith("weight") else None
         if isinstance(unit, int) and unit > 0 and local_rows % unit:
             raise TensorParallelRefusal(
                 f"{key!r}: {world} ranks get {local_rows} rows each, which splits a {self.unit} of {unit}"

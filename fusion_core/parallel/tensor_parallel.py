@@ -177,6 +177,25 @@ class _AllReduceInputGrad(torch.autograd.Function):
         return grad, None
 
 
+class _GatherLastDim(torch.autograd.Function):
+    """All-gathers a last-dim shard to the full width; backward keeps this rank's columns of the gradient.
+
+    What a gathered colwise style (``colwise_gather_output``) does to its output: the gradient
+    of a replicated output is the same on every rank, so no reduction is needed.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.rank, ctx.world = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+        parts = [torch.empty_like(local) for _ in range(ctx.world)]
+        torch.distributed.all_gather(parts, local.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.chunk(ctx.world, dim=-1)[ctx.rank].contiguous(), None
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor; a plain tensor as it is."""
     return tensor.to_local() if is_dtensor(tensor) else tensor
@@ -192,7 +211,8 @@ class ShardedMergedLinear(MergedLinear):
     It computes on the local tensors of the container's DTensor parameters (their gradients flow
     back as ``Shard(0)`` gradients), and its input's gradient is all-reduced over the mesh: each
     rank's rows give only a partial input gradient, exactly as under the ``colwise`` style. One
-    input is wrapped once, so sibling projections still share one merged GEMM.
+    input is wrapped once, so sibling projections still share one merged GEMM. Under a gathered
+    colwise style each part's output is then all-gathered to its full width.
     """
 
     @property
@@ -209,18 +229,23 @@ class ShardedMergedLinear(MergedLinear):
 
     def __call__(self, index: int, input: torch.Tensor) -> torch.Tensor:
         weight = _parameter(self.owner, "weight")
-        if torch.is_grad_enabled() and input.requires_grad and is_dtensor(weight):
+        if not is_dtensor(weight):
+            return super().__call__(index, input)
+        group = weight.device_mesh.get_group()
+        if torch.is_grad_enabled() and input.requires_grad:
             memo = self.__dict__.get("_tp_input")
             if memo is not None and memo[0] is input:
                 wrapped = memo[1]
             else:
-                group = weight.device_mesh.get_group()
                 wrapped = _AllReduceInputGrad.apply(input, group)  # type: ignore[no-untyped-call]
             output = super().__call__(index, wrapped)
             # Keep the wrapped input only while siblings may still take their part of a merged output.
             self.__dict__["_tp_input"] = (input, wrapped) if self._cache is not None else None
-            return output
-        return super().__call__(index, input)
+        else:
+            output = super().__call__(index, input)
+        if self.__dict__.get("_tp_gather"):
+            output = _GatherLastDim.apply(output, group)  # type: ignore[no-untyped-call]
+        return output
 
 
 def _present_fused_in_order(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
@@ -266,3 +291,4 @@ def shard_merged_module(module: nn.Module, plan: ModulePlan, sharded: ShardedMod
             "(fusion_core.merged.MergedProjectionsMixin) to run on this rank's rows"
         )
     merged.__class__ = ShardedMergedLinear
+    merged.__dict__["_tp_gather"] = sharded.gather_output
