@@ -6,6 +6,8 @@ model and checks what a user sees: outputs, adapter files, merged checkpoints, g
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -183,3 +185,19 @@ def test_lora_on_a_fused_patch_embedding(tiny_checkpoint, tmp_path):
     fusion_core.save_pretrained(merged_fused, tmp_path / "merged-fused")
     assert ((tmp_path / "merged-plain" / "model.safetensors").read_bytes()
             == (tmp_path / "merged-fused" / "model.safetensors").read_bytes())
+
+
+def test_peft_imported_after_the_fused_load_is_taught_too(llama):
+    # The integration waits for PEFT's import instead of importing it at load time.
+    script = f"""
+import sys
+import fusion_core
+from transformers import AutoModelForCausalLM
+model = fusion_core.from_pretrained(AutoModelForCausalLM, {str(llama)!r}, fusion_config={BOTH!r})
+assert "peft" not in sys.modules
+from peft import LoraConfig, get_peft_model
+lora = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+print(type(lora.base_model.model.model.layers[0].self_attn.q_proj).__name__)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "FusedLinear", result.stderr[-3000:]
