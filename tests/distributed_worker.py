@@ -140,6 +140,7 @@ def tensor_parallel(rank: int, world: int, path: Path, out: Path) -> Checks:
         with torch.no_grad():
             close(checks, "fused-layout save loads in one process", single(ids).logits, reference(ids).logits)
 
+    snapshot = {key: value.clone() for key, value in fused.state_dict().items()}
     fused.train()
     reference.train()
     loss, ref_loss = sgd_step(fused, ids), sgd_step(reference, ids)
@@ -152,6 +153,8 @@ def tensor_parallel(rank: int, world: int, path: Path, out: Path) -> Checks:
     fusion_core.save_pretrained(fused, out / "trained")
     if rank == 0:
         same_state(checks, "save after training", saved(out / "trained"), reference.state_dict())
+    fused.load_state_dict(snapshot)
+    same_state(checks, "load_state_dict of the original-layout shards", full_state(fused), saved(path), exact=True)
 
     if world == 2:
         plan_spellings(checks, path, world, ids, load)

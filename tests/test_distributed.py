@@ -58,7 +58,7 @@ def test_tensor_parallel_fused_load_runs_generates_trains_and_saves(world: int, 
     expected = {
         "merged weight is [q_r; k_r; v_r]", "logits (tp_plan='auto')", "generate", "training loss",
         "trained weights (state_dict, original layout)", "fused-layout save loads in one process",
-        "q/k/v share one GEMM per call",
+        "q/k/v share one GEMM per call", "load_state_dict of the original-layout shards",
     }
     if world == 2:
         expected |= {"logits (explicit plan)", "a plan gathering k_proj alone is refused",

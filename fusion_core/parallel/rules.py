@@ -162,6 +162,8 @@ class PackedColwise(TensorParallelRule):
         if not any(entries.values()):
             refuse_sharded(module, plan, styles, "none of its parts is planned")
             return None
+        others = replace(plan, transforms=tuple(b for b in plan.transforms if not self._own(b)))
+        refuse_sharded(module, others, styles, f"only {list(self.projections)} of the module can be sharded")
         styles_used = set(entries.values())
         if not (styles_used == {COLWISE} or styles_used <= GATHERED_COLWISE):
             raise TensorParallelRefusal(
