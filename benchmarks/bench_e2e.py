@@ -368,27 +368,36 @@ def _run_text(plan: E2EPlan, families: tuple[str, ...], results: E2EResults, log
     prompt = torch.randint(3, config.vocab_size, (1, plan.prompt), generator=gen).to(plan.device)
     long_prompt = torch.randint(3, config.vocab_size, (1, plan.prefill_tokens), generator=gen).to(plan.device)
     for dt in plan.dtypes:
-        text_modes = tuple(dict.fromkeys(m for w in ("generate", "prefill") for m in plan.modes_for(dt, w)))
-        wanted = {c for mode in text_modes for c in combos(families, mode, plan)}
-        with held({"plain": load("AutoModelForCausalLM", path, None, DTYPES[dt], plan.device)}) as models:
-            for combo in sorted(wanted, key=lambda c: (c.count("+"), c)):
-                models[combo] = load("AutoModelForCausalLM", path, combo, DTYPES[dt], plan.device)
-            for mode in text_modes:
-                if mode == "compiled" and not plan.may_compile(f"text {dt}"):
-                    continue
-                names = ["plain", *combos(families, mode, plan)]
-                if mode == "compiled":
-                    enable_kernel_events()
-                    for name in names:
-                        compile_forward(models[name], plan.compile_backend)
-                active = {n: models[n] for n in names}
-                if "generate" in plan.workloads and mode in plan.modes_for(dt, "generate"):
-                    _measure_generate(plan, dt, mode, active, prompt, results, log)
-                    if plan.counts_in(dt, mode, "generate"):
-                        results.counts[f"decode {mode} {dt}"] = {n: _count_decode(m, prompt, plan.device)
-                                                                 for n, m in active.items()}
-                if "prefill" in plan.workloads and mode in plan.modes_for(dt, "prefill"):
-                    _measure_prefill(plan, dt, mode, active, long_prompt, results, log)
+        _text_group(plan, dt, families, path, (prompt, long_prompt), results, log)
+        gc.collect()  # the group's models are unreachable once it returns: free them before the next loads
+
+
+def _text_group(plan: E2EPlan, dt: str, families: tuple[str, ...], path: Any, prompts: tuple[torch.Tensor, ...],
+                results: E2EResults, log: Callable[[str], None]) -> None:
+    """Load plain and fused models in ``dt`` once; measure eager, then compile the same models and measure."""
+    prompt, long_prompt = prompts
+    text_modes = tuple(dict.fromkeys(m for w in ("generate", "prefill") for m in plan.modes_for(dt, w)))
+    wanted = {c for mode in text_modes for c in combos(families, mode, plan)}
+    with held({"plain": load("AutoModelForCausalLM", path, None, DTYPES[dt], plan.device)}) as models:
+        for combo in sorted(wanted, key=lambda c: (c.count("+"), c)):
+            models[combo] = load("AutoModelForCausalLM", path, combo, DTYPES[dt], plan.device)
+        for mode in text_modes:
+            if mode == "compiled" and not plan.may_compile(f"text {dt}"):
+                continue
+            names = ["plain", *combos(families, mode, plan)]
+            if mode == "compiled":
+                enable_kernel_events()
+                for name in names:
+                    compile_forward(models[name], plan.compile_backend)
+            active = {n: models[n] for n in names}
+            if "generate" in plan.workloads and mode in plan.modes_for(dt, "generate"):
+                _measure_generate(plan, dt, mode, active, prompt, results, log)
+                if plan.counts_in(dt, mode, "generate"):
+                    results.counts[f"decode {mode} {dt}"] = {n: _count_decode(m, prompt, plan.device)
+                                                             for n, m in active.items()}
+            if "prefill" in plan.workloads and mode in plan.modes_for(dt, "prefill"):
+                _measure_prefill(plan, dt, mode, active, long_prompt, results, log)
+            del active
 
 
 def _measure_generate(plan: E2EPlan, dt: str, mode: str, models: dict[str, nn.Module], prompt: torch.Tensor,
@@ -452,59 +461,70 @@ def _measure_prefill(plan: E2EPlan, dt: str, mode: str, models: dict[str, nn.Mod
 
 
 def _run_tower(plan: E2EPlan, families: tuple[str, ...], results: E2EResults, log: Callable[[str], None]) -> None:
-    import fusion_core
-
     config = tower_config(plan.quick, plan.tower_depth)
     tag = f"qwen2vl-tower{plan.tower_depth}-{'tiny' if plan.quick else 'real'}"
     path = build_checkpoint(config, "AutoModelForImageTextToText", tag, log)
-    combo = "+".join(families)
-    reference: torch.Tensor | None = None
+    reference: list[torch.Tensor] = []  # the fp32 plain eager output, once measured
     for dt in plan.dtypes:
-        pixels, grid = tower_input(config, plan.patches, DTYPES[dt], plan.device)
-        plain = load("AutoModelForImageTextToText", path, None, DTYPES[dt], plan.device)
-        fused = load("AutoModelForImageTextToText", path, combo, DTYPES[dt], plan.device)
-        tower_path = next(n for n, m in fused.named_modules() if m is tower_of(fused))
-        per_family = {f: sum(1 for m in fusion_core.get_fusion_plan(fused).modules
-                             if m.family == f and m.path.startswith(tower_path + ".")) for f in families}
-        with held({"plain": plain, "fused": fused}) as models:
-            for mode in plan.modes_for(dt, "tower"):
-                if mode == "compiled" and not plan.may_compile(f"tower {dt}"):
-                    continue
-                towers = {n: tower_of(m) for n, m in models.items()}
-                if mode == "compiled":
-                    enable_kernel_events()
-                    for tower in towers.values():
-                        compile_forward(tower, plan.compile_backend)
-                calls = {n: tower_call(t, pixels, grid, plan.device) for n, t in towers.items()}
-                samples, first = paired_rounds({n: c for n, (c, _) in calls.items()}, plan.rounds,
-                                               2 if mode == "compiled" else 1)
-                plain_out, fused_out = calls["plain"][1][0], calls["fused"][1][0]
-                if reference is None and dt == "fp32" and mode == "eager":
-                    reference = plain_out
-                row = {
-                    "workload": "tower", "dtype": dt, "mode": mode, "families": combo, "rounds": plan.rounds,
-                    "depth": plan.tower_depth, "patches": plan.patches, "fused_in_tower": per_family,
-                    "plain_s": seconds(samples, "plain", "total"), "fused_s": seconds(samples, "fused", "total"),
-                    "speed": speed(samples, "fused", "total"),
-                    "first_call_s": {"plain": first["plain"], "fused": first["fused"]},
-                    "rel_diff": relative_error(fused_out, plain_out),
-                    "plain_rel_err_vs_fp32": relative_error(plain_out, reference) if reference is not None else None,
-                    "fused_rel_err_vs_fp32": relative_error(fused_out, reference) if reference is not None else None,
-                    "samples": {"plain": samples["plain"], "fused": samples["fused"]},
-                }
-                results.add(row)
-                log(f"  tower {dt} {mode}: {row['speed'].fmt_range(unit='x')}")
-                if plan.counts_in(dt, mode, "tower"):
-                    results.counts[f"tower {mode} {dt}"] = {
-                        ("plain" if n == "plain" else combo): count_ops(c, plan.device) for n, (c, _) in calls.items()
-                    }
-    fused_counts = results.rows[-1]["fused_in_tower"] if results.rows else {}
+        _tower_group(plan, dt, config, path, families, reference, results, log)
+        gc.collect()  # the group's models are unreachable once it returns: free them before the next loads
+    towers = [r for r in results.rows if r["workload"] == "tower"]
+    fused_counts = towers[-1]["fused_in_tower"] if towers else {}
     results.notes.append(
         "tower: loaded with " + ", ".join(families) + "; modules of the tower each family fused: "
         + ", ".join(f"{f} {n}" for f, n in fused_counts.items())
         + " (the tower's attention has one `qkv` Linear and its MLP is fc1/fc2, so only the patch embedding"
         " is fused: this row is patch_embeddings alone and all families together at once)"
     )
+
+
+def _tower_group(plan: E2EPlan, dt: str, config: Any, path: Any, families: tuple[str, ...],
+                 reference: list[torch.Tensor], results: E2EResults, log: Callable[[str], None]) -> None:
+    """Plain vs fused tower in ``dt``: eager, then the same towers compiled."""
+    import fusion_core
+
+    combo = "+".join(families)
+    pixels, grid = tower_input(config, plan.patches, DTYPES[dt], plan.device)
+    plain = load("AutoModelForImageTextToText", path, None, DTYPES[dt], plan.device)
+    fused = load("AutoModelForImageTextToText", path, combo, DTYPES[dt], plan.device)
+    tower_path = next(n for n, m in fused.named_modules() if m is tower_of(fused))
+    per_family = {f: sum(1 for m in fusion_core.get_fusion_plan(fused).modules
+                         if m.family == f and m.path.startswith(tower_path + ".")) for f in families}
+    with held({"plain": plain, "fused": fused}) as models:
+        del plain, fused
+        for mode in plan.modes_for(dt, "tower"):
+            if mode == "compiled" and not plan.may_compile(f"tower {dt}"):
+                continue
+            towers = {n: tower_of(m) for n, m in models.items()}
+            if mode == "compiled":
+                enable_kernel_events()
+                for tower in towers.values():
+                    compile_forward(tower, plan.compile_backend)
+            calls = {n: tower_call(t, pixels, grid, plan.device) for n, t in towers.items()}
+            samples, first = paired_rounds({n: c for n, (c, _) in calls.items()}, plan.rounds,
+                                           2 if mode == "compiled" else 1)
+            plain_out, fused_out = calls["plain"][1][0], calls["fused"][1][0]
+            if not reference and dt == "fp32" and mode == "eager":
+                reference.append(plain_out)
+            ref = reference[0] if reference else None
+            row = {
+                "workload": "tower", "dtype": dt, "mode": mode, "families": combo, "rounds": plan.rounds,
+                "depth": plan.tower_depth, "patches": plan.patches, "fused_in_tower": per_family,
+                "plain_s": seconds(samples, "plain", "total"), "fused_s": seconds(samples, "fused", "total"),
+                "speed": speed(samples, "fused", "total"),
+                "first_call_s": {"plain": first["plain"], "fused": first["fused"]},
+                "rel_diff": relative_error(fused_out, plain_out),
+                "plain_rel_err_vs_fp32": relative_error(plain_out, ref) if ref is not None else None,
+                "fused_rel_err_vs_fp32": relative_error(fused_out, ref) if ref is not None else None,
+                "samples": {"plain": samples["plain"], "fused": samples["fused"]},
+            }
+            results.add(row)
+            log(f"  tower {dt} {mode}: {row['speed'].fmt_range(unit='x')}")
+            if plan.counts_in(dt, mode, "tower"):
+                results.counts[f"tower {mode} {dt}"] = {
+                    ("plain" if n == "plain" else combo): count_ops(c, plan.device) for n, (c, _) in calls.items()
+                }
+            del towers, calls
 
 
 # --------------------------------------------------------------------------- tables and budgets

@@ -78,6 +78,7 @@ def build_checkpoint(config: Any, auto_class: str, tag: str, log: Callable[[str]
     with torch.device("meta"):
         model = cls.from_config(config, dtype=torch.bfloat16)
     model = model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives tied parameters separate storage; tie them again (Qwen2's lm_head)
     random_init_(model)
     # Non-persistent buffers (rotary inv_freq) are not saved; a load recomputes them from the config.
     tmp = Path(str(path) + ".tmp")

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+#: Matrix products and convolutions (a fused patch embedding trades a convolution for a GEMM).
+GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution")
 
 
 def per_call_difference(few: dict[str, int], more: dict[str, int], calls: int) -> dict[str, float]:
@@ -34,7 +35,7 @@ def count_ops(fn: Callable[[], Any], device: str) -> dict[str, int]:
     """Operators one call of ``fn`` runs.
 
     ``aten_top``: aten operators not nested in another one (what the model's Python code
-    dispatched); ``aten_all``: every aten operator; ``gemm``: matrix-multiply calls;
+    dispatched); ``aten_all``: every aten operator; ``gemm``: matrix-multiply and convolution calls;
     ``graphs``: compiled regions entered (more than one per call means graph breaks);
     ``inductor_kernels``: C++/Triton kernels run by compiled graphs; on CUDA ``kernels``: every
     GPU kernel launched.
