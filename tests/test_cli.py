@@ -84,7 +84,7 @@ def test_plan_human_output_is_a_table(tiny_checkpoint):
     assert header.index("FUSED KEY") == line.index("visual.patch_embed.proj.weight", 5)  # aligned columns
 
 
-def test_plan_says_why_nothing_matches(llama_dir):
+def test_plan_says_why_nothing_matches(llama_dir, capsys):
     result = fusion("plan", llama_dir, "-f", PATCH, check=False)
     assert result.returncode == 1
     assert "Nothing to fuse" in result.stdout and "found nothing to fuse in LlamaForCausalLM" in result.stdout
@@ -92,10 +92,12 @@ def test_plan_says_why_nothing_matches(llama_dir):
     assert code == 1 and plan["ok"] is False and plan["error_type"] == "DiscoveryError" and plan["modules"] == []
 
     optional = json.dumps({PATCH: {"required": False}, "qkv": True})  # one config for a fleet: skips, fuses
-    code, plan = fusion_json("plan", llama_dir, "--options", optional)
-    assert code == 0 and plan["ok"] and plan["skipped"] == [PATCH] and {m["family"] for m in plan["modules"]} == {"qkv"}
-    text = fusion("plan", llama_dir, "--options", optional).stdout
-    assert f"Skipped, nothing to fuse (required=False): {PATCH}" in text
+    capsys.readouterr()
+    assert cli.main(["plan", str(llama_dir), "--options", optional, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["ok"] and plan["skipped"] == [PATCH] and {m["family"] for m in plan["modules"]} == {"qkv"}
+    assert cli.main(["plan", str(llama_dir), "--options", optional]) == 0
+    assert f"Skipped, nothing to fuse (required=False): {PATCH}" in capsys.readouterr().out
 
 
 def test_plan_options_and_config_file(tiny_checkpoint, tmp_path):
