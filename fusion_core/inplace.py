@@ -16,6 +16,7 @@ that differs from what discovery planned, tensors on the meta device.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import Any, TypeVar
 
@@ -62,9 +63,10 @@ def fuse(model: ModelT, fusion_config: Any) -> ModelT:
         raise FusionError(f"{type(model).__name__} is already fused; unfuse() it first to fuse it differently")
     adapters = adapter_layers(model)
     if adapters:
+        listed = ", ".join(adapters[:3]) + (", ..." if len(adapters) > 3 else "")
         raise FusionError(
-            f"{type(model).__name__} carries adapter layers ({', '.join(adapters[:3])}, ...); fuse the model "
-            "first and attach the adapters afterwards (they target the original module names)"
+            f"{type(model).__name__} carries adapter layers ({listed}); fuse the model first and attach the "
+            "adapters afterwards (they target the original module names)"
         )
     plain_config = _config_without_record(config)
     discovery = discover(type(model), plain_config, fusion)
@@ -74,16 +76,19 @@ def fuse(model: ModelT, fusion_config: Any) -> ModelT:
     # Under the load lock: 4.57's init_empty_weights in another thread would send parameters
     # registered here to the meta device.
     with LOAD_LOCK:
+        done: list[nn.Module] = []
         for module, plan in targets:
             try:
                 fuse_instance(module, plan, verified)
-            except FusionError:
-                raise
-            except Exception as exc:  # the family's op or fusion_finalize, on real data
+            except Exception as exc:  # the family's op or fusion_finalize, on real data (discovery rehearsed the rest)
+                for fused in reversed(done):
+                    unfuse_instance(fused)
                 raise FusionLoadError(
                     f"family {plan.family!r} ({sources[plan.family]}), module {plan.path!r}: fusing the "
-                    f"{plan.original_class.__qualname__} failed: {type(exc).__name__}: {exc}"
+                    f"{plan.original_class.__qualname__} failed: {type(exc).__name__}: {exc} (the modules fused "
+                    "before it were unfused again; this one is left as the failure left it)"
                 ) from exc
+            done.append(module)
     attach_record(config, fusion.model_dump())
     model.__dict__[PLAN_ATTRIBUTE] = discovery.plan
     return model
@@ -93,8 +98,6 @@ def _config_without_record(config: Any) -> Any:
     """The model's config as discovery sees it on a load: without a stored fusion record."""
     if not (hasattr(config, RECORD_KEY) or hasattr(config, "fusion_config")):
         return config
-    import copy
-
     plain = copy.deepcopy(config)
     pop_stored_fusion_config(plain)
     return plain

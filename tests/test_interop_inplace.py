@@ -13,6 +13,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 import fusion_core
+from fusion_core import inplace
 from fusion_core.layout import PLAN_ATTRIBUTE, module_plan
 from fusion_core.spec import FusedModule
 from fusion_core.testing.tiny_models import TEXT_MODELS, TINY_MODELS, save_tiny_model
@@ -131,3 +132,22 @@ def test_unfuse_refuses_a_fused_class_that_cannot_undo_its_setup(llama):
         fusion_core.unfuse(model)
     # refused before anything changed: the other layer is still fused
     assert module_plan(model.model.layers[1].self_attn) is not None
+
+
+def test_a_failure_on_real_data_unfuses_what_was_already_fused(llama, monkeypatch):
+    directory, reference = llama
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    real = inplace.fuse_instance
+    calls = []
+
+    def fails_on_the_third(module: nn.Module, plan: Any, verified: Any = None) -> None:
+        calls.append(plan.path)
+        if len(calls) == 3:
+            raise RuntimeError("broken op")
+        real(module, plan, verified)
+
+    monkeypatch.setattr(inplace, "fuse_instance", fails_on_the_third)
+    with pytest.raises(fusion_core.FusionLoadError, match=r"broken op .*fused before it were unfused again"):
+        fusion_core.fuse(model, ALL_TEXT)
+    assert not any(module_plan(m) is not None for m in model.modules())
+    _assert_bit_identical(model, reference)
