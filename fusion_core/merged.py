@@ -51,6 +51,9 @@ from torch.nn import functional as F
 
 from fusion_core.spec import FusedModule
 
+#: Set on a merged container (``qkv_proj``): the names of the projections it holds, for messages.
+PARTS_ATTRIBUTE = "fusion_merged_parts"
+
 
 def _version(tensor: torch.Tensor) -> int:
     # Inference tensors have no version counter; in-place writes to them are only possible inside
@@ -202,6 +205,7 @@ def merge_children(parent: nn.Module, names: tuple[str, ...], container: str) ->
     for index, name in enumerate(names):
         parent._modules[name] = MergedSlice(merged, index, in_features)
     merged.originals = dict(zip(names, children, strict=True))
+    owner.__dict__[PARTS_ATTRIBUTE] = tuple(names)
     return merged
 
 
@@ -218,6 +222,7 @@ def unmerge_children(parent: nn.Module, merged: MergedLinear) -> None:
                 "slice fusion put there (an adapter still attached?)"
             )
         parent._modules[name] = original
+    merged.owner.__dict__.pop(PARTS_ATTRIBUTE, None)
 
 
 def is_plain_linear(module: Any) -> bool:

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from fusion_core.layout import PLAN_ATTRIBUTE, module_plan
-from fusion_core.merged import MergedSlice
+from fusion_core.merged import PARTS_ATTRIBUTE, MergedSlice
 from fusion_core.transforms import ModulePlan
 
 __all__ = ["activate", "tuner_layer_paths"]
@@ -167,10 +167,11 @@ def _fused_lora_layer(lora_config: Any, adapter_name: str, target: nn.Module, **
                 f"LoRA with use_dora=True is not supported on the fused {plan.original_class.__name__} at "
                 f"{plan.path!r} (family {plan.family!r}); use plain LoRA, or load that module unfused"
             )
-    elif _is_merged_container(target):
+    elif PARTS_ATTRIBUTE in target.__dict__:
+        parts = "/".join(target.__dict__[PARTS_ATTRIBUTE])
         raise ValueError(
-            f"{target!r} is fusion-core's merged projection container; LoRA targets the original projections "
-            "(q_proj/k_proj/v_proj, gate_proj/up_proj) by name"
+            f"this module is fusion-core's merged container of {parts}; LoRA targets the original "
+            f"projections by name ({parts}), as on the unfused model"
         )
     else:
         return None
@@ -180,10 +181,6 @@ def _fused_lora_layer(lora_config: Any, adapter_name: str, target: nn.Module, **
     layer = layer_cls(_stand_in(target, copy_tensors=False), adapter_name, config=lora_config, **kwargs)
     layer.base_layer = target
     return layer
-
-
-def _is_merged_container(module: nn.Module) -> bool:
-    return type(module) is nn.Module and "weight" in module._parameters and not module._modules
 
 
 def _layer_class_for(original: type[nn.Module], target: nn.Module) -> type[nn.Module]:
