@@ -30,7 +30,7 @@ from fusion_core.integrations import adapter_layers
 from fusion_core.layout import fuse_instance, module_plan, unfuse_instance, unfuse_refusal
 from fusion_core.patching import LOAD_LOCK
 from fusion_core.plugins import get_registry
-from fusion_core.record import RECORD_KEY, attach_record, pop_stored_fusion_config
+from fusion_core.record import LEGACY_KEY, RECORD_KEY, attach_record, pop_stored_fusion_config
 from fusion_core.transforms import ModulePlan
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
@@ -96,7 +96,7 @@ def fuse(model: ModelT, fusion_config: Any) -> ModelT:
 
 def _config_without_record(config: Any) -> Any:
     """The model's config as discovery sees it on a load: without a stored fusion record."""
-    if not (hasattr(config, RECORD_KEY) or hasattr(config, "fusion_config")):
+    if not (hasattr(config, RECORD_KEY) or hasattr(config, LEGACY_KEY)):
         return config
     plain = copy.deepcopy(config)
     pop_stored_fusion_config(plain)

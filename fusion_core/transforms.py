@@ -200,6 +200,10 @@ class Stack(TransformOp):
     n: int = 2
     dim: int = 0
 
+    def __post_init__(self) -> None:
+        if self.n < 1:  # an empty stack has no shape to restore on save
+            raise ValueError(f"Stack(n={self.n}): n must be at least 1")
+
     @property
     def arity(self) -> tuple[int, int]:  # type: ignore[override]
         return (self.n, 1)
@@ -232,6 +236,10 @@ class Unstack(TransformOp):
 
     n: int = 2
     dim: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n < 1:  # an empty stack has no shape to restore on save
+            raise ValueError(f"Unstack(n={self.n}): n must be at least 1")
 
     @property
     def arity(self) -> tuple[int, int]:  # type: ignore[override]

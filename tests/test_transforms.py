@@ -82,6 +82,12 @@ def test_shape_errors_are_value_errors(op, shapes):
         op.forward_shapes(shapes)
 
 
+@pytest.mark.parametrize("op", [Stack, Unstack])
+def test_stack_and_unstack_refuse_an_empty_stack(op):
+    with pytest.raises(ValueError, match="n must be at least 1"):
+        op(0)
+
+
 def test_weight_transform_checks_arity():
     with pytest.raises(ValueError, match="takes 3 source"):
         WeightTransform(("a", "b"), ("c",), Concat(3))
