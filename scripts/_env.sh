@@ -7,7 +7,7 @@ PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="torch==2.13.0"
 TF4_SPEC="transformers>=4.57,<4.58"
 TF5_SPEC="transformers>=5,<6"
-TOOLS_SPEC="pytest>=8 hypothesis>=6.100 accelerate>=1.0 ruff>=0.6 mkdocs>=1.6 mkdocstrings[python]>=0.26"
+TOOLS_SPEC="pytest>=8 hypothesis>=6.100 accelerate>=1.0 peft>=0.17 ruff>=0.6 mypy>=1.10 mkdocs>=1.6 mkdocstrings[python]>=0.26"
 
 # ensure_env NAME TRANSFORMERS_SPEC -> prints the environment's python
 ensure_env() {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the whole test suite on transformers 4.57.x and on the newest 5.x (torch 2.13.0, CPU),
-# after ruff. Creates the environments on first use. Extra arguments go to pytest.
+# after ruff and mypy. Creates the environments on first use. Extra arguments go to pytest.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
@@ -10,6 +10,10 @@ TF4_PY="$(ensure_env tf4 "$TF4_SPEC")"
 
 echo "== ruff"
 "$TF5_PY" -m ruff check .
+
+echo "== mypy (strict on fusion_core, both transformers lines)"
+"$TF5_PY" -m mypy
+"$TF4_PY" -m mypy
 
 echo "== docs (mkdocs, strict: a broken link or a bad reference fails)"
 "$(dirname "$TF5_PY")/mkdocs" build --strict --site-dir "$(mktemp -d)" -q
