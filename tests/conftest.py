@@ -11,7 +11,7 @@ import transformers
 
 import fusion_core
 from fusion_core import discovery
-from fusion_core.testing.tiny_models import TINY_MODELS, save_tiny_model
+from fusion_core.testing.tiny_models import TEXT_MODELS, TINY_MODELS, save_tiny_model
 
 transformers.logging.set_verbosity_error()
 transformers.logging.disable_progress_bar()
@@ -52,3 +52,12 @@ def tiny_checkpoint(checkpoint_root: Path) -> Callable[..., tuple[Path, Any]]:
         return _CHECKPOINTS[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def llama(checkpoint_root: Path) -> Path:
+    """A tiny Llama checkpoint (grouped-query attention, gated MLP) for the interop tests; built once."""
+    directory = checkpoint_root / "llama-interop"
+    if not directory.exists():
+        save_tiny_model(TEXT_MODELS["llama"], directory)
+    return directory

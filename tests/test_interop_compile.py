@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM
 
 import fusion_core
-from fusion_core.testing.tiny_models import TEXT_MODELS, save_tiny_model
 
 ALL_TEXT = {"qkv": True, "gate_up": True}
 IDS = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("llama")
-    save_tiny_model(TEXT_MODELS["llama"], directory)
-    return directory
 
 
 def _breaks(model: Any, **inputs: Any) -> tuple[int, int, list[str]]:

@@ -13,26 +13,16 @@ from typing import Any
 
 import pytest
 import torch
+from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModel, AutoModelForCausalLM
 
 import fusion_core
 from fusion_core.merged import MergedSlice
-from fusion_core.testing.tiny_models import TEXT_MODELS, save_tiny_model
-
-peft = pytest.importorskip("peft")
-from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
 BOTH = {"qkv": True, "gate_up": True}
 TARGETS = ["q_proj", "v_proj", "gate_proj"]
 IDS = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("llama")
-    save_tiny_model(TEXT_MODELS["llama"], directory)
-    return directory
 
 
 def _plain(directory: Path) -> Any:

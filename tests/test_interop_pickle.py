@@ -15,17 +15,9 @@ from transformers import AutoModelForCausalLM
 
 import fusion_core
 from fusion_core.layout import module_plan
-from fusion_core.testing.tiny_models import TEXT_MODELS, save_tiny_model
 
 ALL_TEXT = {"qkv": True, "gate_up": True}
 IDS = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("llama")
-    save_tiny_model(TEXT_MODELS["llama"], directory)
-    return directory
 
 
 def _fused(directory: Path) -> Any:
