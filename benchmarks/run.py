@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="tiny shapes, few rounds: seconds, for CI")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated subset of {', '.join(SECTIONS)} (default: all)")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile runtime rows")
+    parser.add_argument("--no-compile", action="store_true", help="skip every torch.compile row")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
     parser.add_argument("--device", default=None,
                         help="device for runtime, e2e and explain: cpu or cuda[:N] (default cpu; --gpu: cuda)")
@@ -57,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     e2e.add_argument("--compile-dtypes", default=None,
                      help="dtypes with compiled e2e rows (default: all; on CPU fp32 only, compiling takes minutes)")
     e2e.add_argument("--compile-workloads", default=None,
-                     help="workloads with compiled e2e rows (default: all; on CPU generate,prefill)")
+                     help="workloads with compiled e2e rows (default: all; on CPU generate only)")
+    e2e.add_argument("--modes", default="eager,compiled",
+                     help="e2e modes: eager and/or compiled (--no-compile: eager only)")
     e2e.add_argument("--compile-each", action="store_true",
                      help="compiled mode also runs each family alone (default: all families together only)")
     parser.add_argument("--json", metavar="PATH", help="write every sample and summary as JSON")
@@ -187,7 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in ("workloads", "compile_dtypes", "compile_workloads"):
             if getattr(args, name):
                 overrides[name] = tuple(w.strip() for w in getattr(args, name).split(",") if w.strip())
-        modes = ("eager",) if args.no_compile else bench_e2e.MODES
+        modes = ("eager",) if args.no_compile else tuple(m.strip() for m in args.modes.split(",") if m.strip())
+        if not modes or set(modes) - set(bench_e2e.MODES):
+            raise ValueError(f"--modes takes {' and/or '.join(bench_e2e.MODES)}, not {args.modes!r}")
         if args.time_budget is not None:
             overrides["deadline"] = started + args.time_budget
         plan = bench_e2e.plan_for(args.quick, args.device, dtypes, modes, compile_each=args.compile_each,
