@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,29 @@ def _check_end_to_end(e2e: dict, explain: dict) -> None:
     flops = explain["tower_flops"]
     assert flops["patch_embed"] == flops["analytic_patch_embed"], flops
     assert 0 < flops["share"] < 1, flops
+
+
+def test_end_to_end_rows_pair_each_round_and_rotate_the_order() -> None:
+    """A row's speed is the median of per-round ratios (not a ratio of medians); who runs first rotates."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_e2e
+
+    order: list[str] = []
+
+    def contender(name: str, seconds: list[float]) -> Callable[[], dict[str, float]]:
+        values = iter(seconds)
+
+        def call() -> dict[str, float]:
+            order.append(name)
+            return {"total": next(values)}
+
+        return call
+
+    # warm-up (9 s each), then rounds: plain 2, 4, 6 s; fused 1, 4, 3 s -> per-round speeds 2, 1, 2.
+    samples, first = bench_e2e.paired_rounds(
+        {"plain": contender("plain", [9, 2, 4, 6]), "fused": contender("fused", [9, 1, 4, 3])}, rounds=3, warmup=1
+    )
+    assert order == ["plain", "fused", "plain", "fused", "fused", "plain", "plain", "fused"]
+    assert set(first) == {"plain", "fused"}
+    speed = bench_e2e.speed(samples, "fused", "total")
+    assert (speed.median, speed.min, speed.max, speed.n) == (2.0, 1.0, 2.0, 3)  # the ratio of medians is 4/3
