@@ -8,8 +8,9 @@
   plus the KV cache) against this machine's memory bandwidth, measured by a large tensor copy:
   the bandwidth bound on decode tokens/s. A merged GEMM reads the same bytes as three.
 - Operators: a hardware-independent count from ``torch.profiler`` of the aten operators run per
-  decoded token and per tower forward, plain vs fused; compiled, the graphs and kernels run and
-  the graph breaks. That count is what fusion removes whatever the hardware.
+  decoded token and per tower forward, plain vs fused; compiled, the graphs and kernels run. That
+  count is what fusion removes whatever the hardware. The ``e2e`` section counts them on the
+  models it has loaded (and, compiled, already compiled): this section tabulates them.
 """
 
 from __future__ import annotations
