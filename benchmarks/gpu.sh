@@ -5,35 +5,34 @@
 #   bash benchmarks/gpu.sh --device cpu --quick         # the same path on a CPU machine, in about a minute
 #   bash benchmarks/gpu.sh --fetch-wheels               # on a machine with PyPI: wheels the GPU image lacks
 #
-# Results in OUT_DIR (default: $OUT, else ./bench-gpu-out): bench-gpu.{json,md} (module tables, eager end to end,
+# Results in OUT_DIR (default: $OUT, else /tmp/fusion-bench-gpu-out): bench-gpu.{json,md} (module tables, eager end to end,
 # explain), bench-gpu-compiled.{json,md} (compiled end to end), bench-gpu.log.
 #
 # Python: the first of $FUSION_BENCH_PYTHON, python3, python, .venvs/tf5/bin/python whose torch
 # sees a CUDA device (with --device cpu: whose torch imports). A `pip install torch` would bring a
 # CPU build, so no torch is ever installed: a machine without a CUDA torch is reported and the
-# script exits 2. When that python cannot import fusion_core with its three families, they are
-# built from this checkout into $FUSION_BENCH_SITE (default /tmp/fusion-bench-site) offline
-# (`pip install --no-index --no-deps --no-build-isolation --target`), together with any wheels
+# script exits 2. When that python cannot import fusion_core with its three families, the wheels
 # in build/gpu-wheels/ (missing dependencies such as pydantic, fetched beforehand with
-# --fetch-wheels and carried along), and put on PYTHONPATH. Nothing is downloaded on that machine.
+# --fetch-wheels and carried along) are installed offline into $FUSION_BENCH_SITE (default
+# /tmp/fusion-bench-site), benchmarks/gpu_site.py writes the checkout's package metadata there
+# (no build needed), and both go on PYTHONPATH. Nothing is downloaded on that machine.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$(pwd)
 WHEELS="$ROOT/build/gpu-wheels"
 SITE="${FUSION_BENCH_SITE:-/tmp/fusion-bench-site}"
-PLUGINS=(fusion_plugins/patch_embeddings fusion_plugins/qkv fusion_plugins/gate_up)
 
 if [[ "${1:-}" == "--fetch-wheels" ]]; then
     # The GPU image (Python 3.12, torch, transformers, safetensors, pluggy) has no pydantic; pydantic wants a
     # newer typing-extensions than some images have.
     mkdir -p "$WHEELS"
-    exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${FUSION_BENCH_PYVER:-3.12}" \
+    # Resolved for the GPU's interpreter (pydantic pins its pydantic-core exactly).
+    exec python3 -m pip download -q --only-binary=:all: --python-version "${FUSION_BENCH_PYVER:-3.12}" \
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 -d "$WHEELS" \
-        "pydantic>=2.6" pydantic-core annotated-types typing-inspection typing-extensions
+        --platform manylinux2014_x86_64 -d "$WHEELS" "pydantic>=2.6"
 fi
 
-OUT_DIR="${OUT:-$ROOT/bench-gpu-out}"
+OUT_DIR="${OUT:-/tmp/fusion-bench-gpu-out}"
 if [[ $# -gt 0 && "$1" != -* ]]; then
     OUT_DIR="$1"
     shift
@@ -101,9 +100,10 @@ if ! fusion_ok "$PY"; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "${wheels[@]}" >>"$LOG" 2>&1 \
             || say "installing the wheels in build/gpu-wheels failed (see $LOG)"
     fi
-    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$SITE" \
-        . "${PLUGINS[@]}" >>"$LOG" 2>&1 || say "building fusion-core and its families failed (see $LOG)"
-    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    # No build: the sources import as they are; gpu_site.py writes the metadata whose entry points register the
+    # families, and prints the PYTHONPATH (the site folder, then each project's source root).
+    paths=$("$PY" benchmarks/gpu_site.py "$SITE" 2>>"$LOG") || say "writing the checkout's metadata failed (see $LOG)"
+    export PYTHONPATH="${paths:-$SITE}${PYTHONPATH:+:$PYTHONPATH}"
     if ! fusion_ok "$PY"; then
         say "still cannot import fusion_core with patch_embeddings, qkv and gate_up (tail of $LOG below)."
         say "A missing dependency (pydantic?) must be carried as wheels: run 'bash benchmarks/gpu.sh --fetch-wheels'"
