@@ -119,6 +119,53 @@ def patch_embedding_saving(quick: bool, patches: int, dtype: torch.dtype, device
     return {"conv3d_s": Summary.of(samples["conv3d"]), "fused_s": Summary.of(samples["fused"])}
 
 
+# --------------------------------------------------------------------------- one merged GEMM vs separate ones
+
+
+def merged_gemm_speeds(config: Any, dtypes: tuple[str, ...], rows: tuple[int, ...], device: str, quick: bool
+                       ) -> list[dict[str, Any]]:
+    """Bare ``F.linear``: q, k, v (gate, up) as separate GEMMs vs one merged GEMM, per token count.
+
+    This is the most a merged projection can gain or lose at that size on this machine, with no
+    module code around it: the GEMM library's speed at the merged width against its speed at the
+    separate widths.
+    """
+    from torch.nn import functional as F
+
+    hidden, heads, kv = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    head_dim = hidden // heads
+    groups = {"qkv": (hidden, kv * head_dim, kv * head_dim), "gate_up": (config.intermediate_size,) * 2}
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for dt in dtypes:
+        for m in rows:
+            x = torch.randn(1, m, hidden, generator=gen).to(device, DTYPES[dt])
+            for family, sizes in groups.items():
+                weights = [torch.randn(n, hidden, generator=gen).mul_(0.02).to(device, DTYPES[dt]) for n in sizes]
+                biases = [torch.zeros(n, device=device, dtype=DTYPES[dt]) if family == "qkv" else None for n in sizes]
+                merged_w = torch.cat(weights)
+                merged_b = torch.cat(biases) if family == "qkv" else None
+
+                def separate(ws: list[torch.Tensor] = weights, bs: list[Any] = biases, inp: torch.Tensor = x) -> None:
+                    with torch.inference_mode():
+                        for w, b in zip(ws, bs, strict=True):
+                            F.linear(inp, w, b)
+                    sync(device)
+
+                def merged(w: torch.Tensor = merged_w, b: Any = merged_b, inp: torch.Tensor = x) -> None:
+                    with torch.inference_mode():
+                        F.linear(inp, w, b)
+                    sync(device)
+
+                samples = interleaved({"separate": separate, "merged": merged}, rounds=3 if quick else 25,
+                                      inner=1 if quick else max(1, 64 // m), warmup=2)
+                out.append({"dtype": dt, "tokens": m, "family": family, "sizes": sizes,
+                            "separate_s": Summary.of(samples["separate"]), "merged_s": Summary.of(samples["merged"]),
+                            "speed": Summary.of([a / b for a, b in zip(samples["separate"], samples["merged"],
+                                                                       strict=True)])})
+    return out
+
+
 # --------------------------------------------------------------------------- the section
 
 
@@ -132,6 +179,7 @@ def run(quick: bool, device: str, dtypes: tuple[str, ...], e2e: dict[str, Any], 
     depth = tower_depth or e2e_plan.get("tower_depth") or (2 if quick else QWEN2_VL_TOWER_DEPTH)
     n_patches = patches or e2e_plan.get("patches") or (64 if quick else 1024)
     prompt, new = e2e_plan.get("prompt", 8 if quick else 16), e2e_plan.get("new_tokens", 6 if quick else 32)
+    prefill = e2e_plan.get("prefill_tokens", 32 if quick else 256)
     rows = e2e.get("rows", [])
     registry = fusion_core.get_registry()
     data: dict[str, Any] = {}
@@ -157,6 +205,19 @@ def run(quick: bool, device: str, dtypes: tuple[str, ...], e2e: dict[str, Any], 
     t.notes.append(f"bandwidth: copy of a {bandwidth['bytes'] >> 20} MiB tensor, bytes read + written per second; "
                    "a merged q/k/v or gate/up GEMM reads the same weight bytes as the separate ones, so where decode "
                    "runs near this bound fusion can only save per-operator overhead")
+    tables.append(t)
+
+    # -- one merged GEMM vs the separate ones, at the token counts the e2e rows run
+    gemms = merged_gemm_speeds(config, dtypes, tuple(sorted({1, prompt, prefill})), device, quick)
+    data["merged_gemms"] = gemms
+    t = Table(f"One merged GEMM vs the separate ones (bare F.linear, {device}; median [min-max] of per-round ratios)",
+              ["dtype", "tokens", "family", "separate widths", "separate ms", "merged ms", "merged speed"])
+    for g in gemms:
+        t.rows.append([g["dtype"], str(g["tokens"]), g["family"], " + ".join(map(str, g["sizes"])),
+                       g["separate_s"].fmt_range(1e3, 3), g["merged_s"].fmt_range(1e3, 3),
+                       g["speed"].fmt_range(unit="x")])
+    t.notes.append("the most a merged projection can gain or lose at that size with no module code around it: "
+                   f"1 token = a decode step, {prompt} = the generate rows' prompt, {prefill} = the prefill row")
     tables.append(t)
 
     # -- the tower: the patch embedding's share of FLOPs and of time

@@ -63,6 +63,7 @@ def _check_end_to_end(e2e: dict, explain: dict) -> None:
     flops = explain["tower_flops"]
     assert flops["patch_embed"] == flops["analytic_patch_embed"], flops
     assert 0 < flops["share"] < 1, flops
+    assert {(g["family"], g["tokens"]) for g in explain["merged_gemms"]} >= {("qkv", 1), ("gate_up", 1)}
 
 
 def test_end_to_end_rows_pair_each_round_and_rotate_the_order() -> None:
