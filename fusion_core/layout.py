@@ -80,7 +80,15 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same shape, dtype and bytes (NaN payloads and -0.0 included), unlike ``torch.equal``."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+    return torch.equal(_bytes(a), _bytes(b))
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    # A fresh 1-D copy: ``contiguous()`` keeps the stride of a tensor with 0 or 1 elements (a row
+    # unbound from a stacked tensor has stride 2), and a byte view of that raises.
+    flat = torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    flat.copy_(tensor.reshape(-1))
+    return flat.view(torch.uint8)
 
 
 def convert_to_fused(module: nn.Module, plan: ModulePlan, verified: set[tuple[object, ...]] | None = None) -> None:

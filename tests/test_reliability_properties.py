@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -85,6 +86,18 @@ def test_every_op_inverse_restores_its_sources_bit_for_bit(case):
     assert len(restored) == len(sources)
     for original, back in zip(sources, restored, strict=True):
         assert same_bits(original, back), op
+
+
+@pytest.mark.parametrize("numel", [0, 1, 3])
+def test_same_bits_on_rows_with_any_stride(numel):
+    # Found by the properties here: Stack(n=2, dim=1) inverts into rows of stride 2, which
+    # ``contiguous()`` leaves as they are when they hold 0 or 1 elements.
+    row = torch.stack([torch.arange(numel, dtype=torch.float32), torch.zeros(numel)], dim=1).unbind(1)[0]
+    assert row.stride() == (2,)
+    assert same_bits(row, torch.arange(numel, dtype=torch.float32))
+    assert not same_bits(row, torch.arange(numel, dtype=torch.float64))
+    if numel:
+        assert not same_bits(row, torch.arange(numel, dtype=torch.float32) + 1)
 
 
 @SETTINGS
