@@ -213,7 +213,7 @@ def _worker(args: dict[str, Any]) -> dict[str, Any]:
     out["discover_s"] = timings["discover"]
     out["meta_init_s"] = timings["meta_init"]
     if kind == "tf_fusion":
-        # The reference fuses into nn.Linear; whether its weight is the checkpoint's is what FINDINGS.md is about.
+        # The reference fuses into nn.Linear; whether its weight is the checkpoint's is what this row checks.
         out["tf_fused_modules"] = sorted({type(m).__name__ for m in model.modules() if "atch" in type(m).__name__})
     return out
 
@@ -347,7 +347,7 @@ def run_load(quick: bool, log: Callable[[str], None]) -> tuple[Any, dict[str, An
                     unexpected = runs[0].get("tf_unexpected") or []
                     if missing or unexpected:
                         notes.append(f"reference ({lay}): transformers reported MISSING {missing} and UNEXPECTED "
-                                     f"{unexpected}: the fused Linear stays randomly initialised (FINDINGS.md)")
+                                     f"{unexpected}: the fused Linear stays randomly initialised")
                 row += [r1.fmt(digits=3, unit="x"), d1.fmt(1e3, 0), r2.fmt(digits=3, unit="x"),
                         rm.fmt(digits=3, unit="x"), f"{disc} ({meta})" if disc != "-" else "-", hit]
             table.rows.append(row)
