@@ -8,6 +8,7 @@ processes (``torch.multiprocessing``), and each rank runs SCENARIO and writes ``
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import socket
@@ -322,6 +323,9 @@ def run_rank(rank: int, world: int, scenario: str, path: str, out: str, port: in
     except Exception:
         checks = {"scenario ran": [False, traceback.format_exc()]}
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(checks, indent=1))
+    # Every rank reaches the teardown together: a rank that destroyed its gloo group while another
+    # still worked on rank-local checks was seen to abort ("terminate called without an active exception").
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))  # names a rank that never arrives
     dist.destroy_process_group()
 
 
