@@ -14,7 +14,7 @@ from transformers import AutoModelForImageTextToText
 
 import fusion_core
 from fusion_core.checkpoint import read_checkpoint_index
-from fusion_core.testing.compare import median_seconds
+from fusion_core.compare import median_seconds
 from fusion_core.testing.kit import TOLERANCES, fuse_module
 from fusion_core.testing.tiny_models import TINY_MODELS, save_tiny_model
 

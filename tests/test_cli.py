@@ -21,7 +21,7 @@ from fusion_patch_embeddings.family import PatchLinearMixin
 import fusion_core
 from fusion_core import cli
 from fusion_core.checkpoint import read_checkpoint_index
-from fusion_core.testing.compare import checkpoint_tensors
+from fusion_core.compare import checkpoint_tensors
 from fusion_core.testing.tiny_models import TINY_MODELS, auto_class
 
 PATCH = "patch_embeddings"

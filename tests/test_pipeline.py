@@ -18,7 +18,7 @@ from fusion_patch_embeddings.family import PatchLinearMixin
 from safetensors import safe_open
 
 import fusion_core
-from fusion_core.testing.compare import checkpoint_tensors
+from fusion_core.compare import checkpoint_tensors
 from fusion_core.testing.kit import TOLERANCES
 from fusion_core.testing.tiny_models import TINY_MODELS, auto_class
 

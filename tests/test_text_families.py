@@ -21,7 +21,7 @@ from fusion_patch_embeddings import PatchLinearMixin
 from fusion_qkv import QkvMixin
 
 import fusion_core
-from fusion_core.testing.compare import checkpoint_tensors
+from fusion_core.compare import checkpoint_tensors
 from fusion_core.testing.kit import TOLERANCES
 from fusion_core.testing.tiny_models import TEXT_MODELS, TINY_MODELS, auto_class, save_tiny_model
 
