@@ -267,40 +267,34 @@ def generate_call(model: nn.Module, ids: torch.Tensor, new_tokens: int, device: 
     return call, outputs
 
 
-def prefill_call(model: nn.Module, ids: torch.Tensor, device: str
-                 ) -> tuple[Callable[[], dict[str, float]], list[torch.Tensor]]:
+def _forward_call(forward: Callable[[], Any], device: str
+                  ) -> tuple[Callable[[], dict[str, float]], list[torch.Tensor]]:
+    """A timed inference-mode ``forward()``; the second value keeps its last output (float, on the CPU)."""
     outputs: list[torch.Tensor] = []
 
     def call() -> dict[str, float]:
         sync(device)
         start = time.perf_counter()
         with torch.inference_mode():
-            logits = model(input_ids=ids, use_cache=True, logits_to_keep=1).logits
+            out = forward()
         sync(device)
         end = time.perf_counter()
-        outputs[:] = [logits.detach().float().cpu()]
-        return {"total": end - start}
-
-    return call, outputs
-
-
-def tower_call(tower: nn.Module, pixels: torch.Tensor, grid: torch.Tensor, device: str
-               ) -> tuple[Callable[[], dict[str, float]], list[torch.Tensor]]:
-    outputs: list[torch.Tensor] = []
-
-    def call() -> dict[str, float]:
-        sync(device)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = tower(pixels, grid_thw=grid)
-        sync(device)
-        end = time.perf_counter()
-        if not isinstance(out, torch.Tensor):  # 5.x may return a ModelOutput
+        if not isinstance(out, torch.Tensor):  # a tower on 5.x may return a ModelOutput
             out = out[0]
         outputs[:] = [out.detach().float().cpu()]
         return {"total": end - start}
 
     return call, outputs
+
+
+def prefill_call(model: nn.Module, ids: torch.Tensor, device: str
+                 ) -> tuple[Callable[[], dict[str, float]], list[torch.Tensor]]:
+    return _forward_call(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1).logits, device)
+
+
+def tower_call(tower: nn.Module, pixels: torch.Tensor, grid: torch.Tensor, device: str
+               ) -> tuple[Callable[[], dict[str, float]], list[torch.Tensor]]:
+    return _forward_call(lambda: tower(pixels, grid_thw=grid), device)
 
 
 def tower_input(config: Any, patches: int, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor]:
