@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import PrivateAttr, RootModel, ValidationError, ValidationInfo, model_serializer, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from fusion_core.plugins import FamilyRegistry, RegisteredFamily, get_registry
+from fusion_core.plugins import FamilyRegistry, PluginSource, RegisteredFamily, get_registry
 from fusion_core.spec import FamilyOptions
 
 FamilySetting = bool | FamilyOptions
@@ -115,6 +115,10 @@ class FusionConfig(RootModel[dict[str, Any]]):
             family = self._families[name]
             result.append((family, family.spec.options_model() if setting is True else setting))
         return result
+
+    def sources(self) -> dict[str, PluginSource]:
+        """Where each enabled family came from, by name: what every error about a family names."""
+        return {family.name: family.source for family, _ in self.families()}
 
     def enabled(self) -> dict[str, FamilyOptions]:
         """Enabled family names, in order, each with its options object (defaults for ``True``)."""

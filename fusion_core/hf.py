@@ -43,6 +43,7 @@ from fusion_core.patching import LOAD_LOCK, BuildScope, class_patch_scope
 from fusion_core.plugins import PluginSource, get_registry
 from fusion_core.record import (
     CONFIG_NAME,
+    RECORD_KEY,
     attach_record,
     is_fused_layout_dir,
     load_config,
@@ -62,6 +63,20 @@ def get_fusion_plan(model: nn.Module) -> FusionPlan | None:
     """The :class:`FusionPlan` a model was loaded with, or None for a model fusion did not touch."""
     plan: FusionPlan | None = model.__dict__.get(PLAN_ATTRIBUTE)
     return plan
+
+
+def mark_fused(model: nn.Module, fusion: FusionConfig, plan: FusionPlan) -> None:
+    """Record on a freshly fused model what was applied: the config's record and the plan."""
+    attach_record(model.config, fusion.model_dump())
+    model.__dict__[PLAN_ATTRIBUTE] = plan
+
+
+def mark_unfused(model: nn.Module) -> None:
+    """Undo :func:`mark_fused`: no plan, and no record for a later save to write."""
+    model.__dict__.pop(PLAN_ATTRIBUTE, None)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, RECORD_KEY):
+        delattr(config, RECORD_KEY)
 
 
 def from_pretrained(
@@ -115,14 +130,9 @@ def from_pretrained(
     # Under the lock too: while another load runs, 4.57's init_empty_weights sends every parameter
     # registered in *any* thread to the meta device, the fused ones created here included.
     with LOAD_LOCK, tensor_parallel_fusion(model, scope.built, registry):
-        _convert_built(scope, fused_dir, _sources(fusion))
-    attach_record(model.config, fusion.model_dump())
-    model.__dict__[PLAN_ATTRIBUTE] = discovery.plan
+        _convert_built(scope, fused_dir, fusion.sources())
+    mark_fused(model, fusion, discovery.plan)
     return (model, info) if want_info else model
-
-
-def _sources(fusion: FusionConfig) -> dict[str, PluginSource]:
-    return {family.name: family.source for family, _ in fusion.families()}
 
 
 # -- transformers' loading report ----------------------------------------------------------------

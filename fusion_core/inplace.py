@@ -25,12 +25,12 @@ from torch import nn
 from fusion_core.config import parse_fusion_config
 from fusion_core.discovery import discover
 from fusion_core.errors import FusionError, FusionLoadError
-from fusion_core.hf import PLAN_ATTRIBUTE, get_fusion_plan
+from fusion_core.hf import get_fusion_plan, mark_fused, mark_unfused
 from fusion_core.integrations import adapter_layers
 from fusion_core.layout import fuse_instance, module_plan, unfuse_instance, unfuse_refusal
 from fusion_core.patching import LOAD_LOCK
 from fusion_core.plugins import get_registry
-from fusion_core.record import LEGACY_KEY, RECORD_KEY, attach_record, pop_stored_fusion_config
+from fusion_core.record import LEGACY_KEY, RECORD_KEY, pop_stored_fusion_config
 from fusion_core.transforms import ModulePlan
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
@@ -72,7 +72,7 @@ def fuse(model: ModelT, fusion_config: Any) -> ModelT:
     discovery = discover(type(model), plain_config, fusion)
     targets = [(_checked_instance(model, plan), plan) for plan in discovery.plan.modules]
     verified: set[tuple[object, ...]] = set()
-    sources = {family.name: family.source for family, _ in fusion.families()}
+    sources = fusion.sources()
     # Under the load lock: 4.57's init_empty_weights in another thread would send parameters
     # registered here to the meta device.
     with LOAD_LOCK:
@@ -89,8 +89,7 @@ def fuse(model: ModelT, fusion_config: Any) -> ModelT:
                     "before it were unfused again; this one is left as the failure left it)"
                 ) from exc
             done.append(module)
-    attach_record(config, fusion.model_dump())
-    model.__dict__[PLAN_ATTRIBUTE] = discovery.plan
+    mark_fused(model, fusion, discovery.plan)
     return model
 
 
@@ -152,9 +151,6 @@ def unfuse(model: ModelT) -> ModelT:
     with LOAD_LOCK:
         for _, module in fused:
             unfuse_instance(module)
-    model.__dict__.pop(PLAN_ATTRIBUTE, None)
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, RECORD_KEY):
-        delattr(config, RECORD_KEY)
+    mark_unfused(model)
     return model
 
