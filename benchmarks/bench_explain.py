@@ -24,6 +24,8 @@ from bench_e2e import DTYPES, sync, tower_input
 from bench_models import QWEN2_05B_LAYERS, QWEN2_VL_TOWER_DEPTH, text_config, tower_config
 from torch import nn
 
+from fusion_core import merge_policy
+
 # --------------------------------------------------------------------------- memory bandwidth
 
 
@@ -166,6 +168,17 @@ def merged_gemm_speeds(config: Any, dtypes: tuple[str, ...], rows: tuple[int, ..
     return out
 
 
+def _e2e_choice(gemm: dict[str, Any], config: Any, device: str, policy: str) -> str:
+    """What the merged projections of the e2e models ran for calls of this GEMM's kind."""
+    if policy != "measure":
+        return "merged" if policy == "always" else "per part"
+    sizes = tuple(gemm["sizes"])
+    kind = (str(torch.device(device)), DTYPES[gemm["dtype"]], (sum(sizes), config.hidden_size), sizes,
+            gemm["family"] == "qkv", max(gemm["tokens"] - 1, 0).bit_length())
+    decision = merge_policy.merge_decisions().get(kind)
+    return "-" if decision is None else ("merged" if decision else "per part")
+
+
 # --------------------------------------------------------------------------- the section
 
 
@@ -210,14 +223,20 @@ def run(quick: bool, device: str, dtypes: tuple[str, ...], e2e: dict[str, Any], 
     # -- one merged GEMM vs the separate ones, at the token counts the e2e rows run
     gemms = merged_gemm_speeds(config, dtypes, tuple(sorted({1, prompt, prefill})), device, quick)
     data["merged_gemms"] = gemms
+    policy = merge_policy.merge_policy()
     t = Table(f"One merged GEMM vs the separate ones (bare F.linear, {device}; median [min-max] of per-round ratios)",
-              ["dtype", "tokens", "family", "separate widths", "separate ms", "merged ms", "merged speed"])
+              ["dtype", "tokens", "family", "separate widths", "separate ms", "merged ms", "merged speed",
+               f"the e2e models ran (merge policy {policy})"])
     for g in gemms:
+        g["e2e_ran"] = _e2e_choice(g, config, device, policy)
         t.rows.append([g["dtype"], str(g["tokens"]), g["family"], " + ".join(map(str, g["sizes"])),
                        g["separate_s"].fmt_range(1e3, 3), g["merged_s"].fmt_range(1e3, 3),
-                       g["speed"].fmt_range(unit="x")])
+                       g["speed"].fmt_range(unit="x"), g["e2e_ran"]])
     t.notes.append("the most a merged projection can gain or lose at that size with no module code around it: "
                    f"1 token = a decode step, {prompt} = the generate rows' prompt, {prefill} = the prefill row")
+    t.notes.append("the e2e models ran: what fusion_core.merge_policy chose for that kind of call in this process's "
+                   "e2e rows ('measure': timed once per kind on its first call, the faster way kept; '-': that kind "
+                   "did not occur, e.g. the e2e section did not run)")
     tables.append(t)
 
     # -- the tower: the patch embedding's share of FLOPs and of time

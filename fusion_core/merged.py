@@ -21,6 +21,9 @@ slice's own rows of the weight, so the result is always the projection the origi
 ``nn.Linear`` computed, whatever order or inputs the parent uses. The cache is dropped once every
 sibling has taken its part; a group whose merged output is ever left partly unused
 (cross-attention, layers reusing another layer's keys and values) stops merging for good.
+Whether the merged GEMM is used at all for a given kind of call is decided by
+:mod:`fusion_core.merge_policy`: by default it is measured once against one GEMM per part, and
+the faster runs (a wide GEMM is not always faster than the narrow ones it replaces).
 
 **Under torch.compile and torch.export** every slice computes its own rows
 (``linear(x, weight[rows], bias[rows])``): the input-identity cache is Python state that dynamo
@@ -49,7 +52,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fusion_core import merge_policy
 from fusion_core.spec import FusedModule
+
+#: Input shapes whose merge decision a merged projection remembers (a cap: prompt lengths vary).
+_MEMO_SIZE = 64
 
 #: Set on a merged container (``qkv_proj``): the names of the projections it holds, for messages.
 PARTS_ATTRIBUTE = "fusion_merged_parts"
@@ -85,17 +92,23 @@ class MergedLinear:
         self.merging = True
         self.merged_gemms = 0
         self.own_gemms = 0
-        self._all = frozenset(range(len(self.sizes)))
-        self._cache: tuple[Any, ...] | None = None
+        self._all = (1 << len(self.sizes)) - 1  # a bit per part: the parts a cached output still owes
+        self._cache: list[Any] | None = None
+        self._memo: dict[tuple[Any, ...], bool] = {}
+        self._memo_epoch = -1
         self.originals: dict[str, nn.Module] = {}
         """The emptied original projection modules, by child name (what :func:`unmerge_children` restores)."""
 
     @property
     def weight(self) -> torch.Tensor:
-        return cast(torch.Tensor, self.owner.weight)
+        weight = self.owner._parameters.get("weight")
+        return weight if weight is not None else cast(torch.Tensor, self.owner.weight)
 
     @property
     def bias(self) -> torch.Tensor | None:
+        parameters = self.owner._parameters
+        if "bias" in parameters:  # merge_children registers a missing bias as None, as nn.Linear does
+            return parameters["bias"]
         bias: torch.Tensor | None = getattr(self.owner, "bias", None)
         return bias
 
@@ -113,27 +126,51 @@ class MergedLinear:
         if torch.compiler.is_compiling():
             # Traced code gets the original projection's own GEMM: no Python state to guard on.
             return F.linear(input, self.rows(self.weight, index), self.part(self.bias, index))
-        start, stop = self.bounds[index]
         cache = self._cache
         if cache is not None:
-            cached_input, version, grad, output, pending = cache
+            cached_input, version, grad, parts, pending = cache
             if cached_input is input and grad == torch.is_grad_enabled() and version == _version(input):
-                rest = pending - {index}
-                self._cache = (cached_input, version, grad, output, rest) if rest else None
-                part: torch.Tensor = output[..., start:stop]
+                pending &= ~(1 << index)
+                if pending:
+                    cache[4] = pending
+                else:
+                    self._cache = None
+                part: torch.Tensor = parts[index]
                 return part
             # A merged output left partly unused: merging does not pay for this module.
             self._cache = None
             self.merging = False
-        if not self.merging:
+        weight, bias = self.weight, self.bias
+        if not (self.merging and self._merge_pays(input, weight, bias)):
             self.own_gemms += 1
-            return F.linear(input, self.rows(self.weight, index), self.part(self.bias, index))
-        output = F.linear(input, self.weight, self.bias)
+            return F.linear(input, self.rows(weight, index), self.part(bias, index))
+        output = F.linear(input, weight, bias)
         self.merged_gemms += 1
-        rest = self._all - {index}
-        if rest:
-            self._cache = (input, _version(input), torch.is_grad_enabled(), output, rest)
-        return output[..., start:stop]
+        grad = torch.is_grad_enabled()
+        # Without autograd one split makes every part's view in one operator. With autograd, each
+        # part is its own view: the views of one split may not be written in place, and a parent
+        # may write a projection's output in place (it could with the original nn.Linear's).
+        parts = (torch.split_with_sizes(output, self.sizes, dim=-1) if not grad
+                 else [output.narrow(-1, start, stop - start) for start, stop in self.bounds])
+        pending = self._all & ~(1 << index)
+        if pending:
+            self._cache = [input, _version(input), grad, parts, pending]
+        return parts[index]
+
+    def _merge_pays(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether this call runs the merged GEMM (:mod:`fusion_core.merge_policy`), memoised by input shape."""
+        if self._memo_epoch != merge_policy.epoch():
+            self._memo.clear()
+            self._memo_epoch = merge_policy.epoch()
+        key = (input.shape, input.dtype, input.device)
+        decision = self._memo.get(key)
+        if decision is None:
+            decision, settled = merge_policy.merge_pays(input, weight, bias, self.sizes, self.bounds)
+            if settled:
+                if len(self._memo) >= _MEMO_SIZE:
+                    self._memo.clear()
+                self._memo[key] = decision
+        return decision
 
     def clear(self) -> None:
         """Drop a cached output (it is dropped by itself once all parts were taken)."""
@@ -141,7 +178,7 @@ class MergedLinear:
 
     def __getstate__(self) -> dict[str, Any]:
         # A cached output is transient: copies and pickles never carry one.
-        return {**self.__dict__, "_cache": None}
+        return {**self.__dict__, "_cache": None, "_memo": {}, "_memo_epoch": -1}
 
 
 class MergedSlice(nn.Module):
@@ -201,6 +238,8 @@ def merge_children(parent: nn.Module, names: tuple[str, ...], container: str) ->
             f"{type(parent).__name__}: merged {container}.weight has shape {tuple(weight.shape)}, "
             f"expected ({sum(sizes)}, {in_features}) for {dict(zip(names, sizes, strict=True))}"
         )
+    if "bias" not in owner._parameters and "bias" not in owner._buffers:
+        owner.register_parameter("bias", None)  # what nn.Linear(bias=False) has: a fast, uniform lookup
     merged = MergedLinear(owner, sizes)
     for index, name in enumerate(names):
         parent._modules[name] = MergedSlice(merged, index, in_features)

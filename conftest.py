@@ -1,0 +1,17 @@
+"""Settings for every test directory (tests/ and each plugin's tests/).
+
+The test suite counts GEMMs (a merged projection must run one where the originals ran several),
+so it pins the merge policy to ``"always"`` instead of the default ``"measure"``, whose choice on
+a busy machine could go either way; subprocesses the tests start inherit it through the
+environment. The tests of the policy itself set the policy they need.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["FUSION_CORE_MERGE"] = "always"
+
+from fusion_core.merge_policy import set_merge_policy
+
+set_merge_policy("always")

@@ -1,0 +1,169 @@
+"""Whether one merged GEMM is faster than one GEMM per part, decided by measuring it on this machine.
+
+A merged projection saves GEMM calls (a launch or a dispatch each), but a GEMM library is free to
+run one wide GEMM more slowly than the narrow ones it replaces: on a 2-core AVX-512 CPU, one fp32
+``896 -> 9728`` GEMM over 16 to 256 tokens runs at 0.84-0.90x of two ``896 -> 4864`` ones, while
+in bf16, or at one token, it is as fast or faster. No rule of thumb predicts that across
+backends, dtypes and shapes, so by default (policy ``"measure"``) the first eager call of each
+kind times both ways on the real input and weight, and the faster one is used from then on:
+
+- a *kind* is the device, the dtype, the merged weight's shape, the part sizes, whether there is
+  a bias, and the input's row count rounded up to a power of two (1 = a decode step, 16 and
+  256 = prompts of those lengths); every layer of a model shares its kinds, so a 24-layer model
+  measures each kind once, in its first layer;
+- a measurement is one untimed call of each way and then the best of three interleaved timed
+  calls each (synchronised on an accelerator), under ``torch.no_grad``: about eight GEMMs of
+  that size, once per kind and process;
+- both ways compute the same projection (tests compare each against the original
+  ``nn.Linear``); only the speed differs. Where the two are equally fast, either may be chosen.
+
+``"always"`` merges without measuring (reproducible GEMM counts, what the test suite uses),
+``"never"`` runs one GEMM per part (the unfused model's operators). The environment variable
+``FUSION_CORE_MERGE`` sets the policy a process starts with; :func:`set_merge_policy` changes it.
+Compiled code is not affected: under ``torch.compile`` every part runs its own GEMM (see
+:mod:`fusion_core.merged`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Literal, get_args
+
+import torch
+from torch.nn import functional as F
+
+MergePolicy = Literal["measure", "always", "never"]
+"""How an eager merged projection chooses between the merged GEMM and one GEMM per part."""
+
+ENV_VARIABLE = "FUSION_CORE_MERGE"
+_POLICIES: tuple[str, ...] = get_args(MergePolicy)
+
+#: A kind of call: (device, dtype, merged weight shape, part sizes, has bias, row-count bucket).
+Kind = tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...], bool, int]
+
+_TIMED_ROUNDS = 3
+
+
+def _checked(policy: str, source: str) -> MergePolicy:
+    if policy not in _POLICIES:
+        raise ValueError(f"{source}: unknown merge policy {policy!r}; expected one of {', '.join(_POLICIES)}")
+    return policy  # type: ignore[return-value]
+
+
+class _State:
+    """The process-wide policy, the decisions measured so far, and a counter of their changes."""
+
+    def __init__(self) -> None:
+        raw = os.environ.get(ENV_VARIABLE, "").strip().lower()
+        self.policy: MergePolicy = _checked(raw, f"environment variable {ENV_VARIABLE}") if raw else "measure"
+        self.decisions: dict[Kind, bool] = {}
+        self.epoch = 0
+        """Bumped when the policy changes or decisions are forgotten: what callers' memos check."""
+
+
+_STATE = _State()
+
+
+def merge_policy() -> MergePolicy:
+    """The policy in force: ``"measure"`` (default), ``"always"`` or ``"never"``."""
+    return _STATE.policy
+
+
+def set_merge_policy(policy: MergePolicy) -> MergePolicy:
+    """Set the process-wide policy; returns the previous one. Measured decisions are kept."""
+    previous = _STATE.policy
+    _STATE.policy = _checked(policy, "set_merge_policy")
+    _STATE.epoch += 1
+    return previous
+
+
+@contextmanager
+def merge_policy_set_to(policy: MergePolicy) -> Iterator[None]:
+    """``with merge_policy_set_to("never"): ...``: the policy for a block, restored afterwards."""
+    previous = set_merge_policy(policy)
+    try:
+        yield
+    finally:
+        set_merge_policy(previous)
+
+
+def merge_decisions() -> dict[Kind, bool]:
+    """The decisions measured in this process (True: the merged GEMM was faster), by kind."""
+    return dict(_STATE.decisions)
+
+
+def clear_merge_decisions() -> None:
+    """Forget every measured decision: the next call of each kind measures again."""
+    _STATE.decisions.clear()
+    _STATE.epoch += 1
+
+
+def epoch() -> int:
+    """Changes whenever a decision already given may no longer hold (a memo of decisions checks it)."""
+    return _STATE.epoch
+
+
+def kind_of(input: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...], has_bias: bool) -> Kind:
+    """The kind of a call: what its decision is filed under."""
+    rows = input.numel() // max(int(input.shape[-1]), 1)
+    return (str(input.device), input.dtype, tuple(weight.shape), sizes, has_bias, max(rows - 1, 0).bit_length())
+
+
+def merge_pays(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, ...],
+               bounds: tuple[tuple[int, int], ...]) -> tuple[bool, bool]:
+    """Whether this call should run the merged GEMM, and whether that answer holds for its whole kind.
+
+    The answer is provisional (False second value) only where the call could not be timed (meta
+    tensors, a CUDA graph being captured): it then merges, and a later call measures.
+    """
+    policy = _STATE.policy
+    if policy != "measure":
+        return policy == "always", True
+    kind = kind_of(input, weight, sizes, bias is not None)
+    decision = _STATE.decisions.get(kind)
+    if decision is None:
+        if not _measurable(input):
+            return True, False
+        decision = _STATE.decisions[kind] = _merged_is_faster(input, weight, bias, bounds)
+    return decision, True
+
+
+def _measurable(input: torch.Tensor) -> bool:
+    """Real data on a device that can be timed now (not meta, not inside a CUDA graph capture)."""
+    device = input.device
+    if device.type == "meta":
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def _merged_is_faster(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      bounds: tuple[tuple[int, int], ...]) -> bool:
+    """Time the merged GEMM against one GEMM per part on the real tensors: best of interleaved calls."""
+    device = input.device
+    wait: Callable[[], None] = (
+        (lambda: None) if device.type == "cpu" else (lambda: torch.accelerator.synchronize(device))
+    )
+    x = input.detach()
+    parts = [(weight[start:stop], None if bias is None else bias[start:stop]) for start, stop in bounds]
+
+    def merged() -> None:
+        F.linear(x, weight, bias)
+
+    def separate() -> None:
+        for part_weight, part_bias in parts:
+            F.linear(x, part_weight, part_bias)
+
+    best = {merged: float("inf"), separate: float("inf")}
+    with torch.no_grad():
+        for round_ in range(_TIMED_ROUNDS + 1):
+            for way in (merged, separate) if round_ % 2 else (separate, merged):
+                wait()
+                start = time.perf_counter()
+                way()
+                wait()
+                if round_:  # round 0 warms both ways up
+                    best[way] = min(best[way], time.perf_counter() - start)
+    return best[merged] <= best[separate]
