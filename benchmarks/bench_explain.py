@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from bench_common import Summary, Table, interleaved
-from bench_e2e import DTYPES, sync, tower_input
+from bench_e2e import CONTROL, DTYPES, sync, tower_input
 from bench_models import QWEN2_05B_LAYERS, QWEN2_VL_TOWER_DEPTH, text_config, tower_config
 from torch import nn
 
@@ -260,7 +260,8 @@ def run(quick: bool, device: str, dtypes: tuple[str, ...], e2e: dict[str, Any], 
             saving = patch_embedding_saving(quick, n_patches, DTYPES[dt], device)
             data.setdefault("patch_saving", {})[dt] = saving
             saved = saving["conv3d_s"].median - saving["fused_s"].median
-            tower_rows = [r for r in rows if r["workload"] == "tower" and r["dtype"] == dt and r["mode"] == "eager"]
+            tower_rows = [r for r in rows if r["workload"] == "tower" and r["dtype"] == dt and r["mode"] == "eager"
+                          and r["families"] != CONTROL]
             t.rows.append([f"{dt}: Conv3d -> fused patch embedding ms (this size)",
                            f"{saving['conv3d_s'].median * 1e3:.2f} -> {saving['fused_s'].median * 1e3:.2f} "
                            f"(saves {saved * 1e3:.2f} ms)"])

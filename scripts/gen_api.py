@@ -31,6 +31,7 @@ EXTRA_MODULES = (
     "fusion_core.hookspecs",
     "fusion_core.compare",
     "fusion_core.merged",
+    "fusion_core.merge_policy",
     "fusion_core.parallel",
     "fusion_core.testing.kit",
     "fusion_core.testing.pytest_plugin",
