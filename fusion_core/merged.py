@@ -261,7 +261,10 @@ def unmerge_children(parent: nn.Module, merged: MergedLinear) -> None:
                 "slice fusion put there (an adapter still attached?)"
             )
         parent._modules[name] = original
-    merged.owner.__dict__.pop(PARTS_ATTRIBUTE, None)
+    owner = merged.owner
+    if "bias" in owner._parameters and owner._parameters["bias"] is None:
+        del owner._parameters["bias"]  # the placeholder merge_children registered: an empty container is dropped
+    owner.__dict__.pop(PARTS_ATTRIBUTE, None)
 
 
 def is_plain_linear(module: Any) -> bool:
