@@ -2,8 +2,9 @@
 
 A merged projection saves GEMM calls (a launch or a dispatch each), but a GEMM library is free to
 run one wide GEMM more slowly than the narrow ones it replaces: on a 2-core AVX-512 CPU, one fp32
-``896 -> 9728`` GEMM over 16 to 256 tokens runs at 0.84-0.90x of two ``896 -> 4864`` ones, while
-in bf16, or at one token, it is as fast or faster. No rule of thumb predicts that across
+``896 -> 9728`` GEMM runs at 0.84x of two ``896 -> 4864`` ones over 16 tokens and 0.94x over 256
+(the bare-GEMM table of docs/benchmarks.md), while in bf16, or at one token, it is about as fast
+or faster. No rule of thumb predicts that across
 backends, dtypes and shapes, so by default (policy ``"measure"``) the first eager call of each
 kind times both ways on the real input and weight, and the faster one is used from then on:
 
@@ -57,14 +58,12 @@ def _checked(policy: str, source: str) -> MergePolicy:
 
 
 class _State:
-    """The process-wide policy, the decisions measured so far, and a counter of their changes."""
+    """The process-wide policy and the decisions measured so far."""
 
     def __init__(self) -> None:
         raw = os.environ.get(ENV_VARIABLE, "").strip().lower()
         self.policy: MergePolicy = _checked(raw, f"environment variable {ENV_VARIABLE}") if raw else "measure"
         self.decisions: dict[Kind, bool] = {}
-        self.epoch = 0
-        """Bumped when the policy changes or decisions are forgotten: what callers' memos check."""
 
 
 _STATE = _State()
@@ -79,7 +78,6 @@ def set_merge_policy(policy: MergePolicy) -> MergePolicy:
     """Set the process-wide policy; returns the previous one. Measured decisions are kept."""
     previous = _STATE.policy
     _STATE.policy = _checked(policy, "set_merge_policy")
-    _STATE.epoch += 1
     return previous
 
 
@@ -101,12 +99,6 @@ def merge_decisions() -> dict[Kind, bool]:
 def clear_merge_decisions() -> None:
     """Forget every measured decision: the next call of each kind measures again."""
     _STATE.decisions.clear()
-    _STATE.epoch += 1
-
-
-def epoch() -> int:
-    """Changes whenever a decision already given may no longer hold (a memo of decisions checks it)."""
-    return _STATE.epoch
 
 
 def kind_of(input: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...], has_bias: bool) -> Kind:
@@ -115,23 +107,22 @@ def kind_of(input: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...], h
     return (str(input.device), input.dtype, tuple(weight.shape), sizes, has_bias, max(rows - 1, 0).bit_length())
 
 
-def merge_pays(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, ...],
-               bounds: tuple[tuple[int, int], ...]) -> tuple[bool, bool]:
-    """Whether this call should run the merged GEMM, and whether that answer holds for its whole kind.
+def merge_pays(kind: Kind, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               bounds: tuple[tuple[int, int], ...]) -> bool:
+    """Whether a call of ``kind`` runs the merged GEMM, under the policy in force.
 
-    The answer is provisional (False second value) only where the call could not be timed (meta
-    tensors, a CUDA graph being captured): it then merges, and a later call measures.
+    Under ``"measure"`` the first call of a kind that can be timed decides for the kind; a call
+    that cannot (meta tensors, a CUDA graph being captured) merges and decides nothing.
     """
     policy = _STATE.policy
     if policy != "measure":
-        return policy == "always", True
-    kind = kind_of(input, weight, sizes, bias is not None)
+        return policy == "always"
     decision = _STATE.decisions.get(kind)
     if decision is None:
         if not _measurable(input):
-            return True, False
+            return True
         decision = _STATE.decisions[kind] = _merged_is_faster(input, weight, bias, bounds)
-    return decision, True
+    return decision
 
 
 def _measurable(input: torch.Tensor) -> bool:

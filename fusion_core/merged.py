@@ -55,7 +55,7 @@ from torch.nn import functional as F
 from fusion_core import merge_policy
 from fusion_core.spec import FusedModule
 
-#: Input shapes whose merge decision a merged projection remembers (a cap: prompt lengths vary).
+#: Input shapes whose decision kind a merged projection remembers (a cap: prompt lengths vary).
 _MEMO_SIZE = 64
 
 #: Set on a merged container (``qkv_proj``): the names of the projections it holds, for messages.
@@ -94,8 +94,7 @@ class MergedLinear:
         self.own_gemms = 0
         self._all = (1 << len(self.sizes)) - 1  # a bit per part: the parts a cached output still owes
         self._cache: list[Any] | None = None
-        self._memo: dict[tuple[Any, ...], bool] = {}
-        self._memo_epoch = -1
+        self._kinds: dict[tuple[Any, ...], merge_policy.Kind] = {}
         self.originals: dict[str, nn.Module] = {}
         """The emptied original projection modules, by child name (what :func:`unmerge_children` restores)."""
 
@@ -158,19 +157,14 @@ class MergedLinear:
         return parts[index]
 
     def _merge_pays(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether this call runs the merged GEMM (:mod:`fusion_core.merge_policy`), memoised by input shape."""
-        if self._memo_epoch != merge_policy.epoch():
-            self._memo.clear()
-            self._memo_epoch = merge_policy.epoch()
+        """Whether this call runs the merged GEMM (:mod:`fusion_core.merge_policy`); kinds memoised by shape."""
         key = (input.shape, input.dtype, input.device)
-        decision = self._memo.get(key)
-        if decision is None:
-            decision, settled = merge_policy.merge_pays(input, weight, bias, self.sizes, self.bounds)
-            if settled:
-                if len(self._memo) >= _MEMO_SIZE:
-                    self._memo.clear()
-                self._memo[key] = decision
-        return decision
+        kind = self._kinds.get(key)
+        if kind is None:
+            if len(self._kinds) >= _MEMO_SIZE:
+                self._kinds.clear()
+            kind = self._kinds[key] = merge_policy.kind_of(input, weight, self.sizes, bias is not None)
+        return merge_policy.merge_pays(kind, input, weight, bias, self.bounds)
 
     def clear(self) -> None:
         """Drop a cached output (it is dropped by itself once all parts were taken)."""
@@ -178,7 +172,7 @@ class MergedLinear:
 
     def __getstate__(self) -> dict[str, Any]:
         # A cached output is transient: copies and pickles never carry one.
-        return {**self.__dict__, "_cache": None, "_memo": {}, "_memo_epoch": -1}
+        return {**self.__dict__, "_cache": None, "_kinds": {}}
 
 
 class MergedSlice(nn.Module):

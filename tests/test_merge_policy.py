@@ -126,11 +126,12 @@ def test_a_real_measurement_is_recorded_by_kind(measure):
     assert (device, dtype, bucket) == ("cpu", torch.float32, 2) and sum(sizes) == shape[0]
 
 
-def test_meta_tensors_are_not_measured_and_their_answer_is_provisional(measure):
+def test_meta_tensors_merge_and_decide_nothing(measure):
     merged = _projections(_models()[1])[0]
     weight = merged.weight.to("meta")
     meta_input = torch.empty(2, weight.shape[1], device="meta")
-    assert merge_policy.merge_pays(meta_input, weight, None, merged.sizes, merged.bounds) == (True, False)
+    kind = merge_policy.kind_of(meta_input, weight, merged.sizes, False)
+    assert merge_policy.merge_pays(kind, meta_input, weight, None, merged.bounds) is True
     assert merge_decisions() == {}
 
 
