@@ -84,11 +84,13 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    # A fresh 1-D copy: ``contiguous()`` keeps the stride of a tensor with 0 or 1 elements (a row
-    # unbound from a stacked tensor has stride 2), and a byte view of that raises.
-    flat = torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    flat.copy_(tensor.reshape(-1))
-    return flat.view(torch.uint8)
+    flat = tensor.reshape(-1)
+    if flat.numel() > 1:
+        return flat.contiguous().view(torch.uint8)  # a copy only when the tensor is not contiguous
+    # ``contiguous()`` keeps the stride of a tensor with 0 or 1 elements (a row unbound from a
+    # stacked tensor has stride 2), and a byte view of that raises: copy it into a fresh one.
+    fresh = torch.empty(flat.numel(), dtype=flat.dtype, device=flat.device)
+    return fresh.copy_(flat).view(torch.uint8)
 
 
 def convert_to_fused(module: nn.Module, plan: ModulePlan, verified: set[tuple[object, ...]] | None = None) -> None:

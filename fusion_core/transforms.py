@@ -189,6 +189,11 @@ class Split(TransformOp):
         return (torch.cat(list(tensors), dim=self.dim),)
 
 
+def _require_parts(op: Stack | Unstack) -> None:
+    if op.n < 1:  # an empty stack has no shape to restore on save
+        raise ValueError(f"{type(op).__name__}(n={op.n}): n must be at least 1")
+
+
 @dataclass(frozen=True)
 class Stack(TransformOp):
     """Many-to-one: stacks ``n`` same-shaped sources along a new dimension ``dim``.
@@ -201,8 +206,7 @@ class Stack(TransformOp):
     dim: int = 0
 
     def __post_init__(self) -> None:
-        if self.n < 1:  # an empty stack has no shape to restore on save
-            raise ValueError(f"Stack(n={self.n}): n must be at least 1")
+        _require_parts(self)
 
     @property
     def arity(self) -> tuple[int, int]:  # type: ignore[override]
@@ -238,8 +242,7 @@ class Unstack(TransformOp):
     dim: int = 0
 
     def __post_init__(self) -> None:
-        if self.n < 1:  # an empty stack has no shape to restore on save
-            raise ValueError(f"Unstack(n={self.n}): n must be at least 1")
+        _require_parts(self)
 
     @property
     def arity(self) -> tuple[int, int]:  # type: ignore[override]
