@@ -46,7 +46,14 @@ def _check_end_to_end(e2e: dict, explain: dict) -> None:
         for dtype in ("fp32", "bf16"):
             assert (workload, dtype, "eager") in seen, (workload, dtype, sorted(seen))
         assert (workload, "bf16", "compiled") in seen, (workload, sorted(seen))
+    control = "plain, 2nd load"  # bench_e2e.CONTROL: the plain model loaded again, timed like a fused one
+    for workload in ("generate", "prefill", "tower"):
+        for dtype in ("fp32", "bf16"):
+            assert any(r["families"] == control for r in rows
+                       if (r["workload"], r["dtype"], r["mode"]) == (workload, dtype, "eager")), (workload, dtype)
     for row in rows:
+        if row["families"] == control and row["workload"] != "generate":
+            assert row["rel_diff"] == 0, row  # the same weights give the same output
         speed = row["speed"]
         assert speed["n"] == row["rounds"] and speed["min"] <= speed["median"] <= speed["max"], row["speed"]
         if row["workload"] == "generate" and row["dtype"] == "fp32":
