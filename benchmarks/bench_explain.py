@@ -161,20 +161,19 @@ def merged_gemm_speeds(config: Any, dtypes: tuple[str, ...], rows: tuple[int, ..
 
                 samples = interleaved({"separate": separate, "merged": merged}, rounds=3 if quick else 25,
                                       inner=1 if quick else max(1, 64 // m), warmup=2)
-                out.append({"dtype": dt, "tokens": m, "family": family, "sizes": sizes,
+                kind = merge_policy.kind_of(x, merged_w, tuple(sizes), merged_b is not None)
+                out.append({"dtype": dt, "tokens": m, "family": family, "sizes": sizes, "e2e_ran": _e2e_choice(kind),
                             "separate_s": Summary.of(samples["separate"]), "merged_s": Summary.of(samples["merged"]),
                             "speed": Summary.of([a / b for a, b in zip(samples["separate"], samples["merged"],
                                                                        strict=True)])})
     return out
 
 
-def _e2e_choice(gemm: dict[str, Any], config: Any, device: str, policy: str) -> str:
-    """What the merged projections of the e2e models ran for calls of this GEMM's kind."""
+def _e2e_choice(kind: merge_policy.Kind) -> str:
+    """What the merged projections of this process's e2e models ran for calls of ``kind``."""
+    policy = merge_policy.merge_policy()
     if policy != "measure":
         return "merged" if policy == "always" else "per part"
-    sizes = tuple(gemm["sizes"])
-    kind = (str(torch.device(device)), DTYPES[gemm["dtype"]], (sum(sizes), config.hidden_size), sizes,
-            gemm["family"] == "qkv", max(gemm["tokens"] - 1, 0).bit_length())
     decision = merge_policy.merge_decisions().get(kind)
     return "-" if decision is None else ("merged" if decision else "per part")
 
@@ -223,12 +222,10 @@ def run(quick: bool, device: str, dtypes: tuple[str, ...], e2e: dict[str, Any], 
     # -- one merged GEMM vs the separate ones, at the token counts the e2e rows run
     gemms = merged_gemm_speeds(config, dtypes, tuple(sorted({1, prompt, prefill})), device, quick)
     data["merged_gemms"] = gemms
-    policy = merge_policy.merge_policy()
     t = Table(f"One merged GEMM vs the separate ones (bare F.linear, {device}; median [min-max] of per-round ratios)",
               ["dtype", "tokens", "family", "separate widths", "separate ms", "merged ms", "merged speed",
-               f"the e2e models ran (merge policy {policy})"])
+               f"the e2e models ran (merge policy {merge_policy.merge_policy()})"])
     for g in gemms:
-        g["e2e_ran"] = _e2e_choice(g, config, device, policy)
         t.rows.append([g["dtype"], str(g["tokens"]), g["family"], " + ".join(map(str, g["sizes"])),
                        g["separate_s"].fmt_range(1e3, 3), g["merged_s"].fmt_range(1e3, 3),
                        g["speed"].fmt_range(unit="x"), g["e2e_ran"]])
