@@ -13,8 +13,8 @@ kind times both ways on the real input and weight, and the faster one is used fr
   256 = prompts of those lengths); every layer of a model shares its kinds, so a 24-layer model
   measures each kind once, in its first layer;
 - a measurement is one untimed call of each way and then the best of three interleaved timed
-  calls each (synchronised on an accelerator), under ``torch.no_grad``: about eight GEMMs of
-  that size, once per kind and process; the merged GEMM is kept unless it was more than 2%
+  calls each (synchronised on an accelerator), under ``torch.no_grad``: the work of eight
+  merged GEMMs of that size, once per kind and process; the merged GEMM is kept unless it was more than 2%
   slower (within that, timing noise decides nothing, and fewer operators are dispatched);
 - both ways compute the same projection (tests compare each against the original
   ``nn.Linear``); only the speed differs. Where the two are equally fast, either may be chosen.
