@@ -16,16 +16,16 @@ import fusion_core
 from fusion_core import inplace
 from fusion_core.layout import PLAN_ATTRIBUTE, module_plan
 from fusion_core.spec import FusedModule
-from fusion_core.testing.tiny_models import TEXT_MODELS, TINY_MODELS, save_tiny_model
+from fusion_core.testing.tiny_models import TINY_MODELS
 
 ALL_TEXT = {"qkv": True, "gate_up": True}
 IDS = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    directory = tmp_path_factory.mktemp("llama")
-    return directory, save_tiny_model(TEXT_MODELS["llama"], directory)
+def llama_and_reference(llama: Path) -> tuple[Path, Any]:
+    """The shared tiny Llama checkpoint (conftest) and its plain load."""
+    return llama, AutoModelForCausalLM.from_pretrained(llama)
 
 
 def _logits(model: Any, **inputs: Any) -> torch.Tensor:
@@ -41,8 +41,8 @@ def _assert_bit_identical(model: nn.Module, reference: nn.Module) -> None:
         assert torch.equal(got[key].view(torch.uint8), tensor.view(torch.uint8)), key
 
 
-def test_fuse_from_config_gives_the_plan_and_outputs_of_a_fused_load(llama, tmp_path):
-    directory, reference = llama
+def test_fuse_from_config_gives_the_plan_and_outputs_of_a_fused_load(llama_and_reference, tmp_path):
+    directory, reference = llama_and_reference
     built = AutoModelForCausalLM.from_config(reference.config)
     built.load_state_dict(reference.state_dict())
     expected = _logits(built)
@@ -55,8 +55,8 @@ def test_fuse_from_config_gives_the_plan_and_outputs_of_a_fused_load(llama, tmp_
     assert (tmp_path / "saved" / "model.safetensors").read_bytes() == (directory / "model.safetensors").read_bytes()
 
 
-def test_unfuse_returns_the_unfused_model_bit_for_bit(llama, tmp_path):
-    directory, reference = llama
+def test_unfuse_returns_the_unfused_model_bit_for_bit(llama_and_reference, tmp_path):
+    directory, reference = llama_and_reference
     fused = fusion_core.from_pretrained(AutoModelForCausalLM, directory, fusion_config=ALL_TEXT)
     assert fusion_core.unfuse(fused) is fused
     assert not any(module_plan(m) is not None or isinstance(m, FusedModule) for m in fused.modules())
@@ -93,8 +93,8 @@ def test_all_families_on_a_vision_language_model_round_trip(tiny_checkpoint):
     _assert_bit_identical(model, reference)
 
 
-def test_fuse_refuses_what_it_cannot_do_exactly(llama):
-    directory, _ = llama
+def test_fuse_refuses_what_it_cannot_do_exactly(llama_and_reference):
+    directory, _ = llama_and_reference
     fused = fusion_core.from_pretrained(AutoModelForCausalLM, directory, fusion_config=ALL_TEXT)
     with pytest.raises(fusion_core.FusionError, match="already fused"):
         fusion_core.fuse(fused, ALL_TEXT)
@@ -115,8 +115,8 @@ def test_fuse_refuses_what_it_cannot_do_exactly(llama):
     assert fusion_core.fuse(untouched, {}) is untouched and fusion_core.get_fusion_plan(untouched) is None
 
 
-def test_unfuse_refuses_a_fused_class_that_cannot_undo_its_setup(llama):
-    directory, _ = llama
+def test_unfuse_refuses_a_fused_class_that_cannot_undo_its_setup(llama_and_reference):
+    directory, _ = llama_and_reference
     model = fusion_core.from_pretrained(AutoModelForCausalLM, directory, fusion_config=ALL_TEXT)
     attention = model.model.layers[0].self_attn
 
@@ -134,8 +134,8 @@ def test_unfuse_refuses_a_fused_class_that_cannot_undo_its_setup(llama):
     assert module_plan(model.model.layers[1].self_attn) is not None
 
 
-def test_a_failure_on_real_data_unfuses_what_was_already_fused(llama, monkeypatch):
-    directory, reference = llama
+def test_a_failure_on_real_data_unfuses_what_was_already_fused(llama_and_reference, monkeypatch):
+    directory, reference = llama_and_reference
     model = AutoModelForCausalLM.from_pretrained(directory)
     real = inplace.fuse_instance
     calls = []
