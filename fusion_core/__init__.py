@@ -17,6 +17,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from fusion_core.compat.transformers import check_supported as _check_supported
+
+_check_supported()  # an unsupported transformers fails here, with the range, not deep inside a load
+
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
     "FusionConfig": "fusion_core.config",
@@ -35,6 +39,7 @@ _EXPORTS: dict[str, str] = {
     "get_fusion_plan": "fusion_core.hf",
     "save_pretrained": "fusion_core.hf",
     "hookimpl": "fusion_core.hookspecs",
+    "integrate_transformers": "fusion_core.routing",
     "fused_layout": "fusion_core.layout",
     "get_registry": "fusion_core.plugins",
     "register_family": "fusion_core.plugins",
@@ -100,6 +105,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from fusion_core.inplace import fuse, unfuse
     from fusion_core.layout import fused_layout
     from fusion_core.plugins import get_registry, register_family, reset_registry, unregister_family
+    from fusion_core.routing import integrate_transformers
     from fusion_core.spec import FamilyOptions, FusedModule, FusionFamily, ModuleFusionSpec
     from fusion_core.transforms import (
         Concat,

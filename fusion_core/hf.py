@@ -33,6 +33,7 @@ from typing import Any
 from torch import nn
 
 from fusion_core.checkpoint import KeyMatcher, check_checkpoint, planned_tensors
+from fusion_core.compat import transformers as compat
 from fusion_core.config import FusionConfig, parse_fusion_config
 from fusion_core.discovery import Discovery, discover
 from fusion_core.errors import CheckpointError, FusionLoadError, SaveError
@@ -136,8 +137,8 @@ def from_pretrained(
 
 
 # -- transformers' loading report ----------------------------------------------------------------
-# (model, what transformers' _load_pretrained_model returned) for each load in the current context.
-_REPORTS: contextvars.ContextVar[list[tuple[Any, Any]] | None] = contextvars.ContextVar(
+# (model, its loading report) for each load in the current context.
+_REPORTS: contextvars.ContextVar[list[tuple[Any, Callable[[], dict[str, Any]]]] | None] = contextvars.ContextVar(
     "fusion_core_loading_reports", default=None
 )
 
@@ -148,10 +149,7 @@ def _record_reports(function: Callable[..., Any]) -> Callable[..., Any]:
         result = function(*args, **kwargs)
         reports = _REPORTS.get()
         if reports is not None:
-            # 4.57 (a classmethod) returns (model, missing, unexpected, mismatched, offload index, errors);
-            # 5.x (a staticmethod taking the model first) returns (LoadStateDictInfo, offload index).
-            model = result[0] if len(result) == 6 else kwargs.get("model", args[0] if args else None)
-            reports.append((model, result))
+            reports.append(compat.loading_report(result, args, kwargs))
         return result
 
     _load_pretrained_model.__fusion_core_wrapper__ = True  # type: ignore[attr-defined]
@@ -159,42 +157,31 @@ def _record_reports(function: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @contextmanager
-def _loading_reports() -> Iterator[list[tuple[Any, Any]]]:
+def _loading_reports() -> Iterator[list[tuple[Any, Callable[[], dict[str, Any]]]]]:
     """Collect transformers' loading report of every model loaded in this block (callers hold LOAD_LOCK).
 
-    ``PreTrainedModel._load_pretrained_model``, which every ``from_pretrained`` calls, is wrapped
-    for the duration of the block; the wrapper only records inside this context, so a load in
-    another thread passes through untouched.
+    transformers' load method (:data:`fusion_core.compat.transformers.LOAD_METHOD`), which every
+    ``from_pretrained`` calls, is wrapped for the duration of the block; the wrapper only records
+    inside this context, so a load in another thread passes through untouched.
     """
-    from transformers import PreTrainedModel
-
-    raw = PreTrainedModel.__dict__["_load_pretrained_model"]
-    install = not getattr(raw.__func__, "__fusion_core_wrapper__", False)
-    if install:
-        PreTrainedModel._load_pretrained_model = type(raw)(_record_reports(raw.__func__))
-    reports: list[tuple[Any, Any]] = []
+    install = not getattr(compat.raw_load_method().__func__, "__fusion_core_wrapper__", False)
+    reports: list[tuple[Any, Callable[[], dict[str, Any]]]] = []
     token = _REPORTS.set(reports)
     try:
-        yield reports
+        with compat.wrapped_load_method(_record_reports) if install else nullcontext():
+            yield reports
     finally:
         _REPORTS.reset(token)
-        if install:
-            PreTrainedModel._load_pretrained_model = raw
 
 
-def _report_of(model: nn.Module, reports: list[tuple[Any, Any]]) -> dict[str, Any]:
+def _report_of(model: nn.Module, reports: list[tuple[Any, Callable[[], dict[str, Any]]]]) -> dict[str, Any]:
     """The loading report of ``model`` as ``output_loading_info=True`` would return it."""
-    for loaded, result in reports:
+    for loaded, report in reports:
         if loaded is model:
-            if len(result) == 6:
-                return {"missing_keys": result[1], "unexpected_keys": result[2], "mismatched_keys": result[3],
-                        "error_msgs": result[5]}
-            # transformers 5.x adjusts this object in place after loading (tied and ignored keys): read it now.
-            report: dict[str, Any] = result[0].to_dict()
-            return report
+            return report()
     raise FusionLoadError(
         f"{type(model).__name__}.from_pretrained returned a model whose loading report fusion-core could not see "
-        "(transformers loaded it without PreTrainedModel._load_pretrained_model); a fused load cannot prove "
+        f"(transformers loaded it without PreTrainedModel.{compat.LOAD_METHOD}); a fused load cannot prove "
         "that every fused weight was loaded"
     )
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fusion_core.compat import torch as torch_compat
 from fusion_core.errors import FusionError, FusionLoadError
 from fusion_core.spec import FusedModule
 from fusion_core.transforms import ModulePlan
@@ -240,10 +241,7 @@ def detach_original_layout(module: nn.Module) -> None:
     unpickled module would still point at the original module's hook table.
     """
     module.__dict__.pop(PLAN_ATTRIBUTE, None)
-    for table, hook in ((module._state_dict_hooks, _present_original),
-                        (module._load_state_dict_pre_hooks, _accept_original)):
-        for key in [k for k, h in table.items() if getattr(h, "hook", h) is hook]:
-            del table[key]
+    torch_compat.remove_layout_hooks(module, _present_original, _accept_original)
 
 
 def finalize(module: nn.Module, plan: ModulePlan) -> None:

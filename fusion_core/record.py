@@ -104,3 +104,35 @@ def write_config(directory: Path, data: dict[str, Any], fusion_config: dict[str,
     path = directory / (FUSED_CONFIG_NAME if fused else CONFIG_NAME)
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     return path
+
+
+def names_fusion(name_or_path: str | Path | None, kwargs: dict[str, Any]) -> bool:
+    """Whether a checkpoint's config stores fusion settings (the record, or the legacy key), read
+    without loading a model; ``kwargs`` are the load's (``config``, ``subfolder``, hub arguments).
+
+    A config object passed as ``config`` answers for itself. A checkpoint this cannot read
+    answers False: the plain load that follows reports the problem in transformers' own words.
+    """
+    config = kwargs.get("config")
+    if config is not None and not isinstance(config, (str, Path)):
+        return any(getattr(config, key, None) is not None for key in (RECORD_KEY, LEGACY_KEY))
+    source = config if config is not None else name_or_path
+    if source is None:
+        return False
+    local = Path(source) / kwargs.get("subfolder", "")
+    if local.is_dir():
+        if is_fused_layout_dir(local):
+            return True
+        try:
+            data = json.loads((local / CONFIG_NAME).read_text())
+        except (OSError, ValueError):
+            return False
+    else:
+        from transformers import PretrainedConfig
+
+        try:
+            hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+            data, _ = PretrainedConfig.get_config_dict(str(source), **hub)
+        except Exception:  # not a checkpoint transformers can find: its own load says why
+            return False
+    return isinstance(data, dict) and any(data.get(key) is not None for key in (RECORD_KEY, LEGACY_KEY))

@@ -7,13 +7,17 @@ PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="torch==2.13.0"
 TF4_SPEC="transformers>=4.57,<4.58"
 TF5_SPEC="transformers>=5,<6"
-TOOLS_SPEC="pytest>=8 hypothesis>=6.100 accelerate>=1.0 peft>=0.17 ruff>=0.6 mypy>=1.10 mkdocs>=1.6 mkdocstrings[python]>=0.26"
+TEST_SPEC="pytest>=8 hypothesis>=6.100 accelerate>=1.0 peft>=0.17"
+TOOLS_SPEC="$TEST_SPEC ruff>=0.6 mypy>=1.10 mkdocs>=1.6 mkdocstrings[python]>=0.26"
+# The minors between 4.57 and the newest 5.x that CI runs the range subset on (tests marked `range`):
+# the first 5.x release and minors spread across the line, each the newest patch of its minor.
+RANGE_SPECS=("transformers>=5.0,<5.1" "transformers>=5.8,<5.9" "transformers>=5.16,<5.17" "transformers>=5.22,<5.23")
 
-# ensure_env NAME TRANSFORMERS_SPEC -> prints the environment's python
+# ensure_env NAME TRANSFORMERS_SPEC [TOOLS] -> prints the environment's python (TOOLS: default TOOLS_SPEC)
 ensure_env() {
-    local name="$1" tf_spec="$2"
+    local name="$1" tf_spec="$2" tools="${3:-$TOOLS_SPEC}"
     local venv="$ROOT/.venvs/$name"
-    local base_want="$TORCH_SPEC|$tf_spec|$TOOLS_SPEC"
+    local base_want="$TORCH_SPEC|$tf_spec|$tools"
     local pkg_want
     pkg_want="$(cat "$ROOT/pyproject.toml" "$ROOT"/fusion_plugins/*/pyproject.toml | cksum)"
     if [[ ! -x "$venv/bin/python" ]] || [[ "$(cat "$venv/.fusion-base" 2>/dev/null)" != "$base_want" ]]; then
@@ -23,7 +27,7 @@ ensure_env() {
         "$venv/bin/python" -m pip install -q --upgrade pip >&2
         # torch first and pinned: the CPU wheel on this machine, never a multi-GB CUDA build.
         "$venv/bin/python" -m pip install -q "$TORCH_SPEC" >&2
-        "$venv/bin/python" -m pip install -q "$TORCH_SPEC" "$tf_spec" $TOOLS_SPEC >&2
+        "$venv/bin/python" -m pip install -q "$TORCH_SPEC" "$tf_spec" $tools >&2
         echo "$base_want" > "$venv/.fusion-base"
     fi
     if [[ "$(cat "$venv/.fusion-packages" 2>/dev/null)" != "$pkg_want" ]]; then

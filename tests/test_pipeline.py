@@ -333,7 +333,11 @@ def test_a_model_class_whose_own_from_pretrained_uses_the_model_loads_fused(tmp_
         pytest.skip("this transformers has no Qwen2.5-Omni")
     omni = transformers.Qwen2_5OmniForConditionalGeneration
     torch.manual_seed(0)
-    omni(config).save_pretrained(tmp_path)
+    try:
+        unfused = omni(config)
+    except AttributeError as exc:  # transformers 5.0: the talker config lacks pad_token_id
+        pytest.skip(f"transformers {transformers.__version__} cannot build Qwen2.5-Omni unfused: {exc}")
+    unfused.save_pretrained(tmp_path)
     torch.save({"Chelsie": {"cond": torch.zeros(1)}}, tmp_path / "spk_dict.pt")
     plain = omni.from_pretrained(tmp_path)
     model, info = fusion_core.from_pretrained(omni, tmp_path, fusion_config=PATCH, output_loading_info=True)

@@ -19,8 +19,8 @@ way), ``merge_and_unload()`` leaves the merged bytes a merge on the unfused mode
 ``unload()`` puts the fused module back.
 
 **Switching on.** fusion-core calls :func:`activate` whenever it fuses a model. When PEFT's LoRA
-module is already imported, its module factory (``LoraModel._create_new_module``) and its
-``target_modules="all-linear"`` expansion (which must count a slice as the ``nn.Linear`` it stands
+module is already imported, its module factory and its ``target_modules="all-linear"`` expansion
+(:func:`fusion_core.compat.peft.wrap_lora_factories`) (which must count a slice as the ``nn.Linear`` it stands
 for) are wrapped now; otherwise a finder wraps them right after PEFT is imported. Nothing is imported early, and the
 wrapper hands every module that fusion did not make to PEFT unchanged.
 
@@ -46,13 +46,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from fusion_core.compat import peft as compat
 from fusion_core.layout import PLAN_ATTRIBUTE, module_plan
 from fusion_core.merged import PARTS_ATTRIBUTE, MergedSlice
 from fusion_core.transforms import ModulePlan
 
 __all__ = ["activate", "tuner_layer_paths"]
 
-_LORA_MODULE = "peft.tuners.lora.model"
+_LORA_MODULE = compat.LORA_MODULE
 _lock = threading.Lock()
 _state = {"installed": False, "finder": False}
 
@@ -104,8 +105,12 @@ class _InstallingLoader(importlib.abc.Loader):
 def _install(lora_model_module: ModuleType) -> None:
     if _state["installed"]:
         return
-    lora_model = lora_model_module.LoraModel
-    original = lora_model.__dict__["_create_new_module"].__func__
+    compat.wrap_lora_factories(lora_model_module, _create_new_module, _all_linear)
+    _state["installed"] = True
+
+
+def _create_new_module(original: Any) -> Any:
+    """PEFT's LoRA module factory, building fused-aware layers for the modules fusion made."""
 
     def _create_new_module(lora_config: Any, adapter_name: str, target: nn.Module, **kwargs: Any) -> nn.Module:
         new_module = _fused_lora_layer(lora_config, adapter_name, target, **kwargs)
@@ -115,12 +120,7 @@ def _install(lora_model_module: ModuleType) -> None:
         return new_module
 
     _create_new_module.__wrapped__ = original  # type: ignore[attr-defined]
-    lora_model._create_new_module = staticmethod(_create_new_module)
-    tuners_utils = sys.modules["peft.tuners.tuners_utils"]
-    tuners_utils._maybe_include_all_linear_layers = _all_linear(  # type: ignore[attr-defined]
-        tuners_utils._maybe_include_all_linear_layers
-    )
-    _state["installed"] = True
+    return _create_new_module
 
 
 def _all_linear(original: Any) -> Any:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fusion_core.compat import transformers as compat
 from fusion_core.errors import FusionLoadError
 from fusion_core.layout import PLAN_ATTRIBUTE
 from fusion_core.merged import MergedLinear
@@ -50,17 +51,13 @@ DEFAULT_RULE = Replicated()
 def style_lookup(model: nn.Module) -> StyleLookup | None:
     """The plan style of a parameter path in ``model``'s tensor-parallel plan; None when no plan is applied.
 
-    Uses transformers' own matcher (wildcards for layer numbers, module entries covering their
-    ``weight`` and ``bias``), whichever line is installed.
+    transformers' own matching rule (wildcards for layer numbers, module entries covering their
+    ``weight`` and ``bias``; :func:`fusion_core.compat.transformers.plan_style`).
     """
     plan = getattr(model, "tp_plan", None) or {}
-    if (getattr(model, "_tp_size", None) or 1) <= 1 or not plan:
+    if compat.tensor_parallel_size(model) <= 1 or not plan:
         return None
-    try:
-        from transformers.distributed.parallel_utils import _get_parameter_plan as match
-    except ImportError:  # transformers 4.x
-        from transformers.integrations.tensor_parallel import _get_parameter_tp_plan as match
-    return lambda name: match(name, plan, is_weight=True)
+    return lambda name: compat.plan_style(name, plan)
 
 
 def family_rule(spec: Any) -> TensorParallelRule:

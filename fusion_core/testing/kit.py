@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from fusion_core.compare import TOLERANCES, Comparison, compare_outputs, relative_error
+from fusion_core.compat import transformers as compat
 from fusion_core.layout import fuse_instance, same_bits
 from fusion_core.plugins import validate_spec
 from fusion_core.spec import FamilyOptions, ModuleFusionSpec
@@ -98,9 +99,7 @@ def build_model(resolved: ModelUnderTest, seed: int = 0) -> Any:
     if resolved.directory is not None:
         return resolved.model_cls.from_pretrained(resolved.directory, config=copy.deepcopy(resolved.config)).eval()
     torch.manual_seed(seed)
-    # Auto classes build with from_config; a concrete PreTrainedModel class with _from_config.
-    builder = getattr(resolved.model_cls, "from_config", None) or resolved.model_cls._from_config
-    return builder(copy.deepcopy(resolved.config)).eval()
+    return compat.build_from_config(resolved.model_cls, copy.deepcopy(resolved.config)).eval()
 
 
 def module_factory(model: ModelSource, path: str, seed: int = 0, config: Any = None) -> Callable[[], nn.Module]:

@@ -1,0 +1,34 @@
+"""The private parts of torch that fusion-core relies on, and the torch floor.
+
+The floor in ``pyproject.toml`` (``torch>=2.6``) is the lowest release with every public API
+the code calls: ``torch.accelerator.synchronize`` (2.6; the merge policy's timing on an
+accelerator), ``torch.distributed.tensor`` with ``DTensor.from_local(..., shape=, stride=)``
+(public from 2.5; tensor parallelism), ``nn.Module.register_state_dict_post_hook`` and
+``register_load_state_dict_pre_hook`` (2.5; the original layout), ``torch.compiler.is_compiling``
+(2.3). Only torch 2.13.0 is tested (the one build this project can install); the floor is read
+from the code.
+
+Beyond that, fusion-core reads and writes ``nn.Module._parameters`` / ``_buffers`` / ``_modules``
+directly, as torch's own ``__setattr__``, accelerate and PEFT do: the storage every module has
+had since torch 1.0. The one other private name is below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+
+def remove_layout_hooks(module: nn.Module, state_dict_post: Callable[..., Any], load_pre: Callable[..., Any]) -> None:
+    """Remove the state-dict post-hooks calling ``state_dict_post`` and load pre-hooks calling ``load_pre``.
+
+    Hooks are found by the function they call, in ``nn.Module._state_dict_hooks`` and
+    ``_load_state_dict_pre_hooks`` (torch wraps a load pre-hook in an object whose ``hook`` is the
+    function; checked on 2.13): a handle of a deep-copied or unpickled module would still point at
+    the original module's table.
+    """
+    for table, hook in ((module._state_dict_hooks, state_dict_post), (module._load_state_dict_pre_hooks, load_pre)):
+        for key in [k for k, h in table.items() if getattr(h, "hook", h) is hook]:
+            del table[key]

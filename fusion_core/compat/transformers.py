@@ -1,0 +1,181 @@
+"""Every private name and version-dependent behaviour of transformers that fusion-core relies on.
+
+Nothing else in ``fusion_core`` reaches a private transformers name or branches on its version:
+when a release moves something, this module is the one place to change. Each entry says what it
+needs, the releases it was checked on (:data:`CHECKED_RELEASES`, each in its own environment)
+and what happens on a release where it is not found: a fallback, or a refusal that names the
+release and one that works.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from importlib import metadata
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import nn
+
+SUPPORTED_RANGE = ">=4.57,<6"
+"""The transformers releases fusion-core declares (``pyproject.toml``) and tests."""
+
+CHECKED_RELEASES = ("4.57.6", "5.0.0", "5.8.1", "5.16.1", "5.22.2", "5.24.0")
+"""The releases every entry below was checked on (CI runs its range subset on each line)."""
+
+
+@functools.cache
+def release() -> tuple[int, int]:
+    """(major, minor) of the installed transformers, read from its metadata (transformers is not imported)."""
+    return _major_minor(metadata.version("transformers"))
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise ImportError(f"fusion-core cannot read the transformers version {version!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def check_supported(version: str | None = None) -> None:
+    """Raise ImportError, naming the range, when the installed transformers is outside it.
+
+    Called when ``fusion_core`` is imported, so an unsupported release fails there with this
+    message instead of deep inside a load.
+    """
+    if version is None:
+        try:
+            version = metadata.version("transformers")
+        except metadata.PackageNotFoundError:
+            raise ImportError(f"fusion-core needs transformers{SUPPORTED_RANGE}; it is not installed") from None
+    if not (4, 57) <= _major_minor(version) < (6, 0):
+        raise ImportError(
+            f"fusion-core supports transformers{SUPPORTED_RANGE}; transformers {version} is installed "
+            f"(install a release in that range, e.g. `pip install 'transformers{SUPPORTED_RANGE}'`; "
+            "docs/compatibility.md lists the releases tested)"
+        )
+
+
+# -- the loading report -------------------------------------------------------------------------
+LOAD_METHOD = "_load_pretrained_model"
+"""The ``PreTrainedModel`` method every ``from_pretrained`` calls to load the weights into the built model.
+
+Checked on every release in :data:`CHECKED_RELEASES`. Its kind and its result differ per line:
+
+- 4.57: a classmethod ``(cls, model, state_dict, ...)`` returning
+  ``(model, missing, unexpected, mismatched, offload_index, error_msgs)``;
+- 5.0: a classmethod ``(cls, model, state_dict, ...)`` returning a ``LoadStateDictInfo``;
+- 5.1 and later: a staticmethod ``(model, state_dict, ...)`` returning ``(LoadStateDictInfo, offload_index)``.
+"""
+
+
+def raw_load_method() -> Any:
+    """The ``classmethod``/``staticmethod`` object as stored on ``PreTrainedModel``."""
+    from transformers import PreTrainedModel
+
+    return PreTrainedModel.__dict__[LOAD_METHOD]
+
+
+@contextmanager
+def wrapped_load_method(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Iterator[None]:
+    """Replace ``PreTrainedModel._load_pretrained_model`` by ``wrap(function)`` for the block, of the same kind."""
+    from transformers import PreTrainedModel
+
+    raw = raw_load_method()
+    setattr(PreTrainedModel, LOAD_METHOD, type(raw)(wrap(raw.__func__)))
+    try:
+        yield
+    finally:
+        setattr(PreTrainedModel, LOAD_METHOD, raw)
+
+
+Report = Callable[[], dict[str, Any]]
+
+
+def loading_report(result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Report]:
+    """(the model loaded, a function giving its report as ``output_loading_info=True`` does) from one
+    call of the load method.
+
+    Call the function once ``from_pretrained`` has returned: 5.x adjusts the report in place
+    after this method (tied and ignored keys are no longer missing). The model is the first
+    ``nn.Module`` instance among the call's arguments (``cls`` is a class, not an instance), so
+    the classmethod and staticmethod forms read alike. Raises TypeError for a result of a shape
+    no checked release returns.
+    """
+    from torch import nn
+
+    model = next((a for a in (*args, *kwargs.values()) if isinstance(a, nn.Module)), None)
+    if isinstance(result, tuple) and len(result) == 6 and isinstance(result[0], nn.Module):  # 4.57
+        report = {"missing_keys": result[1], "unexpected_keys": result[2], "mismatched_keys": result[3],
+                  "error_msgs": result[5]}
+        return result[0], lambda: report
+    info = result[0] if isinstance(result, tuple) and result else result  # 5.1+: (info, offload index); 5.0: info
+    if callable(getattr(info, "to_dict", None)):  # 5.1 and later
+        return model, info.to_dict
+    if dataclasses.is_dataclass(info) and not isinstance(info, type):  # 5.0: a plain dataclass
+        return model, lambda: {field.name: getattr(info, field.name) for field in dataclasses.fields(info)}
+    raise TypeError(
+        f"transformers {metadata.version('transformers')}'s PreTrainedModel.{LOAD_METHOD} returned "
+        f"{type(result).__name__}, which no release fusion-core was checked on returns "
+        f"({', '.join(CHECKED_RELEASES)})"
+    )
+
+
+# -- tensor parallelism ---------------------------------------------------------------------------
+def tensor_parallel_size(model: nn.Module) -> int:
+    """How many ranks transformers sharded ``model`` over (1: not tensor parallel).
+
+    ``PreTrainedModel._tp_size`` on every checked release (5.16 and later also expose it as the
+    ``tp_size`` property, which is read first).
+    """
+    size = getattr(type(model), "tp_size", None)
+    value: Any = getattr(model, "tp_size" if isinstance(size, property) else "_tp_size", None)
+    return int(value or 1)
+
+
+_LAYER_NUMBER = re.compile(r"\.\d+(\.|$)")
+_ANY_NUMBER = re.compile(r"\d+")
+
+
+def plan_style(parameter: str, plan: dict[str, str]) -> str | None:
+    """The style a tensor-parallel ``plan`` gives the parameter at path ``parameter``, or None.
+
+    transformers' own rule (its private ``_get_parameter_tp_plan`` / ``_get_parameter_plan``,
+    which moved module and name three times between 5.0 and 5.24), implemented here so that no
+    release can lack it: numbers become ``*`` (4.57: every run of digits, ``w1`` -> ``w*``;
+    5.x: only whole dotted components, the layer numbers), and an entry for the owning module
+    covers its ``weight`` and ``bias``.
+    """
+    if release() < (5, 0):
+        generic = _ANY_NUMBER.sub("*", parameter)
+    else:
+        generic = _LAYER_NUMBER.sub(lambda m: ".*" + m.group(1), parameter)
+    if generic in plan:
+        return plan[generic]
+    if "." in generic and (module := generic.rsplit(".", 1)[0]) in plan:
+        return plan[module]
+    return None
+
+
+def uses_dtensor_parameters() -> bool:
+    """Whether this release's tensor-parallel load leaves DTensor parameters (5.16 and later, and 5.0, 4.57).
+
+    5.1-5.15 shard each parameter into a plain local tensor and drive communication with module
+    hooks; fused tensor parallelism needs the DTensor form and is refused there.
+    """
+    return not (5, 1) <= release() < (5, 16)
+
+
+# -- building a model from a config --------------------------------------------------------------
+def build_from_config(model_cls: Any, config: Any, **kwargs: Any) -> Any:
+    """A randomly initialised model of ``model_cls`` for ``config``, the way ``from_pretrained`` would build it.
+
+    Auto classes have the public ``from_config``; a concrete ``PreTrainedModel`` class has only
+    the private ``_from_config`` (every checked release), which applies ``dtype`` and the
+    attention implementation as ``from_pretrained`` does, where ``cls(config)`` would not.
+    """
+    builder = getattr(model_cls, "from_config", None) or model_cls._from_config
+    return builder(config, **kwargs)
