@@ -9,9 +9,20 @@ environment. The tests of the policy itself set the policy they need.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+
+import pytest
 
 os.environ["FUSION_CORE_MERGE"] = "always"
 
 from fusion_core.merge_policy import set_merge_policy
 
 set_merge_policy("always")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _transformers_release(record_testsuite_property: Callable[[str, object], None]) -> None:
+    """The release under test, in the JUnit report: scripts/test_summary.py names it per run."""
+    import transformers
+
+    record_testsuite_property("transformers", transformers.__version__)

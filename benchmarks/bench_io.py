@@ -11,6 +11,7 @@ in the same process (the cache hit).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import resource
@@ -287,9 +288,9 @@ def run_load(quick: bool, log: Callable[[str], None]) -> tuple[Any, dict[str, An
     layouts = ["single"] if quick else ["single", "sharded"]
     kinds = ["plain", "fusion"]
     notes = []
-    if int(transformers.__version__.split(".")[0]) >= 5:
+    if "fusion_config" in inspect.signature(transformers.PreTrainedModel.from_pretrained).parameters:
         kinds.append("tf_fusion")
-    else:
+    else:  # 4.57, and 5.x before transformers' own experimental fusion
         notes.append(f"transformers {transformers.__version__} has no fusion_config of its own: reference not run")
     rounds = 1 if quick else 5
     samples: dict[tuple[str, str], list[dict[str, Any]]] = {(lay, k): [] for lay in layouts for k in kinds}

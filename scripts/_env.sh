@@ -13,6 +13,12 @@ TOOLS_SPEC="$TEST_SPEC ruff>=0.6 mypy>=1.10 mkdocs>=1.6 mkdocstrings[python]>=0.
 # the first 5.x release and minors spread across the line, each the newest patch of its minor.
 RANGE_SPECS=("transformers>=5.0,<5.1" "transformers>=5.8,<5.9" "transformers>=5.16,<5.17" "transformers>=5.22,<5.23")
 
+# range_env_name "transformers>=5.8,<5.9" -> tf5.8
+range_env_name() {
+    local minor="${1#transformers>=}"
+    echo "tf${minor%%,*}"
+}
+
 # ensure_env NAME TRANSFORMERS_SPEC [TOOLS] -> prints the environment's python (TOOLS: default TOOLS_SPEC)
 ensure_env() {
     local name="$1" tf_spec="$2" tools="${3:-$TOOLS_SPEC}"

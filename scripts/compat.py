@@ -88,6 +88,54 @@ def recorded() -> dict[str, dict[str, Any]]:
     return data
 
 
+SUPPORT = """
+## Supported and tested releases
+
+`pyproject.toml` declares `transformers>=4.57,<6` and `torch>=2.6`; every release it admits is
+meant to work, and none is excluded (no release in the range lacks a public API the code needs).
+Importing `fusion_core` with a transformers outside the range fails at once with an `ImportError`
+that names the range, not deep inside a load.
+
+`bash scripts/test.sh` (CI) runs, each release in its own environment with torch 2.13.0 (CPU),
+peft 0.21.2 and accelerate 1.15.0:
+
+| transformers | what runs |
+|---|---|
+| 4.57.6 (newest 4.57.x) | the whole suite; the matrix above |
+| 5.24.0 (newest 5.x) | the whole suite; the matrix above |
+| 5.0.0, 5.8.1, 5.16.1, 5.22.2 | the range subset (`RANGE_TESTS` in `scripts/test.sh`) |
+
+The range subset: every shipped family loaded, run, saved and reloaded on the tiny models and the
+decoder families, the compat fallbacks, `integrate_transformers` (Auto and model classes,
+`pipeline`, a Trainer script), PEFT LoRA, in-place fuse/unfuse, pickling, tensor parallelism.
+
+CI prints one line per release with its counts and every test it skipped, with the reason
+(a feature that release lacks, such as an architecture it does not ship).
+
+Every private name or version-dependent behaviour of transformers, PEFT and torch that the code
+needs lives in one module per library (`fusion_core/compat/`), each entry with the releases it was
+checked on and its fallback or refusal elsewhere:
+
+- **transformers** (`fusion_core.compat.transformers`): the loading report of
+  `PreTrainedModel._load_pretrained_model` (a 6-tuple on 4.57, a plain dataclass on 5.0, an object
+  with `to_dict` from 5.1), read after `from_pretrained` returns; the tensor-parallel plan matching
+  rule (4.57 and 5.x variants, implemented rather than imported: the private function moved three
+  times between 5.0 and 5.24); the tensor-parallel size (`_tp_size`, or 5.16's
+  `config.distributed_config.tp_size`); `_from_config` for concrete model classes.
+- **Tensor parallelism**: fused `qkv`/`gate_up` under `tp_plan` works on 4.57, 5.0 and 5.16 and
+  later, where transformers loads DTensor shards. 5.1-5.15 shard into plain local tensors driven
+  by module hooks; there a fused tensor-parallel load is refused with an error naming 5.16 as a
+  release that works (the unfused model is unaffected).
+- **PEFT** (`fusion_core.compat.peft`): `LoraModel._create_new_module` and
+  `tuners_utils._maybe_include_all_linear_layers`, checked on 0.21.2; a release without them is
+  refused by name when LoRA meets a fused module.
+- **torch** (`fusion_core.compat.torch`): the floor 2.6 is set by `torch.accelerator.synchronize`
+  (2.6), `torch.distributed.tensor` with `DTensor.from_local(shape=, stride=)` (2.5), the public
+  module state-dict hooks (2.5) and `torch.compiler.is_compiling` (2.3); only 2.13.0 can be
+  installed here, so the floor is read from the code, not tested.
+"""
+
+
 def render(matrices: dict[str, dict[str, Any]]) -> str:
     lines = sorted(matrices, key=lambda line: [int(p) if p.isdigit() else 99 for p in line.split(".")])
     models = list(dict.fromkeys(m for line in lines for m in matrices[line]["results"]))
@@ -111,7 +159,7 @@ def render(matrices: dict[str, dict[str, Any]]) -> str:
         for family in families:
             cells = [matrices[line]["results"].get(model, {}).get(family, "-") for line in lines]
             out.append(f"| {model} | {family} | " + " | ".join(cells) + " |")
-    return "\n".join(out) + "\n"
+    return "\n".join(out) + "\n" + SUPPORT
 
 
 def write(matrix: dict[str, Any]) -> None:

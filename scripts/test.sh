@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # Runs the whole test suite on transformers 4.57.x and on the newest 5.x (torch 2.13.0, CPU),
-# after ruff and mypy. Creates the environments on first use. Extra arguments go to pytest.
+# after ruff and mypy, then the range subset (RANGE_TESTS: every shipped family loaded, run, saved
+# and reloaded, the compat fallbacks, the transformers entry points, PEFT, in-place fuse/unfuse,
+# pickling, tensor parallelism) on the minors in between (RANGE_SPECS in _env.sh).
+# Creates the environments on first use. Extra arguments go to pytest.
+# FUSION_CORE_SKIP_RANGE=1 leaves the range subset out (a quick local run).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
@@ -18,24 +22,28 @@ echo "== mypy (strict on fusion_core, both transformers lines)"
 echo "== docs (mkdocs, strict: a broken link or a bad reference fails)"
 "$(dirname "$TF5_PY")/mkdocs" build --strict --site-dir "$(mktemp -d)" -q
 
+RANGE_TESTS=(tests/test_pipeline.py tests/test_text_families.py tests/test_compat.py tests/test_routing.py
+             tests/test_interop_peft.py tests/test_interop_inplace.py tests/test_interop_pickle.py
+             tests/test_distributed.py::test_tensor_parallel_fused_load_runs_generates_trains_and_saves
+             fusion_plugins)
+
 status=0
 reports="$(mktemp -d)"
-for py in "$TF5_PY" "$TF4_PY"; do
-    echo "== pytest with $("$py" -c 'import transformers, torch; print(f"transformers {transformers.__version__}, torch {torch.__version__}")')"
-    "$py" -m pytest -q --junitxml="$reports/$(basename "$(dirname "$(dirname "$py")")").xml" "$@" || status=$?
-done
+run_pytest() {  # run_pytest PYTHON NAME PYTEST-ARGS...
+    local py="$1" name="$2"
+    shift 2
+    echo "== pytest ($name) with $("$py" -c 'import transformers, torch; print(f"transformers {transformers.__version__}, torch {torch.__version__}")')"
+    "$py" -m pytest -q --junitxml="$reports/$name.xml" "$@" || status=$?
+}
+run_pytest "$TF5_PY" "full-tf5" "$@"
+run_pytest "$TF4_PY" "full-tf4" "$@"
+if [[ "${FUSION_CORE_SKIP_RANGE:-0}" != "1" ]]; then
+    for spec in "${RANGE_SPECS[@]}"; do
+        name="$(range_env_name "$spec")"
+        run_pytest "$(ensure_env "$name" "$spec" "$TEST_SPEC")" "range-$name" "${RANGE_TESTS[@]}" "$@"
+    done
+fi
 
-# One closing line over both transformers lines (pytest's own lines above are per line).
-"$TF5_PY" - "$reports"/*.xml <<'PY'
-import sys
-import xml.etree.ElementTree as ET
-
-total = failed = skipped = 0
-for path in sys.argv[1:]:
-    for suite in ET.parse(path).getroot().iter("testsuite"):
-        total += int(suite.get("tests", 0))
-        failed += int(suite.get("failures", 0)) + int(suite.get("errors", 0))
-        skipped += int(suite.get("skipped", 0))
-print(f"tests: {total - failed - skipped} passed, {failed} failed, {skipped} skipped")
-PY
+# One line per run (transformers release, counts, what it skipped and why), then one closing line.
+"$TF5_PY" "$ROOT/scripts/test_summary.py" "$reports"/*.xml
 exit $status

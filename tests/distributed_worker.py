@@ -111,6 +111,9 @@ def tensor_parallel(rank: int, world: int, path: Path, out: Path) -> Checks:
 
     import fusion_core
 
+    local, plain = loads_local_shards(path)
+    if local:
+        return tensor_parallel_refused(path, plain)
     checks: Checks = {}
     reference = AutoModelForCausalLM.from_pretrained(path).eval()
     ids = torch.tensor([[1, 5, 7, 9, 11, 3], [1, 4, 8, 16, 32, 64]])
@@ -176,11 +179,14 @@ def plan_spellings(checks: Checks, path: Path, world: int, ids: torch.Tensor, lo
     )}
     reference = AutoModelForCausalLM.from_pretrained(path).eval()
     if is_tf5():
+        import inspect
+
         from transformers.distributed import DistributedConfig
 
-        spelled = load(distributed_config=DistributedConfig(tp_size=world))
-        with torch.no_grad():
-            close(checks, "logits (DistributedConfig)", spelled(ids).logits, reference(ids).logits)
+        if "tp_size" in inspect.signature(DistributedConfig).parameters:  # not in 5.0
+            spelled = load(distributed_config=DistributedConfig(tp_size=world))
+            with torch.no_grad():
+                close(checks, "logits (DistributedConfig)", spelled(ids).logits, reference(ids).logits)
         explicit = load(tp_plan=plan)
         bad = dict(plan, **{"model.layers.*.self_attn.k_proj": "colwise_gather_output"})
         refuse = lambda: load(tp_plan=bad)  # noqa: E731
@@ -266,6 +272,33 @@ def vision_language(checks: Checks, out: Path) -> None:
         ids = torch.tensor([[1, 5, 7, 9]])
         logits = [model(input_ids=ids).logits for model in (fused, reference)]
         close(checks, "VL text logits (qkv, gate_up sharded)", *logits)
+
+
+def loads_local_shards(path: Path) -> tuple[bool, Any]:
+    """Whether this transformers shards tensor-parallel parameters into plain local tensors (5.1-5.15), and
+    the unfused model it loaded under ``tp_plan="auto"``."""
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto").eval()
+    return not isinstance(plain.model.layers[0].self_attn.q_proj.weight, DTensor), plain
+
+
+def tensor_parallel_refused(path: Path, plain: Any) -> Checks:
+    """Where transformers shards into plain local tensors: the unfused model runs, the fused load is refused."""
+    from transformers import AutoModelForCausalLM
+
+    import fusion_core
+
+    checks: Checks = {}
+    ids = torch.tensor([[1, 5, 7, 9, 11, 3]])
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        close(checks, "unfused tensor-parallel logits", plain(ids).logits, reference(ids).logits)
+    load = lambda: fusion_core.from_pretrained(AutoModelForCausalLM, path, fusion_config=FUSION, tp_plan="auto")  # noqa: E731
+    refused(checks, "fused tensor parallelism refused, naming a release that works", load,
+            "model.layers.0.self_attn", "plain local tensors", "5.16")
+    return checks
 
 
 # -- data parallelism --------------------------------------------------------------------------------

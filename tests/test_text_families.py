@@ -307,6 +307,10 @@ def test_model_whose_init_reads_a_tensor_value_is_discovered_and_fused(tmp_path)
     torch.manual_seed(0)
     reference = transformers.AutoModelForCausalLM.from_config(config).eval()
     reference.save_pretrained(tmp_path)
+    try:
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    except NotImplementedError as exc:  # 5.0 builds xIELU on the meta device, unfused too
+        pytest.skip(f"transformers {transformers.__version__} cannot load Apertus unfused: {exc}")
     model = fusion_core.from_pretrained(transformers.AutoModelForCausalLM, tmp_path, fusion_config={"qkv": True})
     assert len(_fused(model, QkvMixin)) == 2
     ids = _ids()

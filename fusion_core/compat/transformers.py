@@ -128,11 +128,14 @@ def loading_report(result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
 def tensor_parallel_size(model: nn.Module) -> int:
     """How many ranks transformers sharded ``model`` over (1: not tensor parallel).
 
-    ``PreTrainedModel._tp_size`` on every checked release (5.16 and later also expose it as the
-    ``tp_size`` property, which is read first).
+    ``PreTrainedModel._tp_size`` (set by 4.57.6, 5.0.0, 5.8.1, 5.22.2, 5.24.0; 5.16 and later also
+    expose it as the ``tp_size`` property, read first); 5.16.1 leaves it None and keeps the size in
+    ``config.distributed_config.tp_size``, read when neither is set.
     """
     size = getattr(type(model), "tp_size", None)
     value: Any = getattr(model, "tp_size" if isinstance(size, property) else "_tp_size", None)
+    if not value:
+        value = getattr(getattr(getattr(model, "config", None), "distributed_config", None), "tp_size", None)
     return int(value or 1)
 
 
@@ -160,13 +163,20 @@ def plan_style(parameter: str, plan: dict[str, str]) -> str | None:
     return None
 
 
-def uses_dtensor_parameters() -> bool:
-    """Whether this release's tensor-parallel load leaves DTensor parameters (5.16 and later, and 5.0, 4.57).
+def _local_shards_refusal() -> str:
+    try:
+        installed = f"transformers {metadata.version('transformers')}"
+    except metadata.PackageNotFoundError:
+        installed = "this transformers"
+    return (
+        f"{installed} shards tensor-parallel parameters into plain local tensors driven by module hooks "
+        "(5.1-5.15 do), and fused tensor parallelism needs the DTensor shards that transformers 4.57, 5.0 and "
+        "5.16 and later make (checked: 5.16.1, 5.22.2, 5.24.0); upgrade transformers, or load without tp_plan"
+    )
 
-    5.1-5.15 shard each parameter into a plain local tensor and drive communication with module
-    hooks; fused tensor parallelism needs the DTensor form and is refused there.
-    """
-    return not (5, 1) <= release() < (5, 16)
+
+LOCAL_SHARDS_REFUSAL = _local_shards_refusal()
+"""Why a fused tensor-parallel load is refused where transformers loaded plain local shards (5.1-5.15)."""
 
 
 # -- building a model from a config --------------------------------------------------------------

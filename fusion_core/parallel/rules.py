@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import torch
 from torch import nn
 
+from fusion_core.compat import transformers as compat
 from fusion_core.transforms import BoundTransform, Concat, LeafSpec, ModulePlan
 
 if TYPE_CHECKING:
@@ -210,7 +211,9 @@ class PackedColwise(TensorParallelRule):
                 "cannot be loaded under a tensor-parallel plan: load the original-layout checkpoint)"
             )
         if not is_dtensor(tensor):
-            raise TensorParallelRefusal(f"{key!r} is planned colwise but was not loaded as a DTensor shard")
+            raise TensorParallelRefusal(
+                f"{key!r} is planned colwise but was not loaded as a DTensor shard: {compat.LOCAL_SHARDS_REFUSAL}"
+            )
         from torch.distributed.tensor import Shard
 
         mesh = tensor.device_mesh
