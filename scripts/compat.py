@@ -122,10 +122,12 @@ checked on and its fallback or refusal elsewhere:
   rule (4.57 and 5.x variants, implemented rather than imported: the private function moved three
   times between 5.0 and 5.24); the tensor-parallel size (`_tp_size`, or 5.16's
   `config.distributed_config.tp_size`); `_from_config` for concrete model classes.
-- **Tensor parallelism**: fused `qkv`/`gate_up` under `tp_plan` works on 4.57, 5.0 and 5.16 and
-  later, where transformers loads DTensor shards. 5.1-5.15 shard into plain local tensors driven
-  by module hooks; there a fused tensor-parallel load is refused with an error naming 5.16 as a
-  release that works (the unfused model is unaffected).
+- **Tensor parallelism**: fused `qkv`/`gate_up` under `tp_plan` work on every tested release.
+  4.57, 5.0 and 5.16 and later load each rank's shard as a DTensor; the 5.x minors between (5.8.1
+  tested; 5.4 and 5.12 read from the source) load plain local tensors driven by module hooks, and
+  the fused modules then stay local too (`config.distributed_config` or `_device_mesh` give the
+  mesh), with the same checks passing: logits, generate, training, both save layouts, reloads.
+  The kind is read from the loaded tensors, not from the version.
 - **PEFT** (`fusion_core.compat.peft`): `LoraModel._create_new_module` and
   `tuners_utils._maybe_include_all_linear_layers`, checked on 0.21.2; a release without them is
   refused by name when LoRA meets a fused module.

@@ -58,6 +58,34 @@ def close(checks: Checks, name: str, actual: torch.Tensor, expected: torch.Tenso
     checks[name] = [diff <= tol, f"max |diff| {diff:.3g} (shapes {tuple(actual.shape)} vs {tuple(expected.shape)})"]
 
 
+def local_of(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part: a DTensor's local shard, or the plain local tensor transformers 5.1-5.15 load."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def tensor_parallel_state(model: torch.nn.Module, scratch: Path) -> dict[str, torch.Tensor] | None:
+    """A tensor-parallel model's full original-layout state; None on ranks that cannot see it.
+
+    DTensor shards are gathered in memory. Plain local shards (transformers 5.1-5.15) carry no
+    placement: the model is saved (transformers gathers them by its plan, every rank takes part)
+    and rank 0 reads the checkpoint.
+    """
+    import fusion_core
+
+    if any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters()):
+        return full_state(model)
+    fusion_core.save_pretrained(model, scratch)
+    return saved(scratch) if dist.get_rank() == 0 else None
+
+
+def same_state_if_seen(checks: Checks, name: str, actual: dict[str, torch.Tensor] | None,
+                       expected: dict[str, torch.Tensor], **kwargs: Any) -> None:
+    if actual is not None:
+        same_state(checks, name, actual, expected, **kwargs)
+
+
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
@@ -111,9 +139,6 @@ def tensor_parallel(rank: int, world: int, path: Path, out: Path) -> Checks:
 
     import fusion_core
 
-    local, plain = loads_local_shards(path)
-    if local:
-        return tensor_parallel_refused(path, plain)
     checks: Checks = {}
     reference = AutoModelForCausalLM.from_pretrained(path).eval()
     ids = torch.tensor([[1, 5, 7, 9, 11, 3], [1, 4, 8, 16, 32, 64]])
@@ -125,9 +150,9 @@ def tensor_parallel(rank: int, world: int, path: Path, out: Path) -> Checks:
     attention = fused.model.layers[1].self_attn
     ref_attention = reference.model.layers[1].self_attn
     own = [getattr(ref_attention, p).weight.chunk(world)[rank] for p in ("q_proj", "k_proj", "v_proj")]
-    close(checks, "merged weight is [q_r; k_r; v_r]", attention.qkv_proj.weight.to_local(), torch.cat(own), tol=0)
+    close(checks, "merged weight is [q_r; k_r; v_r]", local_of(attention.qkv_proj.weight), torch.cat(own), tol=0)
     own_bias = [getattr(ref_attention, p).bias.chunk(world)[rank] for p in ("q_proj", "k_proj", "v_proj")]
-    close(checks, "merged bias is [q_r; k_r; v_r]", attention.qkv_proj.bias.to_local(), torch.cat(own_bias), tol=0)
+    close(checks, "merged bias is [q_r; k_r; v_r]", local_of(attention.qkv_proj.bias), torch.cat(own_bias), tol=0)
     with torch.no_grad():
         close(checks, "logits (tp_plan='auto')", fused(ids).logits, reference(ids).logits)
     generated = fused.generate(ids[:1], max_new_tokens=6, do_sample=False)
@@ -153,22 +178,26 @@ def tensor_parallel(rank: int, world: int, path: Path, out: Path) -> Checks:
     checks["q/k/v share one GEMM per call"] = [
         merged.merged_gemms > 0 and merged.own_gemms == 0, f"merged {merged.merged_gemms}, own {merged.own_gemms}"
     ]
-    same_state(checks, "trained weights (state_dict, original layout)", full_state(fused), reference.state_dict())
+    same_state_if_seen(checks, "trained weights (state_dict, original layout)",
+                       tensor_parallel_state(fused, out / "state-trained"), reference.state_dict())
     fusion_core.save_pretrained(fused, out / "trained")
     if rank == 0:
         same_state(checks, "save after training", saved(out / "trained"), reference.state_dict())
     fused.load_state_dict(snapshot)
-    same_state(checks, "load_state_dict of the original-layout shards", full_state(fused), saved(path), exact=True)
+    same_state_if_seen(checks, "load_state_dict of the original-layout shards",
+                       tensor_parallel_state(fused, out / "state-reloaded"), saved(path), exact=True)
 
     if world == 2:
-        plan_spellings(checks, path, world, ids, load)
+        plan_spellings(checks, path, world, ids, load, out)
         vision_language(checks, out)
     else:
         head_split_refused(checks, out)
     return checks
 
 
-def plan_spellings(checks: Checks, path: Path, world: int, ids: torch.Tensor, load: Callable[..., Any]) -> None:
+def plan_spellings(
+    checks: Checks, path: Path, world: int, ids: torch.Tensor, load: Callable[..., Any], out: Path
+) -> None:
     """The newer 5.x argument and an explicit plan load the same; a plan that gathers k_proj is refused."""
     from transformers import AutoModelForCausalLM
 
@@ -188,7 +217,7 @@ def plan_spellings(checks: Checks, path: Path, world: int, ids: torch.Tensor, lo
             with torch.no_grad():
                 close(checks, "logits (DistributedConfig)", spelled(ids).logits, reference(ids).logits)
         explicit = load(tp_plan=plan)
-        bad = dict(plan, **{"model.layers.*.self_attn.k_proj": "colwise_gather_output"})
+        bad = dict(plan, **{"model.layers.*.self_attn.k_proj": gathered_styles()[0]})
         refuse = lambda: load(tp_plan=bad)  # noqa: E731
     else:
         from transformers import AutoConfig
@@ -202,14 +231,14 @@ def plan_spellings(checks: Checks, path: Path, world: int, ids: torch.Tensor, lo
     with torch.no_grad():
         close(checks, "logits (explicit plan)", explicit(ids).logits, reference(ids).logits)
     refused(checks, "a plan gathering k_proj alone is refused", refuse, "model.layers.0.self_attn", "k_proj")
-    gathered_plan(checks, path, ids, load)
+    gathered_plan(checks, path, ids, load, out)
 
 
-def gathered_plan(checks: Checks, path: Path, ids: torch.Tensor, load: Callable[..., Any]) -> None:
+def gathered_plan(checks: Checks, path: Path, ids: torch.Tensor, load: Callable[..., Any], out: Path) -> None:
     """An OLMo-2 style plan: q/k/v outputs gathered to full width, o_proj splitting its replicated input."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    gather, split = ("colwise_gather_output", "rowwise_split_input") if is_tf5() else ("colwise_rep", "rowwise_rep")
+    gather, split = gathered_styles()
     plan = {f"layers.*.self_attn.{p}": gather for p in ("q_proj", "k_proj", "v_proj")}
     plan["layers.*.self_attn.o_proj"] = split
     if is_tf5():
@@ -227,7 +256,8 @@ def gathered_plan(checks: Checks, path: Path, ids: torch.Tensor, load: Callable[
     reference.train()
     losses = sgd_step(fused, ids), sgd_step(reference, ids)
     checks["training loss (gathered q/k/v plan)"] = [abs(losses[0] - losses[1]) <= 1e-5, f"{losses}"]
-    same_state(checks, "trained weights (gathered q/k/v plan)", full_state(fused), reference.state_dict())
+    same_state_if_seen(checks, "trained weights (gathered q/k/v plan)",
+                       tensor_parallel_state(fused, out / "state-gathered"), reference.state_dict())
 
 
 def head_split_refused(checks: Checks, out: Path) -> None:
@@ -274,31 +304,13 @@ def vision_language(checks: Checks, out: Path) -> None:
         close(checks, "VL text logits (qkv, gate_up sharded)", *logits)
 
 
-def loads_local_shards(path: Path) -> tuple[bool, Any]:
-    """Whether this transformers shards tensor-parallel parameters into plain local tensors (5.1-5.15), and
-    the unfused model it loaded under ``tp_plan="auto"``."""
-    from torch.distributed.tensor import DTensor
-    from transformers import AutoModelForCausalLM
+def gathered_styles() -> tuple[str, str]:
+    """(gathered colwise, split-input rowwise) style names: 4.57 and 5.0 spell them ``colwise_rep``/``rowwise_rep``."""
+    import transformers
 
-    plain = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto").eval()
-    return not isinstance(plain.model.layers[0].self_attn.q_proj.weight, DTensor), plain
-
-
-def tensor_parallel_refused(path: Path, plain: Any) -> Checks:
-    """Where transformers shards into plain local tensors: the unfused model runs, the fused load is refused."""
-    from transformers import AutoModelForCausalLM
-
-    import fusion_core
-
-    checks: Checks = {}
-    ids = torch.tensor([[1, 5, 7, 9, 11, 3]])
-    reference = AutoModelForCausalLM.from_pretrained(path).eval()
-    with torch.no_grad():
-        close(checks, "unfused tensor-parallel logits", plain(ids).logits, reference(ids).logits)
-    load = lambda: fusion_core.from_pretrained(AutoModelForCausalLM, path, fusion_config=FUSION, tp_plan="auto")  # noqa: E731
-    refused(checks, "fused tensor parallelism refused, naming a release that works", load,
-            "model.layers.0.self_attn", "plain local tensors", "5.16")
-    return checks
+    if not is_tf5() or transformers.__version__.startswith("5.0."):
+        return "colwise_rep", "rowwise_rep"
+    return "colwise_gather_output", "rowwise_split_input"
 
 
 # -- data parallelism --------------------------------------------------------------------------------

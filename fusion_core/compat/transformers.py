@@ -163,20 +163,17 @@ def plan_style(parameter: str, plan: dict[str, str]) -> str | None:
     return None
 
 
-def _local_shards_refusal() -> str:
-    try:
-        installed = f"transformers {metadata.version('transformers')}"
-    except metadata.PackageNotFoundError:
-        installed = "this transformers"
-    return (
-        f"{installed} shards tensor-parallel parameters into plain local tensors driven by module hooks "
-        "(5.1-5.15 do), and fused tensor parallelism needs the DTensor shards that transformers 4.57, 5.0 and "
-        "5.16 and later make (checked: 5.16.1, 5.22.2, 5.24.0); upgrade transformers, or load without tp_plan"
-    )
+def tensor_parallel_mesh(model: nn.Module) -> Any:
+    """The device mesh transformers sharded ``model`` over (its ``tp`` dimension), or None.
 
-
-LOCAL_SHARDS_REFUSAL = _local_shards_refusal()
-"""Why a fused tensor-parallel load is refused where transformers loaded plain local shards (5.1-5.15)."""
+    ``PreTrainedModel._device_mesh`` on every checked release. Needed where transformers loads
+    each rank's shard as a plain local tensor (5.1-5.15; checked on 5.8.1), which carries no mesh.
+    """
+    mesh = getattr(model, "_device_mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if mesh is not None and mesh.ndim > 1 and "tp" in names:
+        mesh = mesh["tp"]
+    return mesh
 
 
 # -- building a model from a config --------------------------------------------------------------

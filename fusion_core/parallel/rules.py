@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 import torch
 from torch import nn
 
-from fusion_core.compat import transformers as compat
 from fusion_core.transforms import BoundTransform, Concat, LeafSpec, ModulePlan
 
 if TYPE_CHECKING:
@@ -38,6 +37,21 @@ if TYPE_CHECKING:
 
 StyleLookup = Callable[[str], "str | None"]
 """Full parameter path (``model.layers.0.self_attn.q_proj.weight``) -> its plan style, or None."""
+
+
+@dataclass(frozen=True)
+class PlanStyles:
+    """A model's tensor-parallel plan as a :data:`StyleLookup`, with the mesh transformers sharded it over.
+
+    The mesh matters where transformers loads each rank's shard as a plain local tensor (5.1-5.15)
+    rather than a DTensor that carries its mesh.
+    """
+
+    lookup: StyleLookup
+    mesh: Any = None
+
+    def __call__(self, name: str) -> str | None:
+        return self.lookup(name)
 
 COLWISE = "colwise"
 GATHERED_COLWISE = frozenset({"colwise_gather_output", "colwise_rep"})
@@ -88,6 +102,8 @@ class ShardedModule:
     """Indexes (in the plan's transforms) of the transforms whose tensors are sharded."""
     gather_output: bool = False
     """Each part's output is gathered to its full width (``colwise_gather_output`` / ``colwise_rep``)."""
+    local: bool = False
+    """transformers loaded the shards as plain local tensors (5.1-5.15), not DTensors: the fused ones stay local."""
 
 
 class TensorParallelRule(ABC):
@@ -176,10 +192,16 @@ class PackedColwise(TensorParallelRule):
         meshes: list[Any] = []
         rows: dict[str, int] = {}
         locals_: dict[str, torch.Tensor] = {}
+        kinds: set[bool] = set()
         for leaf in entries:
             # A gathered output is whole again before any head is formed: the rows may split heads.
-            locals_[leaf], mesh, rows[leaf] = self._local_rows(module, plan, leaf, check_unit=not gather)
+            locals_[leaf], mesh, rows[leaf], was_local = self._local_rows(
+                module, plan, leaf, styles, check_unit=not gather
+            )
             meshes.append(mesh)
+            kinds.add(was_local)
+        if len(kinds) > 1:
+            raise TensorParallelRefusal(f"{list(entries)} were loaded partly as DTensors, partly as local tensors")
         if any(mesh != meshes[0] for mesh in meshes):
             raise TensorParallelRefusal(f"{list(entries)} are sharded over different device meshes")
         for leaf, local in locals_.items():
@@ -198,11 +220,12 @@ class PackedColwise(TensorParallelRule):
                 sources, tuple(LeafSpec(t.name, shape) for t, shape in zip(bound.targets, targets, strict=True)),
                 bound.op,
             )
-        return ShardedModule(self, replace(plan, transforms=tuple(transforms)), meshes[0], sharded, gather)
+        return ShardedModule(self, replace(plan, transforms=tuple(transforms)), meshes[0], sharded, gather, kinds.pop())
 
     def _local_rows(
-        self, module: nn.Module, plan: ModulePlan, leaf: str, check_unit: bool
-    ) -> tuple[torch.Tensor, Any, int]:
+        self, module: nn.Module, plan: ModulePlan, leaf: str, styles: StyleLookup, check_unit: bool
+    ) -> tuple[torch.Tensor, Any, int, bool]:
+        """(this rank's rows of ``leaf``, the mesh, how many rows each rank holds, whether they were a local tensor)."""
         key = plan.full_key(leaf)
         tensor = leaf_tensor(module, leaf)
         if tensor is None:
@@ -210,20 +233,17 @@ class PackedColwise(TensorParallelRule):
                 f"{key!r} is planned colwise but the module holds no such tensor (a fused-layout checkpoint "
                 "cannot be loaded under a tensor-parallel plan: load the original-layout checkpoint)"
             )
-        if not is_dtensor(tensor):
-            raise TensorParallelRefusal(
-                f"{key!r} is planned colwise but was not loaded as a DTensor shard: {compat.LOCAL_SHARDS_REFUSAL}"
-            )
-        from torch.distributed.tensor import Shard
-
-        mesh = tensor.device_mesh
-        placements = tuple(tensor.placements)
-        if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard) or (
-            placements[0].dim % tensor.dim()
-        ):
-            raise TensorParallelRefusal(f"{key!r} has placements {placements} on a {mesh.ndim}-D mesh, not Shard(0)")
+        if is_dtensor(tensor):
+            mesh, total, local = self._dtensor_shard(key, tensor), int(tensor.shape[0]), False
+        else:  # transformers 5.1-5.15: each rank's rows as a plain tensor; the plan knows the full shape
+            mesh = getattr(styles, "mesh", None)
+            planned = next((s.shape[0] for b in plan.transforms for s in b.sources if s.name == leaf), None)
+            if mesh is None or planned is None:
+                raise TensorParallelRefusal(
+                    f"{key!r} is planned colwise but was loaded neither as a DTensor shard nor on a known mesh"
+                )
+            total, local = int(planned), True
         world = mesh.size()
-        total = int(tensor.shape[0])
         if total % world:
             raise TensorParallelRefusal(
                 f"{key!r} has {total} rows, which do not split evenly over {world} ranks; the merged rows of a "
@@ -235,10 +255,23 @@ class PackedColwise(TensorParallelRule):
             raise TensorParallelRefusal(
                 f"{key!r}: {world} ranks get {local_rows} rows each, which splits a {self.unit} of {unit}"
             )
-        local = tensor.to_local()
-        if int(local.shape[0]) != local_rows:
-            raise TensorParallelRefusal(f"{key!r}: this rank holds {int(local.shape[0])} rows, expected {local_rows}")
-        return local, mesh, local_rows
+        rows = tensor.to_local() if is_dtensor(tensor) else tensor
+        if int(rows.shape[0]) != local_rows:
+            raise TensorParallelRefusal(f"{key!r}: this rank holds {int(rows.shape[0])} rows, expected {local_rows}")
+        return rows, mesh, local_rows, local
+
+    @staticmethod
+    def _dtensor_shard(key: str, tensor: DTensor) -> Any:
+        """The 1-D mesh of a ``Shard(0)`` DTensor; refused for any other placement."""
+        from torch.distributed.tensor import Shard
+
+        mesh = tensor.device_mesh
+        placements = tuple(tensor.placements)
+        if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard) or (
+            placements[0].dim % tensor.dim()
+        ):
+            raise TensorParallelRefusal(f"{key!r} has placements {placements} on a {mesh.ndim}-D mesh, not Shard(0)")
+        return mesh
 
     def finish(self, module: nn.Module, plan: ModulePlan, sharded: ShardedModule) -> None:
         from fusion_core.parallel.tensor_parallel import shard_merged_module

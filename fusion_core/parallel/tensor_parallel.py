@@ -34,6 +34,7 @@ from fusion_core.errors import FusionLoadError
 from fusion_core.layout import PLAN_ATTRIBUTE
 from fusion_core.merged import MergedLinear
 from fusion_core.parallel.rules import (
+    PlanStyles,
     Replicated,
     ShardedModule,
     StyleLookup,
@@ -57,7 +58,7 @@ def style_lookup(model: nn.Module) -> StyleLookup | None:
     plan = getattr(model, "tp_plan", None) or {}
     if compat.tensor_parallel_size(model) <= 1 or not plan:
         return None
-    return lambda name: compat.plan_style(name, plan)
+    return PlanStyles(lambda name: compat.plan_style(name, plan), compat.tensor_parallel_mesh(model))
 
 
 def family_rule(spec: Any) -> TensorParallelRule:
@@ -206,7 +207,8 @@ class ShardedMergedLinear(MergedLinear):
     """A merged projection holding this rank's rows of every part (``sizes`` are the local sizes).
 
     It computes on the local tensors of the container's DTensor parameters (their gradients flow
-    back as ``Shard(0)`` gradients), and its input's gradient is all-reduced over the mesh: each
+    back as ``Shard(0)`` gradients), or on its plain local parameters where transformers loaded
+    local shards (5.1-5.15), and its input's gradient is all-reduced over the mesh: each
     rank's rows give only a partial input gradient, exactly as under the ``colwise`` style. One
     input is wrapped once, so sibling projections still share one merged GEMM. Under a gathered
     colwise style each part's output is then all-gathered to its full width.
@@ -226,9 +228,9 @@ class ShardedMergedLinear(MergedLinear):
 
     def __call__(self, index: int, input: torch.Tensor) -> torch.Tensor:
         weight = _parameter(self.owner, "weight")
-        if not is_dtensor(weight):
+        group = weight.device_mesh.get_group() if is_dtensor(weight) else self.__dict__.get("_tp_group")
+        if group is None:
             return super().__call__(index, input)
-        group = weight.device_mesh.get_group()
         if torch.is_grad_enabled() and input.requires_grad:
             memo = self.__dict__.get("_tp_input")
             if memo is not None and memo[0] is input:
@@ -264,8 +266,60 @@ def _present_fused_in_order(module: nn.Module, state_dict: dict[str, Any], prefi
             state_dict[prefix + target.name] = torch.cat([ranks[r][i] for i in range(len(sizes)) for r in range(world)])
 
 
+def _gather_fused_local(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Inside ``fused_layout()``, for local shards: present each merged tensor gathered, in the plain ``[a; b]`` order.
+
+    transformers 5.1-5.15 gather a state dict for saving by the plan's names, which know no merged
+    tensor; this gathers it instead (a collective: every rank must ask).
+    """
+    group, world = module.__dict__[_LOCAL_SHARDS]
+    for bound in module.__dict__[PLAN_ATTRIBUTE].transforms:
+        if not isinstance(bound.op, Concat) or bound.op.dim != 0:
+            continue
+        for target in bound.targets:
+            value = state_dict.get(prefix + target.name)
+            if value is None:
+                continue  # presented in the original layout: transformers gathers those by name
+            parts = [torch.empty_like(value) for _ in range(world)]
+            torch.distributed.all_gather(parts, value.contiguous(), group=group)
+            sizes = [spec.shape[0] for spec in bound.sources]  # this rank's rows of each part
+            ranks = [torch.split(block, sizes) for block in parts]
+            state_dict[prefix + target.name] = torch.cat([ranks[r][i] for i in range(len(sizes)) for r in range(world)])
+
+
+_LOCAL_SHARDS = "_fusion_tp_local"
+"""Module attribute: (process group, world size) of a module fused from plain local shards."""
+
+
+def _keep_local(module: nn.Module, plan: ModulePlan, sharded: ShardedModule) -> None:
+    """Finish a module fused from plain local shards (5.1-5.15): its tensors stay local, like the unfused ones."""
+    group = sharded.mesh.get_group()
+    module.__dict__[_LOCAL_SHARDS] = (group, sharded.mesh.size())
+    module.register_state_dict_post_hook(_gather_fused_local)  # type: ignore[no-untyped-call]
+    merged = _merged_projection(module, plan)
+    merged.__class__ = ShardedMergedLinear
+    merged.__dict__["_tp_gather"] = sharded.gather_output
+    merged.__dict__["_tp_group"] = group
+
+
+def _merged_projection(module: nn.Module, plan: ModulePlan) -> MergedLinear:
+    merged = module.__dict__.get("_fusion_merged")
+    if not isinstance(merged, MergedLinear):
+        raise FusionLoadError(
+            f"family {plan.family!r}, module {plan.path!r}: PackedColwise needs a merged projection "
+            "(fusion_core.merged.MergedProjectionsMixin) to run on this rank's rows"
+        )
+    return merged
+
+
 def shard_merged_module(module: nn.Module, plan: ModulePlan, sharded: ShardedModule) -> None:
-    """Make a module fused from its local rows a sharded module: DTensor parameters, rank-major layout."""
+    """Make a module fused from its local rows a sharded module: DTensor parameters, rank-major layout.
+
+    Where transformers loaded plain local shards, the fused tensors stay plain local ones instead.
+    """
+    if sharded.local:
+        _keep_local(module, plan, sharded)
+        return
     transforms = list(plan.transforms)
     for index in sharded.sharded:
         bound = transforms[index]
@@ -281,11 +335,6 @@ def shard_merged_module(module: nn.Module, plan: ModulePlan, sharded: ShardedMod
         transforms[index] = replace(bound, op=RankMajorConcat(n=bound.op.n, mesh=sharded.mesh))
     module.__dict__[PLAN_ATTRIBUTE] = replace(plan, transforms=tuple(transforms))
     module.register_state_dict_post_hook(_present_fused_in_order)  # type: ignore[no-untyped-call]
-    merged = module.__dict__.get("_fusion_merged")
-    if not isinstance(merged, MergedLinear):
-        raise FusionLoadError(
-            f"family {plan.family!r}, module {plan.path!r}: PackedColwise needs a merged projection "
-            "(fusion_core.merged.MergedProjectionsMixin) to run on this rank's rows"
-        )
+    merged = _merged_projection(module, plan)
     merged.__class__ = ShardedMergedLinear
     merged.__dict__["_tp_gather"] = sharded.gather_output
