@@ -139,6 +139,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0 if result["ok"] else 1
     print(f"{result['model_dir']}: {result['model_class']}, {result['layout']} layout; "
           f"fusion_config {json.dumps(result['fusion_config'])}")
+    if result.get("nested"):
+        print(f"\nLeft to the family fusing the module around them ({len(result['nested'])}):")
+        for row in result["nested"][:8]:
+            print(f"  {row['module']} ({row['family']}): inside {row['inside']}, fused by {row['left_to']}")
+        if len(result["nested"]) > 8:
+            print(f"  ... and {len(result['nested']) - 8} more")
     if result["skipped"]:
         print(f"\nSkipped, nothing to fuse (required=False): {', '.join(result['skipped'])}")
     if not result["modules"]:

@@ -227,15 +227,52 @@ def _discover(
             except PlanError as exc:
                 raise PlanError(f"{exc} [{family.source}]") from None
             plans.append(ModulePlan(family.name, path, original, fused, bound, tuple(leaves)))
+    plans, nested = _leave_nested_to_outer(plans)
+    for family, options in families:
+        inside = [outer for inner, outer in nested if inner.family == family.name]
+        if options.required and inside and not any(p.family == family.name for p in plans):
+            raise DiscoveryError(
+                f"family {family.name!r} ({family.source}) found nothing to fuse in {type(meta_model).__name__} "
+                f"outside modules other families fuse whole: {[f'{o.path} ({o.family})' for o in inside][:4]}"
+            )
+    skipped += [f.name for f, _ in families if f.name not in skipped and not any(p.family == f.name for p in plans)]
     order = {path: i for i, (path, _) in enumerate(modules)}
-    plan = FusionPlan(tuple(sorted(plans, key=lambda p: order[p.path])), skipped=tuple(skipped))
+    plan = FusionPlan(tuple(sorted(plans, key=lambda p: order[p.path])), skipped=tuple(skipped),
+                      nested=tuple((inner.family, inner.path, outer.family, outer.path)
+                                   for inner, outer in sorted(nested, key=lambda pair: order[pair[0].path])))
     by_path = plan.by_path()
     routes: dict[type[nn.Module], ClassRoute] = {}
     for original, (_, fused) in class_owner.items():
         instances = tuple(by_path.get(path) for path, module in modules if type(module) is original)
-        routes[original] = ClassRoute(original, fused, instances)
+        if any(instances):
+            routes[original] = ClassRoute(original, fused, instances)
     _rehearse(meta_model, plan, {family.name: family.source for family, _ in families})
     return Discovery(type(meta_model), plan, routes, len(modules))
+
+
+def _leave_nested_to_outer(plans: list[ModulePlan]) -> tuple[list[ModulePlan], list[tuple[ModulePlan, ModulePlan]]]:
+    """Drop each module plan that lies inside a module another family fuses and claims some of its tensors.
+
+    A mixture-of-experts block fused whole (``moe_experts``) holds expert MLPs that a per-MLP family
+    (``gate_up``) would merge too: the outer fusion already owns those tensors, so the inner plan
+    is left to it, whatever the order of ``fusion_config``. Modules that claim the same tensors
+    without one containing the other are still a conflict (:func:`check_conflicts`). Returns the
+    kept plans and (dropped plan, the plan that contains it) pairs.
+    """
+    by_path: dict[str, list[ModulePlan]] = {}
+    for plan in plans:
+        by_path.setdefault(plan.path, []).append(plan)
+    nested: list[tuple[ModulePlan, ModulePlan]] = []
+    for inner in plans:
+        keys = set(inner.original_keys)
+        parts = inner.path.split(".")
+        ancestors = (".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1))  # innermost first; "" is the root
+        outer = next((o for a in ancestors for o in by_path.get(a, ()) if o.family != inner.family
+                      and keys & set(o.original_keys)), None)
+        if outer is not None:
+            nested.append((inner, outer))
+    dropped = {id(inner) for inner, _ in nested}
+    return [p for p in plans if id(p) not in dropped], nested
 
 
 def _rehearse(meta_model: nn.Module, plan: FusionPlan, sources: Mapping[str, PluginSource]) -> None:

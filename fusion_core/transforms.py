@@ -334,10 +334,14 @@ class FusionPlan:
     """All module plans of one load, in model order; checked for overlapping claims on creation.
 
     ``skipped`` names the families that found nothing to fuse and were left out (``required=False``).
+    ``nested`` lists ``(family, path, outer family, outer path)`` for each module a family would
+    have fused that lies inside a module another family fuses whole, claiming its tensors: the
+    outer fusion owns them (a MoE block's expert MLPs, fused by ``moe_experts``, not ``gate_up``).
     """
 
     modules: tuple[ModulePlan, ...] = ()
     skipped: tuple[str, ...] = ()
+    nested: tuple[tuple[str, str, str, str], ...] = ()
 
     def __post_init__(self) -> None:
         check_conflicts(self.modules)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fusion_core import Concat, Flatten, Identity, PlanError, Split, Stack, Transpose, Unstack, WeightTransform
-from fusion_core.transforms import FusionPlan, ModulePlan, bind_transforms
+from fusion_core.transforms import BoundTransform, FusionPlan, LeafSpec, ModulePlan, bind_transforms
 
 
 @pytest.mark.parametrize(
@@ -141,3 +141,26 @@ def test_plan_detects_nested_claims_on_one_key():
     inner = _plan("b", "x.sub")
     with pytest.raises(PlanError, match=r"'x.sub.weight' is claimed by family 'a' \(module 'x'\) and by family 'b'"):
         FusionPlan((outer, inner))
+
+
+def test_a_module_inside_one_another_family_fuses_is_left_to_it():
+    """Nested claims: the inner plan is dropped (in either order), a plan not sharing tensors is kept."""
+    from torch import nn
+
+    from fusion_core.discovery import _leave_nested_to_outer
+
+    def plan(family: str, path: str, leaves: list[str]) -> ModulePlan:
+        sources = tuple(LeafSpec(leaf, (2, 2)) for leaf in leaves)
+        bound = BoundTransform(sources, (LeafSpec("merged", (2 * len(leaves), 2)),), Concat(n=len(leaves)))
+        return ModulePlan(family, path, nn.Module, nn.Module, (bound,), tuple(leaves))
+
+    outer = plan("moe", "layers.0.mlp", ["experts.0.gate_proj.weight", "experts.0.up_proj.weight"])
+    inner = plan("gate_up", "layers.0.mlp.experts.0", ["gate_proj.weight", "up_proj.weight"])
+    shared = plan("gate_up", "layers.0.mlp.shared_expert", ["gate_proj.weight", "up_proj.weight"])
+    for order in ([outer, inner, shared], [inner, shared, outer]):
+        kept, nested = _leave_nested_to_outer(order)
+        assert {p.path for p in kept} == {"layers.0.mlp", "layers.0.mlp.shared_expert"}
+        assert [(i.path, o.path) for i, o in nested] == [("layers.0.mlp.experts.0", "layers.0.mlp")]
+    unrelated = plan("other", "layers.0.mlp.experts.0", ["down_proj.weight", "act.weight"])
+    kept, nested = _leave_nested_to_outer([outer, unrelated])
+    assert kept == [outer, unrelated] and not nested  # inside, but claiming none of the outer's tensors

@@ -38,6 +38,7 @@ def run_plan(
         "error_type": None,
         "modules": [],
         "skipped": [],
+        "nested": [],
         "transforms": [],
         "checkpoint": {"checked": False, "error": None},
     }
@@ -50,6 +51,10 @@ def run_plan(
     result["ok"] = True
     result["scanned_modules"] = discovery.scanned_modules
     result["skipped"] = list(plan.skipped)
+    result["nested"] = [
+        {"family": family, "module": path, "left_to": outer_family, "inside": outer_path}
+        for family, path, outer_family, outer_path in plan.nested
+    ]
     result["modules"] = [
         {
             "family": m.family,

@@ -1,0 +1,113 @@
+"""Plain vs fused transformers 4.57 sparse MoE blocks, interleaved over rounds, and the kernel alternatives.
+
+Builds one OLMoE block at OLMoE-1B-7B's widths (hidden 2048, 64 experts of width 1024, top-8;
+``--arch`` picks another 4.57 block at the same widths), fuses a copy with ``moe_experts``, and
+times both, interleaved round by round (so a noisy machine slows both alike), at 1, 16 and 128
+tokens. Prints the median time per call of each, the ratio plain/fused (>1: fused is faster) with
+its range over rounds, and the largest difference of the outputs. ``--kernels`` also times the
+dispatch kernels the family chose between (``grouped_mm`` vs gathering each row's expert weight
+for one ``bmm``) on the same sorted rows::
+
+    python fusion_plugins/moe_experts/benchmarks/bench_moe.py --rounds 5 --kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import transformers
+from fusion_moe_experts import MoeExpertsFamily
+from fusion_moe_experts.dispatch import Routed, expert_outputs
+
+from fusion_core.testing import kit
+
+WIDTHS = dict(hidden_size=2048, intermediate_size=1024, moe_intermediate_size=1024, num_hidden_layers=1,
+              num_attention_heads=16, num_key_value_heads=16, vocab_size=256, num_experts_per_tok=8)
+ARCHS = {"olmoe": ("OlmoeConfig", dict(num_experts=64)),
+         "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=64, norm_topk_prob=False)),
+         "mixtral": ("MixtralConfig", dict(num_local_experts=64))}
+BLOCK = {"mixtral": "block_sparse_moe"}
+
+
+def _time(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+def _block(arch: str, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
+    class_name, extra = ARCHS[arch]
+    config = getattr(transformers, class_name)(**WIDTHS, **extra)
+    with torch.device("meta"):
+        layer_cls = type(transformers.AutoModelForCausalLM.from_config(config).model.layers[0])
+    torch.manual_seed(0)
+    layer = layer_cls(config, 0)
+    block = getattr(layer, BLOCK.get(arch, "mlp")).to(dtype).eval()
+    for parameter in block.parameters():
+        torch.nn.init.normal_(parameter, std=0.02)
+    return block, config
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="olmoe")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128])
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--kernels", action="store_true", help="also time grouped_mm against gather + bmm")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    plain, config = _block(args.arch, dtype)
+    fused = kit.fuse_module(copy.deepcopy(plain), MoeExpertsFamily(), config=config)
+    print(f"{args.arch} block, hidden 2048, 64 experts x 1024, top-8, {args.dtype}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {args.rounds} rounds")
+    header = f"{'tokens':>6} {'plain ms':>9} {'fused ms':>9} {'ratio':>6} {'range':>12} {'max diff':>9}"
+    if args.kernels:
+        header += f" {'grouped ms':>10} {'gather ms':>10}"
+    print(header)
+    for tokens in args.tokens:
+        x = torch.randn(1, tokens, 2048, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+        repeats = max(1, 64 // tokens)
+        plain_times, fused_times, grouped, gathered = [], [], [], []
+        with torch.no_grad():
+            diff = (plain(x)[0].float() - fused(x)[0].float()).abs().max().item()
+            rows = x.view(-1, 2048)
+            _, selected = torch.topk(fused.gate(rows).float().softmax(-1), 8, dim=-1)
+            routed = Routed(selected, 64)
+            experts = fused.experts
+            act = experts[0].act_fn
+            grouped_call = functools.partial(expert_outputs, rows, experts.gate_up_proj, experts.down_proj, act, routed)
+            gather_call = functools.partial(_gather_bmm, rows, experts, act, routed)
+            for _ in range(args.rounds):
+                plain_times.append(_time(functools.partial(plain, x), repeats))
+                fused_times.append(_time(functools.partial(fused, x), repeats))
+                if args.kernels:
+                    grouped.append(_time(grouped_call, repeats))
+                    gathered.append(_time(gather_call, repeats))
+        ratios = [p / f for p, f in zip(plain_times, fused_times, strict=True)]
+        plain_ms, fused_ms = statistics.median(plain_times) * 1e3, statistics.median(fused_times) * 1e3
+        line = (f"{tokens:>6} {plain_ms:>9.2f} {fused_ms:>9.2f} {statistics.median(ratios):>5.2f}x "
+                f"{min(ratios):>5.2f}-{max(ratios):.2f}x {diff:>9.1e}")
+        if args.kernels:
+            line += f" {statistics.median(grouped) * 1e3:>10.2f} {statistics.median(gathered) * 1e3:>10.2f}"
+        print(line)
+
+
+def _gather_bmm(rows: torch.Tensor, experts: torch.nn.Module, act: torch.nn.Module, routed: Routed) -> torch.Tensor:
+    """The alternative kernel: each sorted row's expert weights gathered, then one batched matmul per projection."""
+    hidden = torch.bmm(experts.gate_up_proj[routed.expert], rows[routed.token].unsqueeze(-1)).squeeze(-1)
+    width = hidden.shape[-1] // 2
+    inner = act(hidden[:, :width]) * hidden[:, width:]
+    return torch.bmm(experts.down_proj[routed.expert], inner.unsqueeze(-1)).squeeze(-1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,363 @@
+"""``moe_experts``: sparse MoE blocks that loop over ``nn.ModuleList`` experts run them as grouped GEMMs.
+
+On transformers 4.57 a sparse MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, PhiMoE,
+DeepSeek-V2, and the blocks that copy their code) keeps one small gated MLP per expert and runs
+them in a Python loop, one to three GEMMs per expert per layer; OLMoE and PhiMoE visit every
+expert even when no token was routed to it. The fused block keeps the original router module,
+top-k, normalisation, jitter, shared expert and its gate, and output (``(hidden, router_logits)``
+where the original returns it), and replaces only the loop: the experts' weights live stacked as
+``experts.gate_up_proj`` ``[E, 2I, H]`` and ``experts.down_proj`` ``[E, H, I]`` (transformers 5.x's
+own leaf names and shapes), and :mod:`fusion_moe_experts.dispatch` runs them in two grouped GEMMs.
+
+**What is recognised, exactly.** A block is fusable when the code of its methods is one of the
+:data:`TEMPLATES` (by fingerprint, :mod:`fusion_moe_experts.recognise`: a copy under another
+name is recognised, a changed statement is not), its experts are the gated MLPs of
+:data:`EXPERT_FORWARDS` with plain bias-free ``nn.Linear`` projections of one shape and dtype, and
+one activation. Everything else is refused, and :func:`refusal` says why.
+
+**Checkpoint layout.** ``experts.{e}.{gate,up}.weight`` (``gate_proj``/``up_proj``, or Mixtral's
+``w1``/``w3``) -> ``experts.gate_up_proj`` by :class:`~fusion_moe_experts.ops.StackPairs` (the shipped
+``Stack`` and ``Concat`` composed); ``experts.{e}.{down_proj,w2}.weight`` -> ``experts.down_proj`` by
+``Stack``. Saving runs the inverse: the per-expert tensors, byte for byte.
+
+**The per-expert modules stay.** After loading, every expert projection is an
+:class:`ExpertProjection`, a view of its rows of the stacked weight that computes what the
+``nn.Linear`` computed (``block.experts[3](x)`` still works, and unfused code that inspects
+``experts[3].gate_proj.weight`` sees the tensor). It is deliberately not an ``nn.Linear``: a LoRA
+adapter or a quantiser written into one expert would not reach the stacked weight the block runs,
+so PEFT refuses it by name ("Target module ExpertProjection(... experts.3.gate_proj ...) is not
+supported") instead of silently training an adapter the forward never uses.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from fusion_core import FamilyOptions, FusedModule, FusionFamily, Stack, WeightTransform
+from fusion_core.spec import fused_subclass
+from fusion_moe_experts.dispatch import Routed, expert_outputs
+from fusion_moe_experts.ops import StackPairs
+from fusion_moe_experts.recognise import method_fingerprints
+
+GATE_UP = "gate_up_proj"
+DOWN = "down_proj"
+#: Expert projection names, (gate, up, down), by naming scheme.
+NAMES: dict[str, tuple[str, str, str]] = {"gate_proj": ("gate_proj", "up_proj", "down_proj"), "w1": ("w1", "w3", "w2")}
+#: Where a text config keeps the number of routed experts, by architecture.
+EXPERT_COUNT_ATTRIBUTES = ("num_local_experts", "num_experts", "n_routed_experts")
+
+#: Fingerprints of the gated expert MLP forwards this family reproduces (``down(act(gate(x)) * up(x))``),
+#: with their naming scheme. Checked on transformers 4.57.6 (tests/test_moe_experts.py).
+EXPERT_FORWARDS: dict[str, str] = {
+    "6f8ea681646fa37f": "w1",        # MixtralBlockSparseTop2MLP, PhimoeBlockSparseTop2MLP, MiniMax's
+    "92f836a144251e0e": "gate_proj",  # Qwen2MoeMLP
+    "ddc6573590c67a46": "gate_proj",  # Qwen3MoeMLP, OlmoeMLP, DeepseekV2MLP, FlexOlmo's, Qwen3-Next's
+}
+
+#: Activation classes accepted: the elementwise activations of transformers and torch.
+_ACTIVATION_MODULES = ("transformers.activations", "torch.nn.modules.activation")
+
+
+@dataclass(frozen=True)
+class Template:
+    """One recognised block forward: its method fingerprints and the mixin that reproduces it."""
+
+    name: str
+    fingerprints: dict[str, str]
+    mixin: type
+    children: tuple[str, ...]
+    """The child modules its forward calls besides ``experts``."""
+
+
+class MoeExpertsOptions(FamilyOptions):
+    """Options of ``moe_experts``: the common ``target_modules`` / ``exclude_modules`` / ``required``."""
+
+
+class ExpertProjection(nn.Module):
+    """Stands where one expert's ``nn.Linear`` was: rows of the block's stacked weight (a view).
+
+    Not a parameter holder (the stacked tensors belong to ``experts``), and not an ``nn.Linear``
+    (see the module docs): PEFT and quantisers refuse it instead of writing into a copy.
+    """
+
+    def __init__(self, experts: nn.Module, stacked: str, index: int, rows: slice, name: str) -> None:
+        super().__init__()
+        self.__dict__["_experts"] = experts  # not a sub-module: the ModuleList owns the tensors
+        self.stacked, self.index, self.rows, self.name = stacked, index, rows, name
+
+    @property
+    def weight(self) -> torch.Tensor:
+        weight: torch.Tensor = self._experts._parameters[self.stacked][self.index, self.rows]
+        return weight
+
+    bias = None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.linear(input, self.weight)
+
+    def extra_repr(self) -> str:
+        return (f"experts.{self.index}.{self.name}: rows {self.rows.start}:{self.rows.stop} of expert {self.index} "
+                f"of the stacked experts.{self.stacked} of a moe_experts block; LoRA and quantisers cannot target "
+                "one expert of it (load the model without moe_experts for that)")
+
+
+def _original_class(fused: type) -> type:
+    return next(c for c in fused.__mro__ if not issubclass(c, FusedModule))
+
+
+class StackedExpertsMixin(FusedModule):
+    """What every fused block shares: the stacked tensors, the expert stand-ins, the dispatch."""
+
+    def fusion_finalize(self) -> None:
+        """Check the stacked tensors cover every expert, and put an :class:`ExpertProjection` in each projection."""
+        experts = self.experts
+        gate_up, down = experts._parameters.get(GATE_UP), experts._parameters.get(DOWN)
+        if gate_up is None or down is None or gate_up.shape[0] != len(experts) or down.shape[0] != len(experts):
+            shapes = [None if t is None else tuple(t.shape) for t in (gate_up, down)]
+            raise RuntimeError(
+                f"{type(self).__name__}: moe_experts stacked experts.{GATE_UP}/{DOWN} of shapes {shapes} for "
+                f"{len(experts)} experts (the config's expert count, {EXPERT_COUNT_ATTRIBUTES}, is not the block's)"
+            )
+        width = down.shape[-1]
+        originals = {}
+        for index, expert in enumerate(experts):
+            names = _names(expert)
+            for name, stacked, rows in zip(names, (GATE_UP, GATE_UP, DOWN),
+                                           (slice(0, width), slice(width, 2 * width), slice(None)), strict=True):
+                originals[(index, name)] = expert._modules[name]
+                expert._modules[name] = ExpertProjection(experts, stacked, index, rows, name)
+        self.__dict__["_fusion_expert_linears"] = originals
+
+    def fusion_unfinalize(self) -> None:
+        """Put the original (emptied) ``nn.Linear`` s back; fusion-core restores their weights."""
+        for (index, name), linear in self.__dict__.pop("_fusion_expert_linears").items():
+            self.experts[index]._modules[name] = linear
+
+    def _fusion_experts(self, x: torch.Tensor, selected: torch.Tensor) -> tuple[torch.Tensor, Routed]:
+        """Unweighted outputs of every (token, slot) in expert order, and the dispatch that sorted them."""
+        experts = self.experts
+        gate_up, down = experts._parameters[GATE_UP], experts._parameters[DOWN]
+        routed = Routed(selected, gate_up.shape[0])
+        return expert_outputs(x, gate_up, down, experts[0].act_fn, routed), routed
+
+    def _fusion_combine(self, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``sum_k w_k * expert_k(x)`` accumulated in ``x``'s dtype, expert after expert (the loop's order)."""
+        outputs, routed = self._fusion_experts(x, selected)
+        weighted = outputs * weights.reshape(-1)[routed.order, None]
+        return torch.zeros_like(x).index_add(0, routed.token, weighted.to(x.dtype))
+
+
+def _softmax_top_k(logits: torch.Tensor, top_k: int, normalise: bool, dtype: torch.dtype) -> tuple[Any, Any]:
+    weights = F.softmax(logits, dim=1, dtype=torch.float)
+    weights, selected = torch.topk(weights, top_k, dim=-1)
+    if normalise:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype), selected
+
+
+class MixtralStyleMixin(StackedExpertsMixin):
+    """Mixtral's block: softmax router, top-k renormalised, input jitter in training."""
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        if self.training and self.jitter_noise > 0:
+            hidden_states *= torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        x = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(x)
+        weights, selected = _softmax_top_k(router_logits, self.top_k, True, x.dtype)
+        out = self._fusion_combine(x, selected, weights)
+        return out.reshape(batch_size, sequence_length, hidden_dim), router_logits
+
+
+class TopKStyleMixin(StackedExpertsMixin):
+    """Qwen3-MoE's and OLMoE's block: softmax router, top-k renormalised when ``norm_topk_prob``."""
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        x = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(x)
+        weights, selected = _softmax_top_k(router_logits, self.top_k, self.norm_topk_prob, x.dtype)
+        out = self._fusion_combine(x, selected, weights)
+        shared = self._fusion_shared(x)
+        if shared is not None:
+            out = out + shared
+        return out.reshape(batch_size, sequence_length, hidden_dim), router_logits
+
+    def _fusion_shared(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The term added to the routed experts' sum; none in Qwen3-MoE and OLMoE."""
+        return None
+
+
+class SharedExpertStyleMixin(TopKStyleMixin):
+    """Qwen2-MoE's block: Qwen3-MoE's plus a shared expert scaled by ``sigmoid(shared_expert_gate(x))``."""
+
+    def _fusion_shared(self, x: torch.Tensor) -> torch.Tensor:
+        return F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class PhimoeStyleMixin(StackedExpertsMixin):
+    """PhiMoE's block: input jitter in training, routing by its module's own ``sparsemixer``."""
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        if self.training and self.input_jitter_noise > 0:
+            hidden_states *= torch.empty_like(hidden_states).uniform_(
+                1.0 - self.input_jitter_noise, 1.0 + self.input_jitter_noise)
+        x = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(x)
+        sparsemixer = importlib.import_module(_original_class(type(self)).__module__).sparsemixer
+        weights, selected = sparsemixer(router_logits, jitter_eps=self.router_jitter_noise, training=self.training)
+        out = self._fusion_combine(x, selected, weights)
+        return out.reshape(batch_size, sequence_length, hidden_dim), router_logits
+
+
+class DeepseekV2StyleMixin(StackedExpertsMixin):
+    """DeepSeek-V2's block: its gate module routes; top-k combined in the weights' dtype; shared experts added."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        residuals = hidden_states
+        orig_shape = hidden_states.shape
+        topk_indices, topk_weights = self.gate(hidden_states)
+        x = hidden_states.view(-1, hidden_states.shape[-1])
+        outputs, routed = self._fusion_experts(x, topk_indices)
+        unsorted = torch.empty_like(outputs).index_copy(0, routed.order, outputs)
+        combined = (unsorted.view(*topk_indices.shape, -1).type(topk_weights.dtype) * topk_weights.unsqueeze(-1)
+                    ).sum(dim=1).type(unsorted.dtype)
+        return combined.view(*orig_shape) + self.shared_experts(residuals)
+
+
+#: The recognised block forwards (fingerprints of transformers 4.57.6's code).
+TEMPLATES: tuple[Template, ...] = (
+    Template("mixtral", {"forward": "77d0e5eaa3b5a611"}, MixtralStyleMixin, ("gate",)),  # Mixtral, MiniMax
+    Template("qwen2_moe", {"forward": "f22333b1f606189e"}, SharedExpertStyleMixin,  # Qwen2-MoE, Qwen3-Next
+             ("gate", "shared_expert", "shared_expert_gate")),
+    Template("qwen3_moe", {"forward": "cb5e8eb91edba315"}, TopKStyleMixin, ("gate",)),
+    Template("olmoe", {"forward": "0ad5eefe377fa1f0"}, TopKStyleMixin, ("gate",)),  # OLMoE, FlexOlmo
+    Template("phimoe", {"forward": "98138e0745b938cb"}, PhimoeStyleMixin, ("gate",)),
+    Template("deepseek_v2", {"forward": "fa8619a31437a423", "moe": "e7b317f10cd8ebf7"}, DeepseekV2StyleMixin,
+             ("gate", "shared_experts")),
+)
+
+_template_cache: dict[type, Template | None] = {}
+
+
+def template_for(cls: type) -> Template | None:
+    """The template whose code ``cls`` runs, or None."""
+    if cls not in _template_cache:
+        fingerprints = method_fingerprints(cls, nn.Module)
+        _template_cache[cls] = next((t for t in TEMPLATES if fingerprints == t.fingerprints), None)
+    return _template_cache[cls]
+
+
+def _names(expert: nn.Module) -> tuple[str, str, str]:
+    scheme = EXPERT_FORWARDS.get(method_fingerprints(type(expert), nn.Module).get("forward") or "")
+    if scheme is None or set(method_fingerprints(type(expert), nn.Module)) != {"forward"}:
+        raise ValueError(f"{type(expert).__qualname__} is not a gated expert MLP this family recognises")
+    return NAMES[scheme]
+
+
+def _expert_refusal(experts: nn.ModuleList) -> str | None:
+    shapes: set[tuple[Any, ...]] = set()
+    activations: set[tuple[type, str]] = set()
+    for index, expert in enumerate(experts):
+        try:
+            names = _names(expert)
+        except ValueError as exc:
+            return f"expert {index}: {exc}"
+        projections = [expert._modules.get(name) for name in names]
+        if not all(type(p) is nn.Linear for p in projections):
+            return f"expert {index}: its {'/'.join(names)} are not all plain nn.Linear"
+        if any(p.bias is not None for p in projections):  # type: ignore[union-attr]
+            return f"expert {index}: a projection has a bias (the stacked layout holds weights only)"
+        gate, up, down = (p.weight for p in projections)  # type: ignore[union-attr]
+        if gate.shape != up.shape or down.shape != gate.shape[::-1]:
+            shapes_seen = [tuple(t.shape) for t in (gate, up, down)]
+            return f"expert {index}: gate/up/down shapes {shapes_seen} are not a gated MLP"
+        act = getattr(expert, "act_fn", None)
+        if not isinstance(act, nn.Module) or type(act).__module__ not in _ACTIVATION_MODULES:
+            return f"expert {index}: activation {type(act).__qualname__} is not an activation of transformers or torch"
+        shapes.add((tuple(gate.shape), gate.dtype, gate.device, up.dtype, down.dtype))
+        activations.add((type(act), repr(act)))
+    if len(shapes) != 1:
+        return "the experts differ in shape, dtype or device (they are stacked into one tensor)"
+    if len(activations) != 1:
+        return "the experts use different activations (one runs for all)"
+    return None
+
+
+def refusal(module: nn.Module) -> str | None:
+    """Why ``module`` is not a sparse MoE block this family computes exactly; None when it is."""
+    experts = module._modules.get("experts")
+    if not isinstance(experts, nn.ModuleList):
+        return "no experts ModuleList (transformers 5.x blocks hold their experts stacked already)"
+    template = template_for(type(module))
+    if template is None:
+        return f"the forward of {type(module).__qualname__} is not one this family reproduces (see TEMPLATES)"
+    if len(experts) == 0:
+        return "no experts"
+    missing = [name for name in template.children if module._modules.get(name) is None]
+    if missing:
+        return f"no {'/'.join(missing)} child (the original forward calls it)"
+    if template.name != "deepseek_v2" and type(module._modules["gate"]) is not nn.Linear:
+        return "the router gate is not a plain nn.Linear"
+    if template.name == "deepseek_v2" and (getattr(module, "ep_rank", None) != 0
+                                           or getattr(module, "experts_per_rank", None) != len(experts)):
+        return "expert parallelism (ep_rank / experts_per_rank) is not supported"
+    if GATE_UP in experts._parameters or DOWN in experts._parameters:
+        return "the experts already hold stacked tensors"
+    return _expert_refusal(experts)
+
+
+def expert_count(config: Any) -> int | None:
+    """The number of routed experts in ``config`` (its text config), for the transforms; None for a
+    config that names none (not a mixture-of-experts model)."""
+    if config is None:
+        raise ValueError("moe_experts reads the number of experts from the model config; the kit takes config=")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in EXPERT_COUNT_ATTRIBUTES:
+        count = getattr(text, name, None)
+        if isinstance(count, int) and count > 0:
+            return count
+    return None
+
+
+class MoeExpertsFamily(FusionFamily[MoeExpertsOptions]):
+    """Sparse MoE blocks with ModuleList experts run as grouped GEMMs on stacked expert weights."""
+
+    name = "moe_experts"
+    options_model = MoeExpertsOptions
+    target_modules_patterns: ClassVar[Sequence[str]] = ()
+
+    def is_fusable(self, module: nn.Module, options: MoeExpertsOptions) -> bool:
+        return refusal(module) is None
+
+    def make_fused_class(self, original_cls: type[nn.Module], options: MoeExpertsOptions) -> type[nn.Module]:
+        """One mixin per recognised forward (the templates compute differently), mixed in as usual."""
+        template = template_for(original_cls)
+        if template is None:
+            raise ValueError(f"{original_cls.__qualname__} runs no forward moe_experts reproduces")
+        return fused_subclass(template.mixin, original_cls)
+
+    def make_transforms(self, config: Any, options: MoeExpertsOptions) -> list[WeightTransform]:
+        """Both naming schemes, optional: a block has exactly one of them (``is_fusable`` checked)."""
+        count = expert_count(config)
+        if count is None:  # no expert count, no MoE block: discovery then finds nothing to fuse, as for any family
+            return []
+        transforms = []
+        for gate, up, down in NAMES.values():
+            transforms += [
+                WeightTransform(
+                    tuple(f"experts.{e}.{gate}.weight" for e in range(count))
+                    + tuple(f"experts.{e}.{up}.weight" for e in range(count)),
+                    (f"experts.{GATE_UP}",), StackPairs(count), optional=True),
+                WeightTransform(tuple(f"experts.{e}.{down}.weight" for e in range(count)), (f"experts.{DOWN}",),
+                                Stack(count), optional=True),
+            ]
+        return transforms

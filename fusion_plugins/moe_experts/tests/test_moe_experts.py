@@ -1,0 +1,372 @@
+"""The moe_experts family: which blocks it takes, and that the fused ones compute what the originals did.
+
+Every model here is a tiny random model of a real transformers architecture (hidden 32, four
+experts, two layers). On transformers 4.57 the sparse MoE blocks keep ``nn.ModuleList`` experts and
+the family fuses them; on 5.x the experts are stacked already and the family finds nothing, which
+each architecture test asserts on that line instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+import transformers
+from fusion_moe_experts import ExpertProjection, MoeExpertsFamily, StackedExpertsMixin, StackPairs, dispatch
+from fusion_moe_experts.family import EXPERT_FORWARDS, TEMPLATES, refusal, template_for
+from fusion_moe_experts.recognise import method_fingerprints
+from torch import nn
+
+import fusion_core
+from fusion_core.errors import DiscoveryError
+from fusion_core.testing import kit
+from fusion_core.testing.kit import TOLERANCES
+
+FAMILY = MoeExpertsFamily()
+OPTIONS = FAMILY.options_model()
+PER_EXPERT = transformers.__version__.startswith("4.")
+"""transformers 4.57 keeps one module per expert; 5.x stacks them (nothing for this family to do)."""
+
+_BASE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+             max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0, num_experts_per_tok=2)
+CONFIGS = {
+    "mixtral": ("MixtralConfig", dict(intermediate_size=64, num_local_experts=4, head_dim=8)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=64, num_experts=4, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64, decoder_sparse_step=1)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=64, num_experts=4, moe_intermediate_size=32,
+                                         head_dim=8, decoder_sparse_step=1, norm_topk_prob=True)),
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=64, num_experts=4)),
+    "phimoe": ("PhimoeConfig", dict(intermediate_size=64, num_local_experts=4)),
+    "deepseek_v2": ("DeepseekV2Config", dict(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4,
+                                             n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=16,
+                                             q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                                             head_dim=8, topk_method="greedy", n_group=1, topk_group=1)),
+}
+BLOCK = {"mixtral": "block_sparse_moe", "phimoe": "block_sparse_moe"}
+ARCHS = list(CONFIGS)
+
+
+def _config(name: str):
+    class_name, overrides = CONFIGS[name]
+    return getattr(transformers, class_name)(**_BASE, **overrides)
+
+
+def _model(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(_config(name)).eval()
+
+
+def _block_path(name: str, layer: int = 0) -> str:
+    return f"model.layers.{layer}.{BLOCK.get(name, 'mlp') if PER_EXPERT else 'mlp'}"  # 5.x renamed it
+
+
+def _inputs(dtype: torch.dtype):
+    return [torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1)).to(dtype)]
+
+
+def _fused_model(model: nn.Module, fusion_config=None) -> nn.Module:
+    return fusion_core.fuse(copy.deepcopy(model), fusion_config or {"moe_experts": True})
+
+
+IDS = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(2))
+
+
+def _per_expert_only():
+    """On 5.x: discovery finds nothing, a clear error by default, a skip under required: false."""
+    model = _model("olmoe")
+    with pytest.raises(DiscoveryError, match="found nothing to fuse"):
+        fusion_core.fuse(copy.deepcopy(model), {"moe_experts": True})
+    fused = fusion_core.fuse(copy.deepcopy(model), {"moe_experts": {"required": False}})
+    assert not any(isinstance(m, StackedExpertsMixin) for m in fused.modules())
+
+
+# -- what it recognises ------------------------------------------------------------------------
+def test_transform_op_and_options_through_the_kit():
+    kit.assert_transform_op(StackPairs(3), [(4, 5)] * 6, bad_shapes=[(4, 5)] * 5 + [(4, 6)])
+    kit.assert_options_schema(FAMILY)
+
+
+def test_registered_through_its_entry_point():
+    family = fusion_core.get_registry().get("moe_experts")
+    assert family.source.distribution == "fusion-moe-experts" and isinstance(family.spec, MoeExpertsFamily)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_each_architecture_block_is_recognised_or_absent(name):
+    block = _model(name).get_submodule(_block_path(name))
+    if PER_EXPERT:
+        assert refusal(block) is None and FAMILY.is_fusable(block, OPTIONS)
+        assert template_for(type(block)).name == name
+    else:
+        assert "no experts ModuleList" in refusal(block)
+
+
+def test_fingerprints_ignore_comments_and_docstrings_but_not_code():
+    class A:
+        def forward(self, x):
+            """Docs."""
+            return x + 1  # a comment
+
+    class B:
+        def forward(self, x):
+
+            return x + 1
+
+    class C:
+        def forward(self, x):
+            return x + 2
+
+    assert method_fingerprints(A, object) == method_fingerprints(B, object) != method_fingerprints(C, object)
+
+
+def _mutate(name: str, mutate) -> nn.Module:
+    block = _model(name).get_submodule(_block_path(name))
+    mutate(block)
+    return block
+
+
+class _NotAnActivation(nn.Module):
+    pass
+
+
+def _subclass_with_forward(block: nn.Module) -> None:
+    original = type(block)
+    block.__class__ = type(original.__name__, (original,), {"forward": lambda self, x: original.forward(self, x * 2)})
+
+
+def _set_act(block: nn.Module, act: nn.Module, index: int = 1) -> None:
+    block.experts[index].act_fn = act
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (_subclass_with_forward, "not one this family reproduces"),
+        (lambda b: setattr(b, "gate", nn.Sequential(nn.Linear(32, 4, bias=False))), "router gate"),
+        (lambda b: setattr(b.experts[1], "up_proj", nn.Linear(32, 32)), "bias"),
+        (lambda b: setattr(b.experts[2], "down_proj", nn.Linear(16, 32, bias=False)), "not a gated MLP"),
+        (lambda b: _set_act(b, nn.GELU()), "different activations"),
+        (lambda b: _set_act(b, _NotAnActivation()), "not an activation"),
+        (lambda b: b.experts[3].to(torch.float16), "dtype"),
+        (lambda b: setattr(b, "experts", nn.ModuleList()), "no experts"),
+        (lambda b: delattr(b, "shared_expert_gate"), "shared_expert_gate"),
+    ],
+    ids=["changed-forward", "gate-not-linear", "expert-bias", "expert-shape", "mixed-activations",
+         "unknown-activation", "mixed-dtypes", "empty", "no-shared-gate"],
+)
+def test_refuses_what_it_does_not_reproduce(mutate, reason):
+    if not PER_EXPERT:
+        return _per_expert_only()
+    block = _mutate("qwen2_moe", mutate)
+    assert FAMILY.is_fusable(block, OPTIONS) is False
+    assert reason in (refusal(block) or "")
+
+
+def test_refuses_an_expert_mlp_whose_forward_changed():
+    if not PER_EXPERT:
+        return _per_expert_only()
+    block = _model("olmoe").get_submodule("model.layers.0.mlp")
+    expert_cls = type(block.experts[0])
+    block.experts[0].__class__ = type(expert_cls.__name__, (expert_cls,), {"forward": lambda self, x: -x})
+    assert "not a gated expert MLP" in refusal(block)
+
+
+# -- 4.57: numerics, layout, round trips ------------------------------------------------------
+@pytest.mark.parametrize("name", ARCHS)
+def test_block_matches_the_original(name):
+    if not PER_EXPERT:
+        return _per_expert_only()
+    errors = kit.assert_numerically_equivalent(
+        kit.module_factory((transformers.AutoModelForCausalLM, _config(name)), _block_path(name)), _inputs, FAMILY,
+        dtypes=(torch.float32, torch.bfloat16), config=_config(name))
+    assert errors[torch.float32] <= TOLERANCES[torch.float32]
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_layout_and_state_dict_round_trip(name):
+    if not PER_EXPERT:
+        return _per_expert_only()
+    block = _model(name).get_submodule(_block_path(name))
+    kit.assert_state_dict_round_trip(block, FAMILY, config=_config(name))
+    bound = kit.assert_transform_round_trip(block, FAMILY, config=_config(name))
+    assert [t.targets[0].name for t in bound] == ["experts.gate_up_proj", "experts.down_proj"]
+    fused = kit.fuse_module(block, FAMILY, config=_config(name))
+    gate, up, down = (("w1", "w3", "w2") if name in BLOCK else ("gate_proj", "up_proj", "down_proj"))
+    assert torch.equal(fused.experts.gate_up_proj[2], torch.cat([getattr(block.experts[2], gate).weight,
+                                                                  getattr(block.experts[2], up).weight]))
+    assert torch.equal(fused.experts.down_proj[3], getattr(block.experts[3], down).weight)
+    x = torch.randn(3, 32)
+    assert torch.allclose(fused.experts[1](x), block.experts[1](x), atol=1e-6)  # one expert still runs alone
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_fused_load_saves_the_source_and_plain_transformers_reloads_it(name, tmp_path):
+    if not PER_EXPERT:
+        return _per_expert_only()
+    comparison = kit.assert_fused_load(FAMILY, (transformers.AutoModelForCausalLM, _config(name)), tmp_path)
+    assert [m.module for m in comparison.modules] == [_block_path(name, 0), _block_path(name, 1)]
+    assert comparison.whole_model.ran and comparison.round_trip.ok
+    checkpoint = tmp_path / _config(name).model_type  # where the kit saved the plain model
+    fused = fusion_core.from_pretrained(transformers.AutoModelForCausalLM, checkpoint,
+                                        fusion_config={"moe_experts": True})
+    fusion_core.save_pretrained(fused, tmp_path / "saved")
+    assert (tmp_path / "saved" / "model.safetensors").read_bytes() == (checkpoint / "model.safetensors").read_bytes()
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    assert not any(isinstance(m, StackedExpertsMixin) for m in plain.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(fused(IDS).logits, plain(IDS).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_no_python_loop_over_experts(monkeypatch):
+    if not PER_EXPERT:
+        return _per_expert_only()
+    fused = _fused_model(_model("olmoe"))
+    calls = []
+    grouped_mm = dispatch.F.grouped_mm
+    monkeypatch.setattr(dispatch.F, "grouped_mm", lambda *a, **k: calls.append(1) or grouped_mm(*a, **k))
+    monkeypatch.setattr(ExpertProjection, "forward", lambda self, x: pytest.fail("an expert ran on its own"))
+    with torch.no_grad():
+        fused(IDS)
+    assert len(calls) == 2 * 2  # two grouped GEMMs per block, two blocks
+
+
+def test_float64_uses_the_gather_kernel_and_matches():
+    if not PER_EXPERT:
+        return _per_expert_only()
+    block = _model("qwen3_moe").get_submodule("model.layers.0.mlp").double()
+    fused = kit.fuse_module(block, FAMILY, config=_config("qwen3_moe"))
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    with torch.no_grad():
+        for got, expected in zip(fused(x), block(x), strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+# -- training ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ARCHS)
+def test_gradients_and_router_loss_equal_the_unfused_model(name):
+    if not PER_EXPERT:
+        return _per_expert_only()
+    plain = _model(name).train()
+    fused = _fused_model(plain).train()
+    kwargs = {"output_router_logits": True} if name != "deepseek_v2" else {}
+    losses = []
+    for model in (plain, fused):
+        torch.manual_seed(3)  # PhiMoE's sparsemixer samples in training: same draws for both
+        out = model(IDS, labels=IDS, **kwargs)
+        out.loss.backward()
+        losses.append(out)
+    torch.testing.assert_close(losses[1].loss, losses[0].loss, rtol=1e-5, atol=1e-6)
+    if kwargs:
+        torch.testing.assert_close(losses[1].aux_loss, losses[0].aux_loss, rtol=1e-5, atol=1e-6)
+    block, fused_block = plain.get_submodule(_block_path(name)), fused.get_submodule(_block_path(name))
+    gate, up, down = (("w1", "w3", "w2") if name in BLOCK else ("gate_proj", "up_proj", "down_proj"))
+    expected_gate_up = torch.stack([torch.cat([getattr(e, gate).weight.grad, getattr(e, up).weight.grad])
+                                    for e in block.experts])
+    expected_down = torch.stack([getattr(e, down).weight.grad for e in block.experts])
+    torch.testing.assert_close(fused_block.experts.gate_up_proj.grad, expected_gate_up, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(fused_block.experts.down_proj.grad, expected_down, rtol=1e-4, atol=1e-6)
+    router = "gate.weight"
+    torch.testing.assert_close(fused_block.get_parameter(router).grad, block.get_parameter(router).grad,
+                               rtol=1e-4, atol=1e-6)
+
+
+# -- a fused model is a model -----------------------------------------------------------------
+def test_compiles_fullgraph_and_matches():
+    if not PER_EXPERT:
+        return _per_expert_only()
+    block = _model("qwen2_moe").get_submodule("model.layers.0.mlp")
+    fused = kit.fuse_module(block, FAMILY, config=_config("qwen2_moe"))
+    x = _inputs(torch.float32)[0]
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        for got, expected in zip(compiled(x), block(x), strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_pickle_deepcopy_and_unfuse():
+    if not PER_EXPERT:
+        return _per_expert_only()
+    plain = _model("mixtral")
+    fused = _fused_model(plain)
+    buffer = io.BytesIO()
+    torch.save(fused, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for other in (loaded, copy.deepcopy(fused), pickle.loads(pickle.dumps(fused))):
+        with torch.no_grad():
+            torch.testing.assert_close(other(IDS).logits, fused(IDS).logits, rtol=0, atol=0)
+        with torch.no_grad():  # the copy's stand-ins read the copy's stacked weight, not the original's
+            other.model.layers[0].block_sparse_moe.experts.gate_up_proj.zero_()
+        assert other.model.layers[0].block_sparse_moe.experts[0].w1.weight.eq(0).all()
+        assert not fused.model.layers[0].block_sparse_moe.experts[0].w1.weight.eq(0).all()
+    fusion_core.unfuse(fused)
+    assert not any(isinstance(m, (StackedExpertsMixin, ExpertProjection)) for m in fused.modules())
+    expected, got = plain.state_dict(), fused.state_dict()
+    assert list(got) == list(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_lora_on_one_expert_is_refused_by_name():
+    if not PER_EXPERT:
+        return _per_expert_only()
+    peft = pytest.importorskip("peft")
+    fused = _fused_model(_model("qwen3_moe"))
+    with pytest.raises(ValueError, match=r"ExpertProjection\(experts\.0\.gate_proj"):
+        peft.get_peft_model(fused, peft.LoraConfig(target_modules=["gate_proj"], r=2))
+
+
+# -- composing with gate_up ------------------------------------------------------------------
+def test_composes_with_gate_up_when_gate_up_leaves_the_experts():
+    if not PER_EXPERT:
+        return _per_expert_only()
+    plain = _model("qwen2_moe")
+    fused = _fused_model(plain, {"gate_up": {"exclude_modules": [r"\.experts\.\d+$"]}, "moe_experts": True})
+    plan = fusion_core.get_fusion_plan(fused)
+    owners = {m.path: m.family for m in plan.modules}
+    assert owners["model.layers.0.mlp"] == "moe_experts"
+    assert owners["model.layers.0.mlp.shared_expert"] == "gate_up"
+    with torch.no_grad():
+        torch.testing.assert_close(fused(IDS).logits, plain(IDS).logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("order", ["gate_up first", "moe_experts first"])
+def test_composes_with_gate_up_by_default(order):
+    """The experts' MLPs lie inside the block moe_experts fuses whole: gate_up leaves them to it, in either order,
+    and fuses the shared expert; the plan says which modules were left to the outer fusion."""
+    if not PER_EXPERT:
+        return _per_expert_only()
+    plain = _model("qwen2_moe")
+    config = {"gate_up": True, "moe_experts": True}
+    if order == "moe_experts first":
+        config = dict(reversed(list(config.items())))
+    fused = _fused_model(plain, config)
+    plan = fusion_core.get_fusion_plan(fused)
+    owners = {m.path: m.family for m in plan.modules}
+    assert owners["model.layers.0.mlp"] == "moe_experts"
+    assert owners["model.layers.0.mlp.shared_expert"] == "gate_up"
+    assert not [path for path in owners if ".experts." in path]
+    assert ("gate_up", "model.layers.0.mlp.experts.0", "moe_experts", "model.layers.0.mlp") in plan.nested
+    with torch.no_grad():
+        torch.testing.assert_close(fused(IDS).logits, plain(IDS).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_expert_forward_table_covers_the_architectures():
+    """The expert MLP fingerprints name each scheme once per naming, and every template is used."""
+    if not PER_EXPERT:
+        return _per_expert_only()
+    used = {template_for(type(_model(n).get_submodule(_block_path(n)))).name for n in ARCHS}
+    assert used == {t.name for t in TEMPLATES}
+    assert set(EXPERT_FORWARDS.values()) == {"w1", "gate_proj"}
+
+
+def test_a_model_without_experts_finds_nothing_to_fuse():
+    """A dense model's config names no expert count: the family finds nothing, like any family (no other error)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(DiscoveryError, match="found nothing to fuse"):
+        fusion_core.fuse(copy.deepcopy(model), {"moe_experts": True})
