@@ -227,7 +227,8 @@ def _discover(
             except PlanError as exc:
                 raise PlanError(f"{exc} [{family.source}]") from None
             plans.append(ModulePlan(family.name, path, original, fused, bound, tuple(leaves)))
-    plans, nested = _leave_nested_to_outer(plans)
+    owners = {family.name for family, _ in families if getattr(family.spec, "owns_submodules", False) is True}
+    plans, nested = _leave_nested_to_outer(plans, owners)
     for family, options in families:
         inside = [outer for inner, outer in nested if inner.family == family.name]
         if options.required and inside and not any(p.family == family.name for p in plans):
@@ -250,14 +251,17 @@ def _discover(
     return Discovery(type(meta_model), plan, routes, len(modules))
 
 
-def _leave_nested_to_outer(plans: list[ModulePlan]) -> tuple[list[ModulePlan], list[tuple[ModulePlan, ModulePlan]]]:
-    """Drop each module plan that lies inside a module another family fuses and claims some of its tensors.
+def _leave_nested_to_outer(
+    plans: list[ModulePlan], owners: set[str]
+) -> tuple[list[ModulePlan], list[tuple[ModulePlan, ModulePlan]]]:
+    """Drop each module plan that lies inside a module fused by a family of ``owners`` and claims some of its tensors.
 
-    A mixture-of-experts block fused whole (``moe_experts``) holds expert MLPs that a per-MLP family
-    (``gate_up``) would merge too: the outer fusion already owns those tensors, so the inner plan
-    is left to it, whatever the order of ``fusion_config``. Modules that claim the same tensors
-    without one containing the other are still a conflict (:func:`check_conflicts`). Returns the
-    kept plans and (dropped plan, the plan that contains it) pairs.
+    A family that fuses a module whole declares ``owns_submodules = True`` (``moe_experts``: a
+    mixture-of-experts block whose expert MLPs ``gate_up`` would merge too). Its fusion already owns
+    the tensors beneath it, so another family's plan for a module inside it is left to it, whatever
+    the order of ``fusion_config``. Any other two plans that claim the same tensor, nested or not,
+    are still a conflict (:func:`~fusion_core.transforms.check_conflicts`). Returns the kept plans
+    and (dropped plan, the plan that contains it) pairs.
     """
     by_path: dict[str, list[ModulePlan]] = {}
     for plan in plans:
@@ -267,8 +271,8 @@ def _leave_nested_to_outer(plans: list[ModulePlan]) -> tuple[list[ModulePlan], l
         keys = set(inner.original_keys)
         parts = inner.path.split(".")
         ancestors = (".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1))  # innermost first; "" is the root
-        outer = next((o for a in ancestors for o in by_path.get(a, ()) if o.family != inner.family
-                      and keys & set(o.original_keys)), None)
+        outer = next((o for a in ancestors for o in by_path.get(a, ()) if o.family in owners
+                      and o.family != inner.family and keys & set(o.original_keys)), None)
         if outer is not None:
             nested.append((inner, outer))
     dropped = {id(inner) for inner, _ in nested}

@@ -118,6 +118,12 @@ class FusionFamily(Generic[OptionsT]):
     def is_fusable(self, module: nn.Module, options: OptionsT) -> bool:
         raise NotImplementedError(f"family {self.name!r} must implement is_fusable")
 
+    owns_submodules: ClassVar[bool] = False
+    """True for a family that fuses a module whole, owning every tensor beneath it: another family's
+    plan for a module inside one it fuses, claiming some of those tensors, is then left to it
+    (listed in :attr:`fusion_core.FusionPlan.nested`) instead of being a conflict. Read with a
+    default of False from any spec."""
+
     fused_mixin: ClassVar[type | None] = None
     """Set this to a mixin class (usually a :class:`FusedModule` subclass) and the default
     :meth:`make_fused_class` returns ``fused_subclass(fused_mixin, original_cls)``."""

@@ -335,8 +335,9 @@ class FusionPlan:
 
     ``skipped`` names the families that found nothing to fuse and were left out (``required=False``).
     ``nested`` lists ``(family, path, outer family, outer path)`` for each module a family would
-    have fused that lies inside a module another family fuses whole, claiming its tensors: the
-    outer fusion owns them (a MoE block's expert MLPs, fused by ``moe_experts``, not ``gate_up``).
+    have fused that lies inside a module fused whole by a family with ``owns_submodules``, claiming
+    its tensors: the outer fusion owns them (a MoE block's expert MLPs, fused by ``moe_experts``,
+    not ``gate_up``).
     """
 
     modules: tuple[ModulePlan, ...] = ()

@@ -144,7 +144,8 @@ def test_plan_detects_nested_claims_on_one_key():
 
 
 def test_a_module_inside_one_another_family_fuses_is_left_to_it():
-    """Nested claims: the inner plan is dropped (in either order), a plan not sharing tensors is kept."""
+    """Nested claims under a family that owns its submodules: the inner plan is dropped (in either order);
+    a plan sharing no tensor is kept; under a family that does not own them, both stay (a conflict)."""
     from torch import nn
 
     from fusion_core.discovery import _leave_nested_to_outer
@@ -158,9 +159,13 @@ def test_a_module_inside_one_another_family_fuses_is_left_to_it():
     inner = plan("gate_up", "layers.0.mlp.experts.0", ["gate_proj.weight", "up_proj.weight"])
     shared = plan("gate_up", "layers.0.mlp.shared_expert", ["gate_proj.weight", "up_proj.weight"])
     for order in ([outer, inner, shared], [inner, shared, outer]):
-        kept, nested = _leave_nested_to_outer(order)
+        kept, nested = _leave_nested_to_outer(order, {"moe"})
         assert {p.path for p in kept} == {"layers.0.mlp", "layers.0.mlp.shared_expert"}
         assert [(i.path, o.path) for i, o in nested] == [("layers.0.mlp.experts.0", "layers.0.mlp")]
     unrelated = plan("other", "layers.0.mlp.experts.0", ["down_proj.weight", "act.weight"])
-    kept, nested = _leave_nested_to_outer([outer, unrelated])
+    kept, nested = _leave_nested_to_outer([outer, unrelated], {"moe"})
     assert kept == [outer, unrelated] and not nested  # inside, but claiming none of the outer's tensors
+    kept, nested = _leave_nested_to_outer([outer, inner], set())
+    assert kept == [outer, inner] and not nested
+    with pytest.raises(PlanError, match="claimed by family"):
+        FusionPlan(tuple(kept))

@@ -333,6 +333,7 @@ class MoeExpertsFamily(FusionFamily[MoeExpertsOptions]):
 
     name = "moe_experts"
     options_model = MoeExpertsOptions
+    owns_submodules: ClassVar[bool] = True  # the experts' MLPs are ours: gate_up leaves them to this family
     target_modules_patterns: ClassVar[Sequence[str]] = ()
 
     def is_fusable(self, module: nn.Module, options: MoeExpertsOptions) -> bool:
