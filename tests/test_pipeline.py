@@ -173,7 +173,8 @@ def test_fused_layout_save_loads_back_without_conversion_and_plain_refuses(tiny_
     assert not (fused_dir / "config.json").exists()
     assert json.loads((fused_dir / "fused_config.json").read_text())["fusion_core"]["layout"] == "fused"
     with safe_open(str(fused_dir / "model.safetensors"), "pt") as handle:
-        assert handle.get_slice("visual.patch_embed.proj.weight").get_shape() == [32, 3 * 2 * 14 * 14]
+        key = _stored_key(directory, "visual.patch_embed.proj.weight")
+        assert handle.get_slice(key).get_shape() == [32, 3 * 2 * 14 * 14]
     with pytest.raises((OSError, ValueError), match="config.json"):
         cls.from_pretrained(fused_dir)
     again = fusion_core.from_pretrained(cls, fused_dir)
@@ -234,6 +235,13 @@ def test_exclude_modules_option_is_honoured(tiny_checkpoint):
     assert [m.path for m in fusion_core.get_fusion_plan(model).modules] == ["model.visual.patch_embed.proj"]
 
 
+def _stored_key(directory: Path, leaf: str) -> str:
+    """The checkpoint's own key ending in ``leaf``: most releases save Qwen2-VL's tower as ``visual.``, some 5.x
+    minors (5.4.0) under its runtime name ``model.visual.``."""
+    [key] = [k for k in checkpoint_tensors(directory) if k == leaf or k.endswith("." + leaf)]
+    return key
+
+
 def _rewrite_tensor(source: Path, target: Path, key: str, tensor: torch.Tensor | None) -> None:
     """Copy a single-file checkpoint, replacing (or dropping, for None) one tensor."""
     from safetensors.torch import save_file
@@ -260,7 +268,7 @@ def _rewrite_tensor(source: Path, target: Path, key: str, tensor: torch.Tensor |
 )
 def test_bad_fused_tensor_raises_naming_key_module_and_family(change, message, tiny_checkpoint, tmp_path):
     directory, _ = tiny_checkpoint("qwen2_vl")
-    key = "visual.patch_embed.proj.weight"
+    key = _stored_key(directory, "visual.patch_embed.proj.weight")
     _rewrite_tensor(directory, tmp_path / "bad", key, change(checkpoint_tensors(directory)[key]))
     with pytest.raises(fusion_core.CheckpointError, match=message) as info:
         fusion_core.from_pretrained(auto_class(TINY_MODELS["qwen2_vl"]), tmp_path / "bad", fusion_config=PATCH)
@@ -269,7 +277,7 @@ def test_bad_fused_tensor_raises_naming_key_module_and_family(change, message, t
 
 def test_missing_fused_tensor_raises_naming_key_module_and_family(tiny_checkpoint, tmp_path):
     directory, _ = tiny_checkpoint("qwen2_vl")
-    _rewrite_tensor(directory, tmp_path / "bad", "visual.patch_embed.proj.weight", None)
+    _rewrite_tensor(directory, tmp_path / "bad", _stored_key(directory, "visual.patch_embed.proj.weight"), None)
     missing = r"missing key '(model\.)?visual.patch_embed.proj.weight'"
     with pytest.raises(fusion_core.FusionLoadError, match=missing) as info:
         fusion_core.from_pretrained(auto_class(TINY_MODELS["qwen2_vl"]), tmp_path / "bad", fusion_config=PATCH)
@@ -278,8 +286,9 @@ def test_missing_fused_tensor_raises_naming_key_module_and_family(tiny_checkpoin
 
 def test_extra_tensor_in_a_fused_module_raises(tiny_checkpoint, tmp_path):
     directory, _ = tiny_checkpoint("qwen2_vl")
-    _rewrite_tensor(directory, tmp_path / "bad", "visual.patch_embed.proj.scale", torch.ones(32))
-    with pytest.raises(fusion_core.CheckpointError, match="unexpected tensor 'visual.patch_embed.proj.scale'"):
+    key = _stored_key(directory, "visual.patch_embed.proj.weight").removesuffix("weight") + "scale"
+    _rewrite_tensor(directory, tmp_path / "bad", key, torch.ones(32))
+    with pytest.raises(fusion_core.CheckpointError, match=f"unexpected tensor '{key}'"):
         fusion_core.from_pretrained(auto_class(TINY_MODELS["qwen2_vl"]), tmp_path / "bad", fusion_config=PATCH)
 
 
