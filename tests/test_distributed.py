@@ -155,8 +155,47 @@ def test_packed_colwise_refuses_parts_planned_differently() -> None:
 def test_packed_colwise_needs_loaded_shards() -> None:
     module, plan = attention_plan()
     rule = PackedColwise(("q_proj", "k_proj", "v_proj"), "qkv_proj")
-    with pytest.raises(TensorParallelRefusal, match="'layers.0.attn.q_proj.weight' is planned colwise but was not"):
+    with pytest.raises(TensorParallelRefusal, match="'layers.0.attn.q_proj.weight' is planned colwise but was loaded "
+                                                    "neither as a DTensor shard nor on a known mesh"):
         rule.localize(module, plan, lambda name: "colwise")
+
+
+class _TwoRankMesh:
+    """The one thing localize asks of the mesh of plain local shards: its size."""
+
+    def size(self) -> int:
+        return 2
+
+
+def _halved(module: nn.Module) -> None:
+    """What transformers 5.1-5.15 load on one of two ranks: each projection's own rows, as a plain tensor."""
+    for name in ("q_proj", "k_proj", "v_proj"):
+        linear = getattr(module, name)
+        linear.weight = nn.Parameter(linear.weight.detach().chunk(2)[0].clone())
+        linear.bias = nn.Parameter(linear.bias.detach().chunk(2)[0].clone())
+
+
+def test_packed_colwise_takes_plain_local_shards_on_the_plans_mesh() -> None:
+    from fusion_core.parallel.rules import PlanStyles
+
+    module, plan = attention_plan()
+    _halved(module)
+    rule = PackedColwise(("q_proj", "k_proj", "v_proj"), "qkv_proj", unit="head_dim")
+    sharded = rule.localize(module, plan, PlanStyles(lambda name: "colwise", _TwoRankMesh()))
+    assert sharded is not None and sharded.local
+    rows = {s.name: s.shape[0] for b in sharded.local_plan.transforms for s in b.sources}
+    assert rows == {"q_proj.weight": 8, "k_proj.weight": 4, "v_proj.weight": 4, "q_proj.bias": 8, "k_proj.bias": 4,
+                    "v_proj.bias": 4}
+    assert module.q_proj.out_features == 8
+
+
+def test_plain_local_shards_of_the_wrong_size_are_refused() -> None:
+    from fusion_core.parallel.rules import PlanStyles
+
+    module, plan = attention_plan()  # full tensors, though the plan says two ranks hold half each
+    rule = PackedColwise(("q_proj", "k_proj", "v_proj"), "qkv_proj")
+    with pytest.raises(TensorParallelRefusal, match="this rank holds 16 rows, expected 8"):
+        rule.localize(module, plan, PlanStyles(lambda name: "colwise", _TwoRankMesh()))
 
 
 def test_unplanned_modules_stay_unsharded_and_replicated_refuses_a_plan() -> None:
