@@ -1,8 +1,9 @@
 """Every private name of PEFT that fusion-core relies on (LoRA on fused modules).
 
-Checked on peft 0.21.2 (:data:`CHECKED_RELEASES`). On a release that lacks one of
-them, :func:`wrap_lora_factories` raises ImportError naming it, the installed release and the
-ones checked, instead of LoRA silently skipping fused modules.
+Checked on peft 0.21.2 (:data:`CHECKED_RELEASES`; peft 0.17.1 itself does not import next to
+transformers 5.x: it imports ``transformers.HybridCache``, which 5.x removed). On a release that
+lacks one of them, :func:`wrap_lora_factories` raises ImportError naming it, the installed
+release and the ones checked, instead of LoRA silently skipping fused modules.
 """
 
 from __future__ import annotations
