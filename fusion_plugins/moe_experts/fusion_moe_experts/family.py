@@ -18,15 +18,20 @@ one activation. Everything else is refused, and :func:`refusal` says why.
 **Checkpoint layout.** ``experts.{e}.{gate,up}.weight`` (``gate_proj``/``up_proj``, or Mixtral's
 ``w1``/``w3``) -> ``experts.gate_up_proj`` by :class:`~fusion_moe_experts.ops.StackPairs` (the shipped
 ``Stack`` and ``Concat`` composed); ``experts.{e}.{down_proj,w2}.weight`` -> ``experts.down_proj`` by
-``Stack``. Saving runs the inverse: the per-expert tensors, byte for byte.
+:class:`~fusion_moe_experts.ops.StackExperts` (the shipped ``Stack``, whose inverse also unstacks a
+stack FSDP2 sharded along the experts). Saving runs the inverse: the per-expert tensors, byte for byte.
 
 **The per-expert modules stay.** After loading, every expert projection is an
 :class:`ExpertProjection`, a view of its rows of the stacked weight that computes what the
 ``nn.Linear`` computed (``block.experts[3](x)`` still works, and unfused code that inspects
-``experts[3].gate_proj.weight`` sees the tensor). It is deliberately not an ``nn.Linear``: a LoRA
-adapter or a quantiser written into one expert would not reach the stacked weight the block runs,
-so PEFT refuses it by name ("Target module ExpertProjection(... experts.3.gate_proj ...) is not
-supported") instead of silently training an adapter the forward never uses.
+``experts[3].gate_proj.weight`` sees the tensor). A LoRA adapter or a quantiser written into one
+expert would not reach the stacked weight the block runs, so the stand-in refuses them by name
+instead of letting them train an adapter the forward never uses or leave the experts silently
+unquantised: it is an ``nn.Linear`` to ``isinstance`` (so every tool that looks for linear layers
+-- torchao's ``quantize_``, PEFT's LoRA dispatch and ``"all-linear"``, ``torch.ao`` dynamic
+quantisation, quanto -- finds it, as it finds the unfused experts), but replacing its ``weight``
+or reading ``in_features`` / ``out_features`` (what such a tool does to build its own layer) raises
+:class:`ExpertProjectionError` naming the module and the ways out.
 """
 
 from __future__ import annotations
@@ -40,10 +45,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fusion_core import FamilyOptions, FusedModule, FusionFamily, Stack, WeightTransform
+from fusion_core import FamilyOptions, FusedModule, FusionFamily, WeightTransform
 from fusion_core.spec import fused_subclass
 from fusion_moe_experts.dispatch import Routed, expert_outputs
-from fusion_moe_experts.ops import StackPairs
+from fusion_moe_experts.ops import StackExperts, StackPairs
 from fusion_moe_experts.recognise import method_fingerprints
 
 GATE_UP = "gate_up_proj"
@@ -80,24 +85,61 @@ class MoeExpertsOptions(FamilyOptions):
     """Options of ``moe_experts``: the common ``target_modules`` / ``exclude_modules`` / ``required``."""
 
 
-class ExpertProjection(nn.Module):
+class ExpertProjectionError(ValueError):
+    """A tool tried to replace, quantise or adapt one expert's projection of a fused block."""
+
+
+class ExpertProjection(nn.Linear):
     """Stands where one expert's ``nn.Linear`` was: rows of the block's stacked weight (a view).
 
-    Not a parameter holder (the stacked tensors belong to ``experts``), and not an ``nn.Linear``
-    (see the module docs): PEFT and quantisers refuse it instead of writing into a copy.
+    Not a parameter holder (the stacked tensors belong to ``experts``), and ``nn.Linear`` only to
+    ``isinstance``: its ``__init__`` is ``nn.Module``'s, reading the weight works and computes what
+    the ``nn.Linear`` computed, but assigning ``weight`` / ``bias`` or reading ``in_features`` /
+    ``out_features`` raises :class:`ExpertProjectionError` (see the module docs).
     """
 
-    def __init__(self, experts: nn.Module, stacked: str, index: int, rows: slice, name: str) -> None:
-        super().__init__()
+    def __init__(self, experts: nn.Module, stacked: str, index: int, rows: slice, name: str,
+                 block: nn.Module | None = None) -> None:
+        nn.Module.__init__(self)
         self.__dict__["_experts"] = experts  # not a sub-module: the ModuleList owns the tensors
+        self.__dict__["_block"] = block  # for the path in refusals
         self.stacked, self.index, self.rows, self.name = stacked, index, rows, name
 
-    @property
+    @property  # type: ignore[override]
     def weight(self) -> torch.Tensor:
         weight: torch.Tensor = self._experts._parameters[self.stacked][self.index, self.rows]
         return weight
 
-    bias = None
+    bias = None  # type: ignore[assignment]
+
+    def _refuse(self, what: str) -> ExpertProjectionError:
+        from fusion_core.layout import module_plan
+
+        plan = module_plan(self.__dict__["_block"]) if self.__dict__.get("_block") is not None else None
+        block = plan.path if plan is not None else "the fused block"
+        path = f"{block}.experts.{self.index}.{self.name}" if plan is not None else f"experts.{self.index}.{self.name}"
+        return ExpertProjectionError(
+            f"{path} is expert {self.index}'s {self.name} inside {block}, a sparse MoE block fused by moe_experts "
+            f"(ExpertProjection(experts.{self.index}.{self.name}): a view of rows of the stacked "
+            f"experts.{self.stacked}); {what} is refused: a tensor or layer made for one expert would not reach "
+            "the stacked weight the block runs. "
+            "Quantising or adapting individual experts is not supported on a fused block: load the model without "
+            "moe_experts (or call fusion_core.unfuse(model) first), or leave the experts out (torchao: "
+            "quantize_(model, config, filter_fn=lambda m, fqn: type(m) is torch.nn.Linear); PEFT: target_modules "
+            "naming other modules)")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("weight", "bias"):
+            raise self._refuse(f"assigning its {name} (what a quantiser such as torchao's quantize_ does)")
+        super().__setattr__(name, value)
+
+    @property
+    def in_features(self) -> int:  # type: ignore[override]
+        raise self._refuse("reading in_features (what a quantiser or PEFT does to build its own layer)")
+
+    @property
+    def out_features(self) -> int:  # type: ignore[override]
+        raise self._refuse("reading out_features (what a quantiser or PEFT does to build its own layer)")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return F.linear(input, self.weight)
@@ -132,7 +174,7 @@ class StackedExpertsMixin(FusedModule):
             for name, stacked, rows in zip(names, (GATE_UP, GATE_UP, DOWN),
                                            (slice(0, width), slice(width, 2 * width), slice(None)), strict=True):
                 originals[(index, name)] = expert._modules[name]
-                expert._modules[name] = ExpertProjection(experts, stacked, index, rows, name)
+                expert._modules[name] = ExpertProjection(experts, stacked, index, rows, name, self)
         self.__dict__["_fusion_expert_linears"] = originals
 
     def fusion_unfinalize(self) -> None:
@@ -359,6 +401,6 @@ class MoeExpertsFamily(FusionFamily[MoeExpertsOptions]):
                     + tuple(f"experts.{e}.{up}.weight" for e in range(count)),
                     (f"experts.{GATE_UP}",), StackPairs(count), optional=True),
                 WeightTransform(tuple(f"experts.{e}.{down}.weight" for e in range(count)), (f"experts.{DOWN}",),
-                                Stack(count), optional=True),
+                                StackExperts(count), optional=True),
             ]
         return transforms

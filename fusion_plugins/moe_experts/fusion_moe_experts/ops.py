@@ -1,8 +1,17 @@
-"""The one transform op of the family: the shipped ``Stack`` and ``Concat`` composed.
+"""The transform ops of the family: the shipped ``Stack`` and ``Concat`` composed.
 
 ``[gate_0 .. gate_{E-1}, up_0 .. up_{E-1}]`` (each ``[I, H]``) -> one ``[E, 2I, H]`` tensor whose
 expert ``e`` holds ``[gate_e; up_e]``: the gate experts stacked, the up experts stacked, and the two
-stacks concatenated along the rows. The down projections need only ``Stack`` itself.
+stacks concatenated along the rows (:class:`StackPairs`). The down projections need only the stack
+(:class:`StackExperts`).
+
+:class:`StackExperts` is the shipped ``Stack`` with one addition to its inverse, for FSDP2:
+``fully_shard`` shards the stacked ``[E, ...]`` parameter along dim 0, the experts, and the
+shipped inverse (``unbind`` along that same dim) is refused by DTensor ("Attempted to unbind along
+the sharded dimension 0"). There the stack is first redistributed to shard the next dimension (an
+all-to-all; ``Replicate`` for a 1-D stack), so each expert's tensor comes out as a ``Shard(0)``
+DTensor of its original shape: what ``fully_shard`` makes of the unfused model's per-expert
+parameters. Plain tensors take the shipped path unchanged.
 """
 
 from __future__ import annotations
@@ -16,9 +25,30 @@ from fusion_core import Concat, Stack, TransformOp
 from fusion_core.transforms import Shape
 
 
+def _unshard_dim(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """A DTensor sharded along ``dim`` redistributed to shard ``dim + 1`` instead (``Replicate`` when there
+    is none); any other tensor as it is."""
+    from fusion_core.parallel.rules import is_dtensor
+
+    if not is_dtensor(tensor) or not any(p.is_shard(dim) for p in tensor.placements):
+        return tensor
+    from torch.distributed.tensor import Replicate, Shard
+
+    moved = Shard(dim + 1) if tensor.ndim > dim + 1 else Replicate()
+    return tensor.redistribute(placements=[moved if p.is_shard(dim) else p for p in tensor.placements])
+
+
+@dataclass(frozen=True)
+class StackExperts(Stack):
+    """``Stack(n)`` whose inverse also takes a stack that FSDP2 sharded along the stacked dimension."""
+
+    def inverse(self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]) -> tuple[torch.Tensor, ...]:
+        return super().inverse([_unshard_dim(tensors[0], self.dim)], source_shapes)
+
+
 @dataclass(frozen=True)
 class StackPairs(TransformOp):
-    """``2n`` sources (n gates, then n ups) -> ``Concat(2, dim=1)`` of ``Stack(n)`` of each half."""
+    """``2n`` sources (n gates, then n ups) -> ``Concat(2, dim=1)`` of ``StackExperts(n)`` of each half."""
 
     n: int = 2
 
@@ -31,7 +61,7 @@ class StackPairs(TransformOp):
 
     @property
     def _stack(self) -> Stack:
-        return Stack(self.n, dim=0)
+        return StackExperts(self.n, dim=0)
 
     _concat = Concat(2, dim=1)
 
