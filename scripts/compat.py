@@ -97,13 +97,14 @@ Importing `fusion_core` with a transformers outside the range fails at once with
 that names the range, not deep inside a load.
 
 `bash scripts/test.sh` (CI) runs, each release in its own environment with torch 2.13.0 (CPU),
-peft 0.21.2 and accelerate 1.15.0:
+peft 0.21.2, accelerate 1.15.0 and torchao 0.18.0:
 
 | transformers | what runs |
 |---|---|
 | 4.57.6 (newest 4.57.x) | the whole suite; the matrix above |
 | 5.24.0 (newest 5.x) | the whole suite; the matrix above |
 | 5.0.0, 5.8.1, 5.16.1, 5.22.2 | the range subset (`RANGE_TESTS` in `scripts/test.sh`) |
+| 5.2.0, 5.4.0, 5.12.1, 5.20.2 | the range subset, once by hand this release cycle (not in CI) |
 
 The range subset: every shipped family loaded, run, saved and reloaded on the tiny models and the
 decoder families, the compat fallbacks, `integrate_transformers` (Auto and model classes,
