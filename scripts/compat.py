@@ -104,11 +104,15 @@ peft 0.21.2, accelerate 1.15.0 and torchao 0.18.0:
 | 4.57.6 (newest 4.57.x) | the whole suite; the matrix above |
 | 5.24.0 (newest 5.x) | the whole suite; the matrix above |
 | 5.0.0, 5.8.1, 5.16.1, 5.22.2 | the range subset (`RANGE_TESTS` in `scripts/test.sh`) |
-| 5.2.0, 5.4.0, 5.12.1, 5.20.2 | the range subset, once by hand this release cycle (not in CI) |
+| 5.12.1, 5.20.2 | the range subset, once by hand (not in CI) |
+| 5.2.0, 5.4.0 | the range subset less tensor parallelism, once by hand (not in CI) |
 
 The range subset: every shipped family loaded, run, saved and reloaded on the tiny models and the
 decoder families, the compat fallbacks, `integrate_transformers` (Auto and model classes,
 `pipeline`, a Trainer script), PEFT LoRA, in-place fuse/unfuse, pickling, tensor parallelism.
+
+5.4.0 cannot build some MoE configs (OLMoE, PhiMoE) itself next to the current huggingface_hub (a
+strict dataclass rejects its own `tie_word_embeddings` default); the tests that need them skip.
 
 CI prints one line per release with its counts and every test it skipped, with the reason
 (a feature that release lacks, such as an architecture it does not ship).
