@@ -15,7 +15,11 @@ go to :func:`fusion_core.from_pretrained`, with all of its guarantees:
 
 **Process-wide and thread-safe.** Activation replaces the public classmethod
 ``PreTrainedModel.from_pretrained`` for the whole process, under a lock; a thread loading while
-another switches it on or off sees one method or the other. Every Auto class resolves the
+another switches it on or off sees one method or the other. Routed loads serialize on
+:data:`fusion_core.patching.LOAD_LOCK`; loads that are not routed run as transformers runs them,
+and transformers 4.57's own loading is not thread-safe (``init_empty_weights`` patches
+``nn.Module.register_parameter`` for the whole process while a load runs), so concurrent plain
+loads there need the caller's own serialization. Every Auto class resolves the
 config and then calls the concrete class's ``from_pretrained`` with the ``fusion_config`` keyword
 it was given (transformers' configs do not take that keyword: checked on every release in
 :data:`fusion_core.compat.transformers.CHECKED_RELEASES`), or with a config that carries the

@@ -22,6 +22,7 @@ import fusion_core
 from fusion_core.routing import is_integrated
 
 QKV = {"qkv": True, "gate_up": True}
+TF5 = int(transformers.__version__.split(".")[0]) >= 5
 IDS = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(0))
 
 
@@ -112,14 +113,21 @@ def test_fusion_core_from_pretrained_while_integrated_does_not_recurse(llama):
 
 
 def test_activation_is_process_wide_and_each_thread_gets_its_own_load(llama):
+    """Routed fused loads in threads beside plain ones. On 4.57 the plain ones go through fusion-core without a
+    fusion_config, which serializes them with the fused loads: transformers 4.57 itself cannot load in two threads
+    at once (see tests/test_reliability_concurrency.py)."""
     plain = AutoModelForCausalLM.from_pretrained(llama)
     results: dict[str, torch.nn.Module] = {}
     errors: list[BaseException] = []
 
     def load(name: str, fusion: bool) -> None:
         try:
-            kwargs = {"fusion_config": QKV} if fusion else {}
-            results[name] = AutoModelForCausalLM.from_pretrained(llama, **kwargs)
+            if fusion:
+                results[name] = AutoModelForCausalLM.from_pretrained(llama, fusion_config=QKV)
+            elif TF5:
+                results[name] = AutoModelForCausalLM.from_pretrained(llama)
+            else:  # 4.57's own loads are not thread-safe (init_empty_weights patches the process): serialize them
+                results[name] = fusion_core.from_pretrained(AutoModelForCausalLM, llama)
         except BaseException as exc:  # reported below
             errors.append(exc)
 
