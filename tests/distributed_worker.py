@@ -8,13 +8,8 @@ processes (``torch.multiprocessing``), and each rank runs SCENARIO and writes ``
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import socket
 import sys
 import tempfile
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,8 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fusion_core.testing.distributed import Checks, close, free_port, full_state, report_rank, same_state, saved
+
 FUSION = {"qkv": True, "gate_up": True}
-Checks = dict[str, list[Any]]
 
 
 def text_config(world: int) -> Any:
@@ -49,13 +45,8 @@ def is_tf5() -> bool:
     return int(transformers.__version__.split(".")[0]) >= 5
 
 
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach().float() - b.detach().float()).abs().max())
 
 
-def close(checks: Checks, name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-5) -> None:
-    diff = max_diff(actual, expected) if actual.shape == expected.shape else float("inf")
-    checks[name] = [diff <= tol, f"max |diff| {diff:.3g} (shapes {tuple(actual.shape)} vs {tuple(expected.shape)})"]
 
 
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -86,30 +77,10 @@ def same_state_if_seen(checks: Checks, name: str, actual: dict[str, torch.Tensor
         same_state(checks, name, actual, expected, **kwargs)
 
 
-def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.state_dict().items()}
 
 
-def same_state(checks: Checks, name: str, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-               tol: float = 1e-5, exact: bool = False) -> None:
-    if actual.keys() != expected.keys():
-        checks[name] = [False, f"keys differ: {sorted(actual.keys() ^ expected.keys())[:6]}"]
-        return
-    worst = max(expected, key=lambda k: max_diff(actual[k], expected[k]))
-    diff = max_diff(actual[worst], expected[worst])
-    ok = all(torch.equal(actual[k], expected[k]) for k in expected) if exact else diff <= tol
-    checks[name] = [ok, f"worst {worst}: max |diff| {diff:.3g}"]
 
 
-def saved(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    return tensors
 
 
 def refused(checks: Checks, name: str, load: Callable[[], Any], *needles: str) -> None:
@@ -355,23 +326,7 @@ SCENARIOS = {"tensor_parallel": tensor_parallel, "data_parallel": data_parallel}
 
 
 def run_rank(rank: int, world: int, scenario: str, path: str, out: str, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        checks = SCENARIOS[scenario](rank, world, Path(path), Path(out))
-    except Exception:
-        checks = {"scenario ran": [False, traceback.format_exc()]}
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps(checks, indent=1))
-    # Every rank reaches the teardown together: a rank that destroyed its gloo group while another
-    # still worked on rank-local checks was seen to abort ("terminate called without an active exception").
-    dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))  # names a rank that never arrives
-    dist.destroy_process_group()
+    report_rank(rank, world, port, Path(out), lambda: SCENARIOS[scenario](rank, world, Path(path), Path(out)))
 
 
 def main(scenario: str, world: int, out: Path) -> None:
@@ -380,9 +335,7 @@ def main(scenario: str, world: int, out: Path) -> None:
     torch.manual_seed(0)
     path = Path(tempfile.mkdtemp(prefix="fusion-dist-ckpt-"))
     AutoModelForCausalLM.from_config(text_config(world)).save_pretrained(path)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     out.mkdir(parents=True, exist_ok=True)
     mp.spawn(run_rank, args=(world, scenario, str(path), str(out), port), nprocs=world)
 

@@ -21,22 +21,17 @@ repository's tests/distributed_worker.py.
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import socket
 import sys
 import tempfile
-import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fusion_core.testing.distributed import Checks, close, free_port, full_state, report_rank, same_state, saved
+
 FUSION = {"moe_experts": True}
-Checks = dict[str, list[Any]]
 IDS = torch.tensor([[1, 5, 7, 9, 11, 3], [1, 4, 8, 16, 32, 64]])
 BASE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
             max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0, num_experts_per_tok=2,
@@ -53,39 +48,14 @@ def configs() -> dict[str, Any]:
     }
 
 
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach().float() - b.detach().float()).abs().max())
 
 
-def close(checks: Checks, name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-5) -> None:
-    diff = max_diff(actual, expected) if actual.shape == expected.shape else float("inf")
-    checks[name] = [diff <= tol, f"max |diff| {diff:.3g} (shapes {tuple(actual.shape)} vs {tuple(expected.shape)})"]
 
 
-def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.state_dict().items()}
 
 
-def same_state(checks: Checks, name: str, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-               tol: float = 1e-5, exact: bool = False) -> None:
-    if actual.keys() != expected.keys():
-        checks[name] = [False, f"keys differ: {sorted(actual.keys() ^ expected.keys())[:6]}"]
-        return
-    worst = max(expected, key=lambda k: max_diff(actual[k], expected[k]))
-    diff = max_diff(actual[worst], expected[worst])
-    ok = all(torch.equal(actual[k], expected[k]) for k in expected) if exact else diff <= tol
-    checks[name] = [ok, f"worst {worst}: max |diff| {diff:.3g}"]
 
 
-def saved(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    return tensors
 
 
 def sgd_step(model: torch.nn.Module, ids: torch.Tensor) -> float:
@@ -187,21 +157,8 @@ def scenario(rank: int, world: int, paths: dict[str, Path], out: Path) -> Checks
 
 
 def run_rank(rank: int, world: int, paths: dict[str, str], out: str, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        checks = scenario(rank, world, {k: Path(v) for k, v in paths.items()}, Path(out))
-    except Exception:
-        checks = {"scenario ran": [False, traceback.format_exc()]}
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps(checks, indent=1))
-    dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))  # names a rank that never arrives
-    dist.destroy_process_group()
+    report_rank(rank, world, port, Path(out), lambda: scenario(rank, world, {k: Path(v) for k, v in paths.items()},
+                                                              Path(out)))
 
 
 def main(world: int, out: Path) -> None:
@@ -213,9 +170,7 @@ def main(world: int, out: Path) -> None:
         torch.manual_seed(0)
         paths[name] = str(root / name)
         AutoModelForCausalLM.from_config(config).save_pretrained(paths[name])
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     out.mkdir(parents=True, exist_ok=True)
     mp.spawn(run_rank, args=(world, paths, str(out), port), nprocs=world)
 
