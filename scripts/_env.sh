@@ -7,7 +7,7 @@ PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="torch==2.13.0"
 TF4_SPEC="transformers>=4.57,<4.58"
 TF5_SPEC="transformers>=5,<6"
-TEST_SPEC="pytest>=8 hypothesis>=6.100 accelerate>=1.0 peft>=0.17 torchao>=0.18"
+TEST_SPEC="pytest>=8 hypothesis>=6.100 accelerate>=1.0 peft>=0.17"
 TOOLS_SPEC="$TEST_SPEC ruff>=0.6 mypy>=1.10 mkdocs>=1.6 mkdocstrings[python]>=0.26"
 # The minors between 4.57 and the newest 5.x that CI runs the range subset on (tests marked `range`):
 # the first 5.x release and minors spread across the line, each the newest patch of its minor.

@@ -97,7 +97,8 @@ Importing `fusion_core` with a transformers outside the range fails at once with
 that names the range, not deep inside a load.
 
 `bash scripts/test.sh` (CI) runs, each release in its own environment with torch 2.13.0 (CPU),
-peft 0.21.2, accelerate 1.15.0 and torchao 0.18.0:
+peft 0.21.2 and accelerate 1.15.0 (torchao is not installed: with it, every transformers load imports it,
+~0.5 s, and it prints its own import warnings; the moe_experts torchao test then skips, saying so):
 
 | transformers | what runs |
 |---|---|
