@@ -138,7 +138,7 @@ def from_pretrained(
 
 # -- transformers' loading report ----------------------------------------------------------------
 # (model, its loading report) for each load in the current context.
-_REPORTS: contextvars.ContextVar[list[tuple[Any, Callable[[], dict[str, Any]]]] | None] = contextvars.ContextVar(
+_REPORTS: contextvars.ContextVar[list[tuple[Any, compat.Report]] | None] = contextvars.ContextVar(
     "fusion_core_loading_reports", default=None
 )
 
@@ -157,7 +157,7 @@ def _record_reports(function: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @contextmanager
-def _loading_reports() -> Iterator[list[tuple[Any, Callable[[], dict[str, Any]]]]]:
+def _loading_reports() -> Iterator[list[tuple[Any, compat.Report]]]:
     """Collect transformers' loading report of every model loaded in this block (callers hold LOAD_LOCK).
 
     transformers' load method (:data:`fusion_core.compat.transformers.LOAD_METHOD`), which every
@@ -165,7 +165,7 @@ def _loading_reports() -> Iterator[list[tuple[Any, Callable[[], dict[str, Any]]]
     inside this context, so a load in another thread passes through untouched.
     """
     install = not getattr(compat.raw_load_method().__func__, "__fusion_core_wrapper__", False)
-    reports: list[tuple[Any, Callable[[], dict[str, Any]]]] = []
+    reports: list[tuple[Any, compat.Report]] = []
     token = _REPORTS.set(reports)
     try:
         with compat.wrapped_load_method(_record_reports) if install else nullcontext():
@@ -174,7 +174,7 @@ def _loading_reports() -> Iterator[list[tuple[Any, Callable[[], dict[str, Any]]]
         _REPORTS.reset(token)
 
 
-def _report_of(model: nn.Module, reports: list[tuple[Any, Callable[[], dict[str, Any]]]]) -> dict[str, Any]:
+def _report_of(model: nn.Module, reports: list[tuple[Any, compat.Report]]) -> dict[str, Any]:
     """The loading report of ``model`` as ``output_loading_info=True`` would return it."""
     for loaded, report in reports:
         if loaded is model:

@@ -51,7 +51,7 @@ __all__ = ["TransformersIntegration", "integrate_transformers", "is_integrated"]
 
 _lock = threading.Lock()
 _depth = 0  # how many activations are in force; the methods are replaced while it is above 0
-_originals: dict[type, Any] = {}  # owner class -> its own from_pretrained classmethod object
+_original: Any = None  # PreTrainedModel's own from_pretrained classmethod object, while replaced
 _ROUTED: contextvars.ContextVar[bool] = contextvars.ContextVar("fusion_core_routed", default=False)
 
 
@@ -93,19 +93,19 @@ def is_integrated() -> bool:
 
 
 def _apply(depth: int) -> None:
-    """Set the activation depth and install or remove the routed methods to match (callers hold ``_lock``)."""
-    global _depth
+    """Set the activation depth and install or remove the routed method to match (callers hold ``_lock``)."""
+    global _depth, _original
     _depth = depth
-    if depth > 0 and not _originals:
-        from transformers import PreTrainedModel
+    if (depth > 0) == (_original is not None):
+        return  # already as asked (switching off never imports transformers)
+    from transformers import PreTrainedModel
 
-        raw = PreTrainedModel.__dict__["from_pretrained"]
-        _originals[PreTrainedModel] = raw
-        PreTrainedModel.from_pretrained = classmethod(_routed(raw.__func__))
-    elif depth == 0 and _originals:
-        for owner, raw in _originals.items():
-            owner.from_pretrained = raw  # type: ignore[attr-defined]
-        _originals.clear()
+    if depth > 0:
+        _original = PreTrainedModel.__dict__["from_pretrained"]
+        PreTrainedModel.from_pretrained = classmethod(_routed(_original.__func__))
+    else:
+        PreTrainedModel.from_pretrained = _original
+        _original = None
 
 
 def _routed(original: Any) -> Any:
