@@ -9,12 +9,12 @@ release and one that works.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import os
 import re
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -28,10 +28,33 @@ CHECKED_RELEASES = ("4.57.6", "5.0.0", "5.2.0", "5.4.0", "5.8.1", "5.12.1", "5.1
 5.16.1, 5.22.2, 5.24.0; the others by hand, 5.2.0 and 5.4.0 without tensor parallelism)."""
 
 
+def installed_version() -> str | None:
+    """The installed transformers' version, None when it is not installed; transformers is not imported.
+
+    Read from the first ``transformers-<version>.dist-info`` folder on ``sys.path`` (what
+    ``importlib.metadata`` finds first), because importing ``importlib.metadata`` costs ~45 ms and
+    this runs at ``import fusion_core``; other layouts fall back to ``importlib.metadata``.
+    """
+    for entry in sys.path:
+        try:
+            with os.scandir(entry or ".") as entries:
+                for item in entries:
+                    if item.name.startswith("transformers-") and item.name.endswith(".dist-info"):
+                        return item.name[len("transformers-"):-len(".dist-info")]
+        except OSError:  # a zip or a missing folder on sys.path
+            continue
+    from importlib import metadata
+
+    try:
+        return metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 @functools.cache
 def release() -> tuple[int, int]:
-    """(major, minor) of the installed transformers, read from its metadata (transformers is not imported)."""
-    return _major_minor(metadata.version("transformers"))
+    """(major, minor) of the installed transformers (transformers is not imported)."""
+    return _major_minor(installed_version() or "0.0")
 
 
 def _major_minor(version: str) -> tuple[int, int]:
@@ -48,10 +71,9 @@ def check_supported(version: str | None = None) -> None:
     message instead of deep inside a load.
     """
     if version is None:
-        try:
-            version = metadata.version("transformers")
-        except metadata.PackageNotFoundError:
-            raise ImportError(f"fusion-core needs transformers{SUPPORTED_RANGE}; it is not installed") from None
+        version = installed_version()
+        if version is None:
+            raise ImportError(f"fusion-core needs transformers{SUPPORTED_RANGE}; it is not installed")
     if not (4, 57) <= _major_minor(version) < (6, 0):
         raise ImportError(
             f"fusion-core supports transformers{SUPPORTED_RANGE}; transformers {version} is installed "
@@ -116,10 +138,12 @@ def loading_report(result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     info = result[0] if isinstance(result, tuple) and result else result  # 5.1+: (info, offload index); 5.0: info
     if callable(getattr(info, "to_dict", None)):  # 5.1 and later
         return model, info.to_dict
+    import dataclasses
+
     if dataclasses.is_dataclass(info) and not isinstance(info, type):  # 5.0: a plain dataclass
         return model, lambda: {field.name: getattr(info, field.name) for field in dataclasses.fields(info)}
     raise TypeError(
-        f"transformers {metadata.version('transformers')}'s PreTrainedModel.{LOAD_METHOD} returned "
+        f"transformers {installed_version()}'s PreTrainedModel.{LOAD_METHOD} returned "
         f"{type(result).__name__}, which no release fusion-core was checked on returns "
         f"({', '.join(CHECKED_RELEASES)})"
     )
