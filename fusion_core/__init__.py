@@ -5,8 +5,9 @@
 ...                                     fusion_config={"patch_embeddings": True})
 >>> fusion_core.save_pretrained(model, out_dir)   # the original checkpoint layout
 
-Families (``patch_embeddings``, ...) are separate plugin distributions found through the
-``fusion_core`` entry-point group; ``fusion list`` shows what is installed.
+Families (``patch_embeddings``, ...) and integrations (``peft``, ``tensor_parallel``) are separate
+plugin distributions found through the ``fusion_core`` entry-point group; ``fusion list`` shows
+what is installed.
 
 The public names below are imported on first use (PEP 562), so ``import fusion_core`` costs a
 few milliseconds; pydantic, pluggy and the pipeline load when a name is first touched.
@@ -32,7 +33,10 @@ _EXPORTS: dict[str, str] = {
     "PlanError": "fusion_core.errors",
     "PluginError": "fusion_core.errors",
     "SaveError": "fusion_core.errors",
+    "MissingIntegrationError": "fusion_core.errors",
     "UnknownFamilyError": "fusion_core.errors",
+    "Integration": "fusion_core.integration",
+    "reset_state": "fusion_core.state",
     "from_pretrained": "fusion_core.hf",
     "fuse": "fusion_core.inplace",
     "unfuse": "fusion_core.inplace",
@@ -95,6 +99,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         DiscoveryError,
         FusionError,
         FusionLoadError,
+        MissingIntegrationError,
         PlanError,
         PluginError,
         SaveError,
@@ -103,10 +108,12 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from fusion_core.hf import from_pretrained, get_fusion_plan, save_pretrained
     from fusion_core.hookspecs import hookimpl
     from fusion_core.inplace import fuse, unfuse
+    from fusion_core.integration import Integration
     from fusion_core.layout import fused_layout
     from fusion_core.plugins import get_registry, register_family, reset_registry, unregister_family
     from fusion_core.routing import integrate_transformers
     from fusion_core.spec import FamilyOptions, FusedModule, FusionFamily, ModuleFusionSpec
+    from fusion_core.state import reset_state
     from fusion_core.transforms import (
         Concat,
         Flatten,

@@ -51,6 +51,12 @@ _header_cache: dict[Path, tuple[tuple[int, int, int], dict[str, TensorInfo]]] = 
 _header_cache_lock = threading.Lock()
 
 
+def clear_header_cache() -> None:
+    """Forget every parsed safetensors header (the next read parses the file again)."""
+    with _header_cache_lock:
+        _header_cache.clear()
+
+
 def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     """Parse and check one safetensors header; raise :class:`CheckpointError` naming the file.
 

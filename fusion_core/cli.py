@@ -2,7 +2,7 @@
 
 ::
 
-    fusion list                                   installed families, where each comes from
+    fusion list                                   installed families and integrations, where each comes from
     fusion plan MODEL_DIR -f FAMILY[,FAMILY]      what a fused load would do (no weight is read)
     fusion check MODEL_DIR -f ...                 fused vs plain on random inputs, round trip, time
     fusion convert SRC DST -f ... --to fused      rewrite a checkpoint in the other layout
@@ -64,6 +64,19 @@ def _clear_status(enabled: bool | None) -> None:
 
 
 # -- list --------------------------------------------------------------------------------------
+def _integration_rows() -> list[dict[str, Any]]:
+    return [
+        {
+            "name": entry.name,
+            "description": entry.integration.description,
+            "distribution": entry.source.distribution,
+            "version": entry.source.version,
+            "plugin": entry.source.plugin,
+        }
+        for entry in get_registry().integrations()
+    ]
+
+
 def _family_rows() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     registry = get_registry()
     families = []
@@ -107,8 +120,9 @@ def _options_summary(schema: dict[str, Any]) -> str:
 
 def cmd_list(args: argparse.Namespace) -> int:
     families, failures = _family_rows()
+    integrations = _integration_rows()
     if args.json:
-        print(json.dumps({"families": families, "failed_plugins": failures}, indent=2))
+        print(json.dumps({"families": families, "integrations": integrations, "failed_plugins": failures}, indent=2))
         return 0
     if not families:
         print("No fusion family is installed. Install one, e.g.: pip install fusion-patch-embeddings")
@@ -121,6 +135,11 @@ def cmd_list(args: argparse.Namespace) -> int:
         print()
         print(table(("FAMILY", "MODULE", "LOCATION"),
                     [(f["name"], f"{f['module']}.{f['spec_class']}", f["location"] or "-") for f in families]))
+    if integrations:
+        print()
+        print(table(("INTEGRATION", "DISTRIBUTION", "VERSION", "DESCRIPTION"),
+                    [(i["name"], i["distribution"] or "(programmatic)", i["version"] or "-", i["description"])
+                     for i in integrations]))
     if failures:
         print("\nPlugins that failed to load:")
         for f in failures:
@@ -291,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fusion", description="Inspect, check and apply fusion families.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("list", help="list installed fusion families, where they come from, and failed plugins")
+    p = sub.add_parser("list", help="list installed families and integrations, where they come from, failed plugins")
     _add_common(p)
     p.set_defaults(func=cmd_list)
 

@@ -13,8 +13,8 @@ It needs no knowledge of the architecture or of any family:
 - **per fused module**: each fused module is a drop-in for its original class, so it is fed
   exactly what the plain model's module at the same path received during those runs (captured
   by a forward hook) and, for standard torch layers (``Linear``, ``Conv1d/2d/3d``), random inputs
-  of the right shape as well. A family adds its own by implementing :class:`SampleInputs` (an
-  optional method of a family: ``sample_inputs(module, generator)``);
+  of the right shape as well. A family adds its own with the optional member
+  :meth:`fusion_core.ModuleFusionSpec.sample_inputs`;
 - **round trip**: the fused model saved with ``save_original_format=True`` is compared tensor by
   tensor (names, dtypes, shapes, bytes) with the source checkpoint.
 
@@ -33,20 +33,20 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import nn
 
+from fusion_core.spec import Inputs, spec_member
+
 __all__ = [
-    "TOLERANCES", "Comparison", "Inputs", "ModuleReport", "RoundTripReport", "SampleInputs", "WholeModelReport",
+    "TOLERANCES", "Comparison", "Inputs", "ModuleReport", "RoundTripReport", "WholeModelReport",
     "checkpoint_tensors", "compare_checkpoints", "compare_models", "compare_outputs", "iter_checkpoint_tensors",
     "median_seconds", "model_inputs", "relative_error", "round_trip", "synthetic_inputs", "tensors_of",
     "tower_inputs",
 ]
 
-Inputs = tuple[tuple[Any, ...], dict[str, Any]]
-"""One call of a module: ``(args, kwargs)``."""
 
 #: Documented numerical tolerances (max abs difference, relative to max |reference| + 1) per dtype.
 TOLERANCES: dict[torch.dtype, float] = {
@@ -59,22 +59,6 @@ TOLERANCES: dict[torch.dtype, float] = {
 def relative_error(reference: torch.Tensor, candidate: torch.Tensor) -> float:
     """Max abs difference relative to ``max |reference| + 1``: the metric :data:`TOLERANCES` bounds."""
     return float((reference.float() - candidate.float()).abs().max()) / (float(reference.float().abs().max()) + 1.0)
-
-
-@runtime_checkable
-class SampleInputs(Protocol):
-    """Optional method of a family: example calls for a module it fuses.
-
-    ``fusion check`` and the kit feed fused modules what the whole-model run gave them and, for
-    standard torch layers, random inputs of the right shape. A module that neither reaches (an
-    MoE block, a custom attention) is reported "no input" and fails the check, unless its family
-    implements this: return ``[(args, kwargs), ...]`` for the *original* ``module`` (plain
-    device and dtype: use ``module``'s parameters), drawing randomness from ``generator``.
-    """
-
-    def sample_inputs(self, module: nn.Module, generator: torch.Generator) -> list[Inputs]:
-        """Example ``(args, kwargs)`` calls of ``module``; ``[]`` when it has none for this instance."""
-        ...
 
 
 @dataclass
@@ -218,8 +202,8 @@ def synthetic_inputs(module: nn.Module, generator: torch.Generator, spec: Any = 
     """Random inputs of the right shape for standard torch layers (and whatever ``spec`` adds)."""
     dtype = _float_dtype(module)
     result: list[Inputs] = []
-    if isinstance(spec, SampleInputs):
-        result.extend(spec.sample_inputs(module, generator))
+    if spec is not None:
+        result.extend(spec_member(spec, "sample_inputs")(module, generator))
     if isinstance(module, nn.Linear):
         result.append(((torch.randn(5, module.in_features, generator=generator).to(dtype),), {}))
     elif isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and module.groups == 1:

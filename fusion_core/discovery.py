@@ -31,7 +31,7 @@ from fusion_core.layout import fuse_instance
 from fusion_core.patching import LOAD_LOCK, ClassRoute, no_routing
 from fusion_core.patterns import search_any
 from fusion_core.plugins import PluginSource, RegisteredFamily
-from fusion_core.spec import FamilyOptions
+from fusion_core.spec import FamilyOptions, spec_member
 from fusion_core.transforms import FusionPlan, ModulePlan, WeightTransform, bind_transforms
 
 
@@ -227,7 +227,7 @@ def _discover(
             except PlanError as exc:
                 raise PlanError(f"{exc} [{family.source}]") from None
             plans.append(ModulePlan(family.name, path, original, fused, bound, tuple(leaves)))
-    owners = {family.name for family, _ in families if getattr(family.spec, "owns_submodules", False) is True}
+    owners = {family.name for family, _ in families if spec_member(family.spec, "owns_submodules") is True}
     plans, nested = _leave_nested_to_outer(plans, owners)
     for family, options in families:
         inside = [outer for inner, outer in nested if inner.family == family.name]

@@ -39,3 +39,7 @@ class FusionLoadError(FusionError, RuntimeError):
 
 class SaveError(FusionError, RuntimeError):
     """Saving a fused model failed; the target directory was left as it was."""
+
+
+class MissingIntegrationError(FusionError, RuntimeError):
+    """A workflow on a fused model needs an integration plugin that is not installed; the message names it."""

@@ -28,6 +28,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from torch import nn
@@ -36,10 +37,10 @@ from fusion_core.checkpoint import KeyMatcher, check_checkpoint, planned_tensors
 from fusion_core.compat import transformers as compat
 from fusion_core.config import FusionConfig, parse_fusion_config
 from fusion_core.discovery import Discovery, discover
-from fusion_core.errors import CheckpointError, FusionLoadError, SaveError
+from fusion_core.errors import CheckpointError, FusionError, FusionLoadError, SaveError
+from fusion_core.integration_needs import load_needs, loaded_needs, warn_unserved_libraries
 from fusion_core.layout import convert_to_fused, fuse_instance, fused_layout, module_plan
 from fusion_core.parallel.saving import gathered_save_kwargs, is_writer, rank_zero_directory
-from fusion_core.parallel.tensor_parallel import tensor_parallel_fusion
 from fusion_core.patching import LOAD_LOCK, BuildScope, class_patch_scope
 from fusion_core.plugins import PluginSource, get_registry
 from fusion_core.record import (
@@ -51,9 +52,7 @@ from fusion_core.record import (
     pop_stored_fusion_config,
     write_config,
 )
-from fusion_core.transforms import FusionPlan, ModulePlan
-
-PLAN_ATTRIBUTE = "_fusion_plan"
+from fusion_core.transforms import FusionPlan, ModulePlan, attach_plan, attached_plan
 
 logger = logging.getLogger(__name__)
 
@@ -62,19 +61,19 @@ __all__ = ["LOAD_LOCK", "from_pretrained", "get_fusion_plan", "save_pretrained"]
 
 def get_fusion_plan(model: nn.Module) -> FusionPlan | None:
     """The :class:`FusionPlan` a model was loaded with, or None for a model fusion did not touch."""
-    plan: FusionPlan | None = model.__dict__.get(PLAN_ATTRIBUTE)
-    return plan
+    plan = attached_plan(model)
+    return plan if isinstance(plan, FusionPlan) else None
 
 
 def mark_fused(model: nn.Module, fusion: FusionConfig, plan: FusionPlan) -> None:
     """Record on a freshly fused model what was applied: the config's record and the plan."""
     attach_record(model.config, fusion.model_dump())
-    model.__dict__[PLAN_ATTRIBUTE] = plan
+    attach_plan(model, plan)
 
 
 def mark_unfused(model: nn.Module) -> None:
     """Undo :func:`mark_fused`: no plan, and no record for a later save to write."""
-    model.__dict__.pop(PLAN_ATTRIBUTE, None)
+    attach_plan(model, None)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, RECORD_KEY):
         delattr(config, RECORD_KEY)
@@ -120,6 +119,11 @@ def from_pretrained(
     for name in discovery.plan.skipped:
         logger.warning("fusion family %r found nothing to fuse in %s and is left out (required=False)", name,
                        discovery.model_class.__name__)
+    families = {name: registry.get(name).spec for name in fusion.enabled_names() if name in registry}
+    for need in load_needs(kwargs):
+        registry.require_integration(need.integration, need.workflow)
+    _call_plugins(registry.hook.fusion_load_planned, "fusion_load_planned", plan=discovery.plan,
+                  model_class=model_cls, config=config, load_kwargs=MappingProxyType(kwargs), families=families)
     if local.is_dir():
         check_checkpoint(local / kwargs.get("subfolder", ""), discovery.plan, fused_dir)
     on_built = convert_to_fused if fused_dir else None
@@ -128,12 +132,34 @@ def from_pretrained(
     info = _report_of(model, reports)
     _verify_build(model, scope, discovery)
     _verify_loading_info(model, info, discovery.plan, fused_dir)
+    for need in loaded_needs(model):
+        registry.require_integration(need.integration, need.workflow)
+
+    def convert() -> None:
+        _convert_built(scope, fused_dir, fusion.sources())
+
     # Under the lock too: while another load runs, 4.57's init_empty_weights sends every parameter
     # registered in *any* thread to the meta device, the fused ones created here included.
-    with LOAD_LOCK, tensor_parallel_fusion(model, scope.built, registry):
-        _convert_built(scope, fused_dir, fusion.sources())
+    with LOAD_LOCK:
+        # The conversion is the innermost call of the hook: integrations' wrappers run around it.
+        registry.hook.fusion_convert_loaded.call_extra(
+            [convert], {"model": model, "built": scope.built, "families": families}
+        )
     mark_fused(model, fusion, discovery.plan)
+    warn_unserved_libraries({entry.name for entry in registry.integrations()})
     return (model, info) if want_info else model
+
+
+def _call_plugins(hook: Any, name: str, **kwargs: Any) -> None:
+    """Call a refusing hook: a FusionError passes as it is, anything else is wrapped naming the plugin."""
+    for impl in reversed(hook.get_hookimpls()):
+        try:
+            impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
+        except FusionError:
+            raise
+        except Exception as exc:
+            raise FusionLoadError(f"plugin {impl.plugin_name.partition(':')[0]!r} refused the load in {name}: "
+                                  f"{type(exc).__name__}: {exc}") from exc
 
 
 # -- transformers' loading report ----------------------------------------------------------------
@@ -293,7 +319,9 @@ def save_pretrained(
     target = Path(directory)
     with rank_zero_directory(target) as staging:
         with nullcontext() if save_original_format else fused_layout():
-            model.save_pretrained(staging, **gathered_save_kwargs(model, transformers_kwargs))  # type: ignore[operator]
+            save_kwargs = dict(gathered_save_kwargs(model, transformers_kwargs))
+            get_registry().hook.fusion_save_kwargs(model=model, save_kwargs=save_kwargs)
+            model.save_pretrained(staging, **save_kwargs)  # type: ignore[operator]
         if not save_original_format and is_writer():  # other ranks of a process group wrote no config
             config_path = staging / CONFIG_NAME
             write_config(staging, json.loads(config_path.read_text()), None, fused=True)

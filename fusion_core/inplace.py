@@ -9,9 +9,11 @@ inverse for any fused model: afterwards the model holds its original classes and
 is bit-identical to the unfused model's.
 
 Both check every instance before changing any, and refuse what they cannot do exactly with a
-:class:`~fusion_core.errors.FusionError` naming the module: a model that already carries
-adapters (attach adapters after fusing, and merge or unload them before unfusing), a module
-that differs from what discovery planned, tensors on the meta device.
+:class:`~fusion_core.errors.FusionError` naming the module: a module that differs from what
+discovery planned, tensors on the meta device, and whatever a plugin refuses through the
+:func:`~fusion_core.hookspecs.fusion_fuse_refusal` / :func:`~fusion_core.hookspecs.fusion_unfuse_refusal`
+hooks (the PEFT integration: a model that already carries adapters; attach adapters after fusing,
+and merge or unload them before unfusing).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from fusion_core.config import parse_fusion_config
 from fusion_core.discovery import discover
 from fusion_core.errors import FusionError, FusionLoadError
 from fusion_core.hf import get_fusion_plan, mark_fused, mark_unfused
-from fusion_core.integrations import adapter_layers
+from fusion_core.integration_needs import warn_unserved_libraries
 from fusion_core.layout import fuse_instance, module_plan, unfuse_instance, unfuse_refusal
 from fusion_core.patching import LOAD_LOCK
 from fusion_core.plugins import get_registry
@@ -61,13 +63,9 @@ def fuse(model: ModelT, fusion_config: Any) -> ModelT:
         raise FusionError(f"{type(model).__name__} has no config: fuse() needs a transformers model")
     if get_fusion_plan(model) is not None or any(module_plan(m) is not None for m in model.modules()):
         raise FusionError(f"{type(model).__name__} is already fused; unfuse() it first to fuse it differently")
-    adapters = adapter_layers(model)
-    if adapters:
-        listed = ", ".join(adapters[:3]) + (", ..." if len(adapters) > 3 else "")
-        raise FusionError(
-            f"{type(model).__name__} carries adapter layers ({listed}); fuse the model first and attach the "
-            "adapters afterwards (they target the original module names)"
-        )
+    refusal = get_registry().hook.fusion_fuse_refusal(model=model)
+    if refusal is not None:
+        raise FusionError(f"{type(model).__name__}: {refusal}")
     plain_config = _config_without_record(config)
     discovery = discover(type(model), plain_config, fusion)
     targets = [(_checked_instance(model, plan), plan) for plan in discovery.plan.modules]
@@ -90,6 +88,7 @@ def fuse(model: ModelT, fusion_config: Any) -> ModelT:
                 ) from exc
             done.append(module)
     mark_fused(model, fusion, discovery.plan)
+    warn_unserved_libraries({entry.name for entry in get_registry().integrations()})
     return model
 
 
@@ -138,13 +137,7 @@ def unfuse(model: ModelT) -> ModelT:
     ``unload()`` them first) or a fused class cannot undo its set-up.
     """
     fused = [(name, m) for name, m in model.named_modules() if module_plan(m) is not None]
-    for name, module in fused:
-        adapters = adapter_layers(module)
-        if adapters:
-            raise FusionError(
-                f"module {name!r} carries adapter layers ({', '.join(adapters)}); merge_and_unload() or unload() "
-                "them before unfusing"
-            )
+    for _, module in fused:
         reason = unfuse_refusal(module)
         if reason is not None:
             raise FusionError(reason)

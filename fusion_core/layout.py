@@ -22,11 +22,11 @@ from torch import nn
 
 from fusion_core.compat import torch as torch_compat
 from fusion_core.errors import FusionError, FusionLoadError
+from fusion_core.plugins import get_registry
 from fusion_core.spec import FusedModule
-from fusion_core.transforms import ModulePlan
+from fusion_core.transforms import ModulePlan, attach_plan, attached_plan
 
 _PRESENT_FUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("fusion_core_present_fused", default=False)
-PLAN_ATTRIBUTE = "_fusion_module_plan"
 
 
 @contextmanager
@@ -41,7 +41,8 @@ def fused_layout() -> Iterator[None]:
 
 def module_plan(module: nn.Module) -> ModulePlan | None:
     """The plan a fused instance was built from, or None for a module fusion did not touch."""
-    return module.__dict__.get(PLAN_ATTRIBUTE)
+    plan = attached_plan(module)
+    return plan if isinstance(plan, ModulePlan) else None
 
 
 def _owner(module: nn.Module, leaf: str, create: bool = False) -> tuple[nn.Module, str]:
@@ -229,7 +230,7 @@ def attach_original_layout(module: nn.Module, plan: ModulePlan) -> None:
     """Make ``module`` present the original layout in ``state_dict``/``load_state_dict``."""
     if module_plan(module) is not None:
         return
-    module.__dict__[PLAN_ATTRIBUTE] = plan
+    attach_plan(module, plan)
     module.register_state_dict_post_hook(_present_original)  # type: ignore[no-untyped-call]
     module.register_load_state_dict_pre_hook(_accept_original)  # type: ignore[no-untyped-call]
 
@@ -240,7 +241,7 @@ def detach_original_layout(module: nn.Module) -> None:
     The hooks are found by the functions they call, not by handles: a handle of a deep-copied or
     unpickled module would still point at the original module's hook table.
     """
-    module.__dict__.pop(PLAN_ATTRIBUTE, None)
+    attach_plan(module, None)
     torch_compat.remove_layout_hooks(module, _present_original, _accept_original)
 
 
@@ -260,8 +261,8 @@ def fuse_instance(
     Switches ``module`` to ``plan.fused_class`` (a routed build already did), moves its tensors
     into the fused layout (``convert=False`` when they were loaded in that layout already; see
     :func:`convert_to_fused` for ``verified``), attaches the hooks that present the original
-    layout, calls the fused class's ``fusion_finalize``, and switches on the integrations of
-    installed libraries that need to know fused modules (:mod:`fusion_core.integrations`). Raises
+    layout, calls the fused class's ``fusion_finalize``, and then the
+    :func:`~fusion_core.hookspecs.fusion_module_fused` hook of every plugin. Raises
     :class:`~fusion_core.errors.FusionLoadError` for an instance of another class or with
     missing or mis-shaped tensors; the family's own errors propagate as they are.
     """
@@ -275,9 +276,7 @@ def fuse_instance(
     if convert:
         convert_to_fused(module, plan, verified)
     finalize(module, plan)
-    from fusion_core.integrations import activate_integrations  # imports this module
-
-    activate_integrations()
+    get_registry().hook.fusion_module_fused(module=module, plan=plan)
 
 
 def _overrides(cls: type, name: str) -> bool:
@@ -285,7 +284,10 @@ def _overrides(cls: type, name: str) -> bool:
 
 
 def unfuse_refusal(module: nn.Module) -> str | None:
-    """Why :func:`unfuse_instance` cannot return ``module`` to its original form exactly; None when it can."""
+    """Why :func:`unfuse_instance` cannot return ``module`` to its original form exactly; None when it can.
+
+    The fused class's own reason first, then the first plugin's (:func:`~fusion_core.hookspecs.fusion_unfuse_refusal`).
+    """
     plan = module_plan(module)
     if plan is None or type(module) is not plan.fused_class:
         return f"{type(module).__qualname__} is not a module fusion-core fused (no plan attached)"
@@ -295,7 +297,8 @@ def unfuse_refusal(module: nn.Module) -> str | None:
             f"family {plan.family!r}, module {plan.path!r}: its fused class sets itself up in fusion_finalize but "
             "has no fusion_unfinalize, so it cannot be returned to its original class exactly"
         )
-    return None
+    reason: str | None = get_registry().hook.fusion_unfuse_refusal(module=module, plan=plan)
+    return None if reason is None else f"family {plan.family!r}, module {plan.path!r}: {reason}"
 
 
 def unfuse_instance(module: nn.Module) -> None:
@@ -351,6 +354,7 @@ def unfuse_instance(module: nn.Module) -> None:
             owner.register_buffer(leaf, tensor)
     detach_original_layout(module)
     module.__class__ = plan.original_class
+    get_registry().hook.fusion_module_unfused(module=module, plan=plan)
 
 
 def _drop_created_containers(module: nn.Module, plan: ModulePlan) -> None:

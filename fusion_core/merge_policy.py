@@ -101,6 +101,12 @@ def clear_merge_decisions() -> None:
     _STATE.decisions.clear()
 
 
+def reset_merge_policy() -> None:
+    """The policy read again from ``FUSION_CORE_MERGE`` (``"measure"`` when unset), every decision forgotten."""
+    fresh = _State()
+    _STATE.policy, _STATE.decisions = fresh.policy, fresh.decisions
+
+
 def kind_of(input: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...], has_bias: bool) -> Kind:
     """The kind of a call: what its decision is filed under."""
     rows = input.numel() // max(int(input.shape[-1]), 1)

@@ -39,7 +39,7 @@ slices.
 
 **Adapters and copies.** A slice is deliberately not an ``nn.Linear`` (initialisers and
 quantisers that match ``isinstance(m, nn.Linear)`` would write a new tensor over a view, and
-the merged weight would not see it); :mod:`fusion_core.integrations.peft` gives PEFT a LoRA
+the merged weight would not see it); the PEFT integration (``fusion-peft``) gives PEFT a LoRA
 layer for it. ``copy.deepcopy`` and pickling keep the slices tied to the copied container.
 """
 

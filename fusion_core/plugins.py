@@ -11,11 +11,11 @@ the others, until one is uninstalled or left out with ``FUSION_CORE_ALLOWED_PLUG
 that is not installed is hinted from installed metadata (a distribution declaring that entry
 point) or from the naming convention ``fusion-<name>`` (what ``fusion new-family`` creates).
 
-The core knows no family by name. One rule settles name clashes, whatever the load order: a
-family name claimed by two plugins is usable from neither, and both are reported, each naming
-the other, until one is uninstalled or left out with ``FUSION_CORE_ALLOWED_PLUGINS``. A family
-that is not installed is hinted from installed metadata (a distribution declaring that entry
-point) or from the naming convention ``fusion-<name>`` (what ``fusion new-family`` creates).
+Integrations (:mod:`fusion_core.integration`) arrive the same way, through
+:func:`~fusion_core.hookspecs.register_fusion_integrations`, under the same isolation and clash
+rules; their lifecycle hooks are called through :attr:`FamilyRegistry.hook`. A plugin whose
+registration failed, or whose integration name clashes, has its lifecycle hooks taken out too:
+half a plugin never runs.
 
 Environment:
 
@@ -33,15 +33,16 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
+from typing import Any, cast
 
 import pluggy
 from pydantic import BaseModel
 
 from fusion_core import hookspecs
-from fusion_core.errors import PluginError, UnknownFamilyError
+from fusion_core.errors import MissingIntegrationError, PluginError, UnknownFamilyError
+from fusion_core.integration import Integration, validate_integration
 from fusion_core.patterns import compile_pattern
-from fusion_core.spec import FamilyOptions, ModuleFusionSpec
+from fusion_core.spec import REQUIRED_MEMBERS, FamilyOptions, ModuleFusionSpec
 
 ENTRY_POINT_GROUP = "fusion_core"
 DISABLE_AUTOLOAD_ENV = "FUSION_CORE_DISABLE_PLUGIN_AUTOLOAD"
@@ -99,14 +100,10 @@ def validate_spec(spec: object) -> ModuleFusionSpec[Any]:
     """Check that ``spec`` satisfies :class:`ModuleFusionSpec`; raise ``TypeError``/``ValueError`` why not."""
     if isinstance(spec, type):  # the class has every attribute, but its methods would be called unbound
         raise TypeError(f"register an instance of {spec.__qualname__}, not the class itself")
-    if not isinstance(spec, ModuleFusionSpec):
-        missing = [
-            attr
-            for attr in ("name", "description", "options_model", "target_modules_patterns",
-                         "is_fusable", "make_fused_class", "make_transforms")
-            if not hasattr(spec, attr)
-        ]
+    missing = [attr for attr in REQUIRED_MEMBERS if not hasattr(spec, attr)]
+    if missing:
         raise TypeError(f"{spec!r} is not a ModuleFusionSpec (missing: {', '.join(missing)})")
+    spec = cast("ModuleFusionSpec[Any]", spec)
     if not isinstance(spec.name, str) or not _FAMILY_NAME.match(spec.name):
         raise ValueError(f"family name {spec.name!r} is not an identifier")
     if not isinstance(spec.description, str):
@@ -131,13 +128,29 @@ def validate_spec(spec: object) -> ModuleFusionSpec[Any]:
     return spec
 
 
+@dataclass(frozen=True)
+class RegisteredIntegration:
+    integration: Integration
+    source: PluginSource
+
+    @property
+    def name(self) -> str:
+        return self.integration.name
+
+
+_KINDS = {"register_fusion_families": "family", "register_fusion_integrations": "integration"}
+
+
 class FamilyRegistry:
-    """Installed fusion families by name, plus the failures met while collecting them."""
+    """Installed fusion families and integrations by name, plus the failures met while collecting them."""
 
     def __init__(self) -> None:
         self._families: dict[str, RegisteredFamily] = {}
+        self._integrations: dict[str, RegisteredIntegration] = {}
         self.failures: list[PluginFailure] = []
-        self._claims: dict[str, list[PluginSource]] = {}  # family name -> every plugin source that claimed it
+        # (kind, name) -> every plugin source that claimed it
+        self._claims: dict[tuple[str, str], list[PluginSource]] = {}
+        self._plugins: dict[PluginSource, object] = {}
         self.strict = _env_flag(STRICT_ENV)
         self._pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self._pm.add_hookspecs(hookspecs)
@@ -152,6 +165,15 @@ class FamilyRegistry:
     def names(self) -> list[str]:
         return list(self._families)
 
+    @property
+    def hook(self) -> Any:
+        """The lifecycle hooks of every registered plugin (:mod:`fusion_core.hookspecs`), called by keyword."""
+        return self._pm.hook
+
+    def integrations(self) -> list[RegisteredIntegration]:
+        """The registered integrations, in registration order."""
+        return list(self._integrations.values())
+
     def get(self, name: str) -> RegisteredFamily:
         """The family called ``name``, or :class:`UnknownFamilyError` saying what is installed."""
         try:
@@ -159,24 +181,36 @@ class FamilyRegistry:
         except KeyError:
             raise UnknownFamilyError(self.unknown_family_message(name)) from None
 
+    def require_integration(self, name: str, workflow: str) -> RegisteredIntegration:
+        """The integration called ``name``, or :class:`MissingIntegrationError`: ``workflow`` needs it."""
+        registered = self._integrations.get(name)
+        if registered is not None:
+            return registered
+        raise MissingIntegrationError(f"{workflow} needs fusion-core's {name!r} integration, which is not "
+                                      f"installed{self._absence(name)}")
+
     def unknown_family_message(self, name: str) -> str:
         installed = ", ".join(sorted(self._families)) or "none"
         message = f"unknown fusion family {name!r}; installed families: {installed}"
         close = difflib.get_close_matches(name, list(self._families), n=1)
         if close:
             message += f". Did you mean {close[0]!r}?"
-        # A plugin whose import failed names no family; its entry point usually has the family's name.
+        return message + self._absence(name)
+
+    def _absence(self, name: str) -> str:
+        """Why the family or integration ``name`` is not here, and what to install."""
+        # A plugin whose import failed names nothing; its entry point usually has the registered name.
         failed = [f for f in self.failures if name in (f.family, f.source.plugin)]
         if failed:
-            return message + f". It failed to load: {failed[0]}"
+            return f". It failed to load: {failed[0]}"
         declared = next((ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == name), None)
         if declared is not None and declared.dist is not None:
             why = f" ({DISABLE_AUTOLOAD_ENV}=1)" if _env_flag(DISABLE_AUTOLOAD_ENV) else ""
-            return message + (f". The installed distribution {declared.dist.name} {declared.dist.version} declares "
-                              f"the plugin {name!r}, which is not loaded{why}")
+            return (f". The installed distribution {declared.dist.name} {declared.dist.version} declares "
+                    f"the plugin {name!r}, which is not loaded{why}")
         distribution = conventional_distribution(name)
-        return message + (f". By fusion-core's naming convention it is provided by the distribution "
-                          f"{distribution!r}: pip install {distribution}")
+        return (f". By fusion-core's naming convention it is provided by the distribution "
+                f"{distribution!r}: pip install {distribution}")
 
     # -- writing ---------------------------------------------------------------------------
     def register_family(self, spec: object, *, source: PluginSource = PROGRAMMATIC) -> RegisteredFamily:
@@ -190,9 +224,9 @@ class FamilyRegistry:
             raise PluginError(
                 f"{source}: family name {valid.name!r} is already registered by {existing.source}"
             )
-        if len(self._claims.get(valid.name, ())) > 1:
-            raise PluginError(f"{source}: family name {valid.name!r} is disabled: {self._claimants(valid.name)} "
-                              "all claim it")
+        if len(self._claims.get(("family", valid.name), ())) > 1:
+            raise PluginError(f"{source}: family name {valid.name!r} is disabled: "
+                              f"{self._claimants(('family', valid.name))} all claim it")
         registered = RegisteredFamily(valid, source)
         self._families[valid.name] = registered
         return registered
@@ -206,7 +240,8 @@ class FamilyRegistry:
     def register_plugin(self, plugin: object, *, source: PluginSource | None = None) -> list[str]:
         """Register a plugin object (a module or instance with hook implementations).
 
-        Returns the family names it registered. Failures are recorded (raised in strict mode).
+        Returns the family and integration names it registered. Failures are recorded (raised in
+        strict mode); a plugin that fails has none of its hooks left registered.
         """
         source = source or PluginSource(getattr(plugin, "__name__", repr(plugin)))
         try:
@@ -214,56 +249,90 @@ class FamilyRegistry:
         except Exception as exc:  # pluggy validation of the hook signatures
             self._fail(source, f"invalid hook implementation: {exc}")
             return []
-        impls = [i for i in self._pm.hook.register_fusion_families.get_hookimpls() if i.plugin is plugin]
-        if not impls:
-            self._fail(source, "defines no register_fusion_families hook implementation")
+        self._plugins[source] = plugin
+        if not self._pm.get_hookcallers(plugin):
+            self._drop(source)
+            self._fail(source, "implements no fusion_core hook")
             return []
         added: list[str] = []
-        for impl in impls:
-            self._call_hook(impl.function, source, added)
+        failed = False
+        for hook_name, kind in _KINDS.items():
+            for impl in getattr(self._pm.hook, hook_name).get_hookimpls():
+                if impl.plugin is plugin:
+                    failed |= not self._call_hook(impl.function, hook_name, kind, source, added)
+        if failed:
+            self._drop(source)
         return added
 
-    def _call_hook(self, function: Callable[..., Any], source: PluginSource, added: list[str]) -> None:
+    def _drop(self, source: PluginSource) -> None:
+        """Take a failed plugin's hooks out: its lifecycle hooks must not run without what it registers."""
+        plugin = self._plugins.pop(source, None)
+        if plugin is not None and self._pm.is_registered(plugin):
+            self._pm.unregister(plugin)
+
+    def _call_hook(
+        self, function: Callable[..., Any], hook_name: str, kind: str, source: PluginSource, added: list[str]
+    ) -> bool:
+        """Run one registration hook; False when the plugin failed (its hooks are then taken out)."""
         pending: list[object] = []
         try:
             result = function(register=pending.append)
         except (Exception, SystemExit) as exc:  # a plugin calling sys.exit() must not end the host
-            self._fail(source, f"register_fusion_families raised {type(exc).__name__}: {exc}")
-            return
+            self._fail(source, f"{hook_name} raised {type(exc).__name__}: {exc}")
+            return False
+        ok = True
         if result is not None:
-            self._fail(source, f"register_fusion_families must call register(spec) and return None, got {result!r}")
-        for spec in pending:
-            name = getattr(spec, "name", None)
+            self._fail(source, f"{hook_name} must call register(...) and return None, got {result!r}")
+            ok = False
+        for value in pending:
+            name = getattr(value, "name", None)
             try:
-                valid = validate_spec(spec)
+                registered: RegisteredFamily | RegisteredIntegration
+                if kind == "family":
+                    registered = RegisteredFamily(validate_spec(value), source)
+                else:
+                    registered = RegisteredIntegration(validate_integration(value), source)
             except (TypeError, ValueError) as exc:
-                self._fail(source, str(exc), family=name if isinstance(name, str) else None)
+                self._fail(source, str(exc), family=name if isinstance(name, str) and kind == "family" else None)
+                ok = False
                 continue
-            claims = self._claims.setdefault(valid.name, [])
-            claims.append(source)
-            if len(claims) == 1 and valid.name not in self._families:
-                self._families[valid.name] = RegisteredFamily(valid, source)
-                added.append(valid.name)
-                continue
-            # A second claim, in either load order: which family runs must never depend on entry-point
-            # order, so neither does. Every claimant is reported, each naming the others.
-            first = self._families.pop(valid.name, None)
-            if first is not None and first.source not in claims:
-                claims.insert(0, first.source)
-            if first is not None and first.source is not source:
-                self._report_clash(valid.name, first.source)
-            self._report_clash(valid.name, source)
+            ok &= self._claim(kind, registered, source, added)
+        return ok
 
-    def _claimants(self, name: str) -> str:
-        return " and ".join(str(claim) for claim in self._claims.get(name, ()))
+    def _claim(
+        self, kind: str, registered: RegisteredFamily | RegisteredIntegration, source: PluginSource, added: list[str]
+    ) -> bool:
+        table: dict[str, Any] = self._families if kind == "family" else self._integrations
+        name = registered.name
+        claims = self._claims.setdefault((kind, name), [])
+        claims.append(source)
+        if len(claims) == 1 and name not in table:
+            table[name] = registered
+            added.append(name)
+            return True
+        # A second claim, in either load order: which one runs must never depend on entry-point
+        # order, so neither does. Every claimant is reported, each naming the others.
+        first = table.pop(name, None)
+        if first is not None and first.source not in claims:
+            claims.insert(0, first.source)
+        if first is not None and first.source is not source:
+            self._report_clash(kind, name, first.source)
+            if kind == "integration":
+                self._drop(first.source)
+        self._report_clash(kind, name, source)
+        return kind == "family"  # a family clash disables the name only; an integration's hooks must go
 
-    def _report_clash(self, name: str, source: PluginSource) -> None:
-        others = " and ".join(str(claim) for claim in self._claims[name] if claim is not source)
+    def _claimants(self, key: tuple[str, str]) -> str:
+        return " and ".join(str(claim) for claim in self._claims.get(key, ()))
+
+    def _report_clash(self, kind: str, name: str, source: PluginSource) -> None:
+        others = " and ".join(str(claim) for claim in self._claims[(kind, name)] if claim is not source)
+        family = name if kind == "family" else None
         if not others:
-            self._fail(source, f"registers family name {name!r} twice; the family is disabled", family=name)
+            self._fail(source, f"registers {kind} name {name!r} twice; the {kind} is disabled", family=family)
             return
-        self._fail(source, f"family name {name!r} is also registered by {others}; the family is disabled until "
-                   f"one is uninstalled or left out with {ALLOWED_ENV}", family=name)
+        self._fail(source, f"{kind} name {name!r} is also registered by {others}; the {kind} is disabled until "
+                   f"one is uninstalled or left out with {ALLOWED_ENV}", family=family)
 
     def _fail(self, source: PluginSource, reason: str, family: str | None = None) -> None:
         failure = PluginFailure(source, reason, family)
@@ -293,9 +362,9 @@ class FamilyRegistry:
             self.register_plugin(plugin, source=source)
 
 
-def conventional_distribution(family: str) -> str:
-    """The distribution name fusion-core's convention gives a family (``gate_up`` -> ``fusion-gate-up``)."""
-    return "fusion-" + family.replace("_", "-")
+def conventional_distribution(name: str) -> str:
+    """The distribution fusion-core's convention gives a family or integration (``gate_up`` -> ``fusion-gate-up``)."""
+    return "fusion-" + name.replace("_", "-")
 
 
 def _normalize(distribution: str) -> str:

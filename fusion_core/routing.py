@@ -92,6 +92,12 @@ def is_integrated() -> bool:
     return _depth > 0
 
 
+def reset_integration() -> None:
+    """Switch the integration off whatever the nesting: transformers' own ``from_pretrained`` is back."""
+    with _lock:
+        _apply(0)
+
+
 def _apply(depth: int) -> None:
     """Set the activation depth and install or remove the routed method to match (callers hold ``_lock``)."""
     global _depth, _original

@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
@@ -29,7 +29,13 @@ from fusion_core.patterns import compile_pattern
 from fusion_core.transforms import WeightTransform
 
 if TYPE_CHECKING:  # transformers is imported by the pipeline, not by the protocol
+    import torch
     from transformers import PretrainedConfig
+
+    from fusion_core.parallel.rules import TensorParallelRule
+
+Inputs = tuple[tuple[Any, ...], dict[str, Any]]
+"""One example call of a module: ``(args, kwargs)``."""
 
 
 class FamilyOptions(BaseModel):
@@ -71,12 +77,15 @@ class FamilyOptions(BaseModel):
 OptionsT = TypeVar("OptionsT", bound=FamilyOptions)
 
 
-@runtime_checkable
 class ModuleFusionSpec(Protocol[OptionsT]):
-    """What the registry checks a registered family against.
+    """The family contract: what the registry checks a registered family against.
 
     Generic in the family's options model: every method receives an instance of
     ``options_model`` (``ModuleFusionSpec[QkvOptions]``; ``ModuleFusionSpec[Any]`` for any family).
+
+    The first four attributes and three methods are required. The members after them are
+    optional: a spec that leaves one out gets the default written here (read it with
+    :func:`spec_member`); :class:`FusionFamily` carries the same defaults.
     """
 
     name: str
@@ -95,6 +104,50 @@ class ModuleFusionSpec(Protocol[OptionsT]):
     def make_transforms(self, config: PretrainedConfig, options: OptionsT) -> Sequence[WeightTransform]:
         """Module-relative weight transforms from the original layout to the fused layout."""
         ...
+
+    # -- optional members (defaults in OPTIONAL_MEMBERS) -------------------------------------
+    tensor_parallel: TensorParallelRule | None
+    """How the fused tensors shard under a tensor-parallel plan (:mod:`fusion_core.parallel.rules`);
+    None (the default): the fused module runs unsharded, and a plan sharding it is refused."""
+
+    owns_submodules: bool
+    """True for a family that fuses a module whole, owning every tensor beneath it: another family's
+    plan for a module inside one it fuses is then left to it (:attr:`fusion_core.FusionPlan.nested`)
+    instead of being a conflict. Default False."""
+
+    def sample_inputs(self, module: nn.Module, generator: torch.Generator) -> list[Inputs]:
+        """Example ``(args, kwargs)`` calls of the *original* ``module`` for ``fusion check`` and the kit.
+
+        They feed fused modules what the whole-model run gave them and, for standard torch layers,
+        random inputs of the right shape; a module neither reaches (an MoE block, a custom
+        attention) is reported "no input" unless its family returns calls here (plain device and
+        dtype: use ``module``'s parameters; randomness from ``generator``). Default: ``[]``.
+        """
+        ...
+
+
+REQUIRED_MEMBERS = ("name", "description", "options_model", "target_modules_patterns", "is_fusable",
+                    "make_fused_class", "make_transforms")
+"""The members every spec must have."""
+
+
+def _no_sample_inputs(module: nn.Module, generator: torch.Generator) -> list[Inputs]:
+    return []
+
+
+OPTIONAL_MEMBERS: dict[str, Any] = {
+    "tensor_parallel": None,
+    "owns_submodules": False,
+    "sample_inputs": _no_sample_inputs,
+}
+"""Each optional member of :class:`ModuleFusionSpec` and the value a spec without it gets."""
+
+
+def spec_member(spec: object, name: str) -> Any:
+    """The optional member ``name`` of ``spec``, or its default from :data:`OPTIONAL_MEMBERS`."""
+    if name not in OPTIONAL_MEMBERS:
+        raise KeyError(f"{name!r} is not an optional member of ModuleFusionSpec ({', '.join(OPTIONAL_MEMBERS)})")
+    return getattr(spec, name, OPTIONAL_MEMBERS[name])
 
 
 class FusionFamily(Generic[OptionsT]):
@@ -119,10 +172,14 @@ class FusionFamily(Generic[OptionsT]):
         raise NotImplementedError(f"family {self.name!r} must implement is_fusable")
 
     owns_submodules: ClassVar[bool] = False
-    """True for a family that fuses a module whole, owning every tensor beneath it: another family's
-    plan for a module inside one it fuses, claiming some of those tensors, is then left to it
-    (listed in :attr:`fusion_core.FusionPlan.nested`) instead of being a conflict. Read with a
-    default of False from any spec."""
+    """See :attr:`ModuleFusionSpec.owns_submodules`."""
+
+    tensor_parallel: ClassVar[TensorParallelRule | None] = None
+    """See :attr:`ModuleFusionSpec.tensor_parallel`."""
+
+    def sample_inputs(self, module: nn.Module, generator: torch.Generator) -> list[Inputs]:
+        """See :meth:`ModuleFusionSpec.sample_inputs`: none by default."""
+        return []
 
     fused_mixin: ClassVar[type | None] = None
     """Set this to a mixin class (usually a :class:`FusedModule` subclass) and the default

@@ -450,3 +450,27 @@ def bind_transforms(
     if clobbered:
         raise PlanError(f"{where}: target(s) {sorted(clobbered)} would overwrite tensors that are not transformed")
     return tuple(bound)
+
+
+# -- the plan attached to a model or module --------------------------------------------------------
+PLAN_ATTRIBUTE = "_fusion_plan"
+"""Instance attribute holding the plan: a :class:`FusionPlan` on a fused model, a :class:`ModulePlan`
+on each fused module. Read it with :func:`attached_plan`, write it with :func:`attach_plan`."""
+
+
+def attached_plan(obj: object) -> FusionPlan | ModulePlan | None:
+    """The plan attached to ``obj`` (a model's :class:`FusionPlan`, a fused module's :class:`ModulePlan`), or None."""
+    plan: FusionPlan | ModulePlan | None = getattr(obj, "__dict__", {}).get(PLAN_ATTRIBUTE)
+    return plan
+
+
+def attach_plan(obj: object, plan: FusionPlan | ModulePlan | None) -> None:
+    """Attach ``plan`` to ``obj`` (replacing one of the same kind); None removes what is attached."""
+    if plan is None:
+        obj.__dict__.pop(PLAN_ATTRIBUTE, None)
+        return
+    current = attached_plan(obj)
+    if current is not None and type(current) is not type(plan):
+        raise PlanError(f"{type(obj).__name__} already carries a {type(current).__name__}; it cannot also carry a "
+                        f"{type(plan).__name__} (a model fused as a whole by one family?)")
+    obj.__dict__[PLAN_ATTRIBUTE] = plan

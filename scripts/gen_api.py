@@ -29,10 +29,14 @@ API = ROOT / "docs" / "api.md"
 #: Modules documented after the package's own exports, with what they are for.
 EXTRA_MODULES = (
     "fusion_core.hookspecs",
+    "fusion_core.integration",
+    "fusion_core.spec",
+    "fusion_core.state",
     "fusion_core.compare",
     "fusion_core.merged",
     "fusion_core.merge_policy",
     "fusion_core.parallel",
+    "fusion_core.parallel.rules",
     "fusion_core.routing",
     "fusion_core.compat.transformers",
     "fusion_core.compat.peft",

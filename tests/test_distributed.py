@@ -23,10 +23,11 @@ import transformers
 from fusion_gate_up.family import GateUpFamily
 from fusion_patch_embeddings.family import PatchEmbeddingsFamily
 from fusion_qkv.family import QkvFamily, QkvOptions
+from fusion_tensor_parallel.execution import PlanStyles, TensorParallelRefusal, localize
 from torch import nn
 
 import fusion_core
-from fusion_core.parallel import PackedColwise, Replicated, TensorParallelRefusal, check_tensor_parallel_rule
+from fusion_core.parallel import PackedColwise, Replicated, TensorParallelRule, check_tensor_parallel_rule
 from fusion_core.testing import kit
 from fusion_core.transforms import Concat, WeightTransform, bind_transforms
 
@@ -149,7 +150,7 @@ def test_packed_colwise_refuses_parts_planned_differently() -> None:
     styles = {"layers.0.attn.q_proj.weight": "colwise", "layers.0.attn.k_proj.weight": "colwise_rep"}
     rule = PackedColwise(("q_proj", "k_proj", "v_proj"), "qkv_proj")
     with pytest.raises(TensorParallelRefusal, match=r"k_proj.weight': 'colwise_rep'.*only when every one is 'colwise'"):
-        rule.localize(module, plan, styles.get)
+        localize(rule, module, plan, styles.get)
 
 
 def test_packed_colwise_needs_loaded_shards() -> None:
@@ -157,7 +158,7 @@ def test_packed_colwise_needs_loaded_shards() -> None:
     rule = PackedColwise(("q_proj", "k_proj", "v_proj"), "qkv_proj")
     with pytest.raises(TensorParallelRefusal, match="'layers.0.attn.q_proj.weight' is planned colwise but was loaded "
                                                     "neither as a DTensor shard nor on a known mesh"):
-        rule.localize(module, plan, lambda name: "colwise")
+        localize(rule, module, plan, lambda name: "colwise")
 
 
 class _TwoRankMesh:
@@ -176,12 +177,10 @@ def _halved(module: nn.Module) -> None:
 
 
 def test_packed_colwise_takes_plain_local_shards_on_the_plans_mesh() -> None:
-    from fusion_core.parallel.rules import PlanStyles
-
     module, plan = attention_plan()
     _halved(module)
     rule = PackedColwise(("q_proj", "k_proj", "v_proj"), "qkv_proj", unit="head_dim")
-    sharded = rule.localize(module, plan, PlanStyles(lambda name: "colwise", _TwoRankMesh()))
+    sharded = localize(rule, module, plan, PlanStyles(lambda name: "colwise", _TwoRankMesh()))
     assert sharded is not None and sharded.local
     rows = {s.name: s.shape[0] for b in sharded.local_plan.transforms for s in b.sources}
     assert rows == {"q_proj.weight": 8, "k_proj.weight": 4, "v_proj.weight": 4, "q_proj.bias": 8, "k_proj.bias": 4,
@@ -190,20 +189,28 @@ def test_packed_colwise_takes_plain_local_shards_on_the_plans_mesh() -> None:
 
 
 def test_plain_local_shards_of_the_wrong_size_are_refused() -> None:
-    from fusion_core.parallel.rules import PlanStyles
-
     module, plan = attention_plan()  # full tensors, though the plan says two ranks hold half each
     rule = PackedColwise(("q_proj", "k_proj", "v_proj"), "qkv_proj")
     with pytest.raises(TensorParallelRefusal, match="this rank holds 16 rows, expected 8"):
-        rule.localize(module, plan, PlanStyles(lambda name: "colwise", _TwoRankMesh()))
+        localize(rule, module, plan, PlanStyles(lambda name: "colwise", _TwoRankMesh()))
+
+
+def test_a_rule_the_integration_does_not_know_is_refused_by_name() -> None:
+    class Diagonal(TensorParallelRule):
+        def check(self, transforms: tuple[object, ...]) -> None:
+            """Anything."""
+
+    module, plan = attention_plan()
+    with pytest.raises(TensorParallelRefusal, match="does not know the rule .*Diagonal"):
+        localize(Diagonal(), module, plan, lambda name: "colwise")
 
 
 def test_unplanned_modules_stay_unsharded_and_replicated_refuses_a_plan() -> None:
     module, plan = attention_plan()
     rule = PackedColwise(("q_proj", "k_proj", "v_proj"), "qkv_proj")
-    assert rule.localize(module, plan, lambda name: None) is None
+    assert localize(rule, module, plan, lambda name: None) is None
     with pytest.raises(TensorParallelRefusal, match="'layers.0.attn.v_proj.bias' is planned 'rowwise'.*unsharded only"):
-        Replicated().localize(module, plan, {"layers.0.attn.v_proj.bias": "rowwise"}.get)
+        localize(Replicated(), module, plan, {"layers.0.attn.v_proj.bias": "rowwise"}.get)
 
 
 @pytest.mark.parametrize("family", [QkvFamily, GateUpFamily, PatchEmbeddingsFamily])

@@ -178,3 +178,35 @@ def test_the_distributions_ship_their_type_hints(fresh_python):
     markers = [Path(line) for line in _run(fresh_python, "-I", "-c", script).stdout.split()]  # -I: not the cwd
     assert len(markers) == 2 and all(marker.is_file() for marker in markers), markers
     assert all("site-packages" in str(marker) for marker in markers)  # the installed wheels, not the source tree
+
+
+TP_LOAD = """
+import sys, fusion_core
+from transformers import AutoModelForCausalLM
+try:
+    fusion_core.from_pretrained(AutoModelForCausalLM, sys.argv[1], fusion_config={"transposed_head": True},
+                                tp_plan="auto")
+except Exception as exc:
+    print(f"ERROR {type(exc).__name__}: {exc}")
+    raise SystemExit(3)
+"""
+
+
+def test_an_integration_distribution_is_a_plugin_and_its_absence_is_named(fresh_python, llama_dir, tmp_path):
+    package = tmp_path / "acme"
+    package.mkdir()
+    (package / "pyproject.toml").write_text(THIRD_PARTY_PYPROJECT)
+    (package / "acme_transposed_head.py").write_text(textwrap.dedent(THIRD_PARTY_MODULE))
+    _pip(fresh_python, str(package))
+    refused = _run(fresh_python, "-c", TP_LOAD, str(llama_dir), check=False)
+    assert refused.returncode == 3, refused.stdout + refused.stderr
+    assert "ERROR MissingIntegrationError" in refused.stdout and "pip install fusion-tensor-parallel" in refused.stdout
+    _pip(fresh_python, str(ROOT / "fusion_plugins" / "tensor_parallel"))
+    listing = json.loads(_run(fresh_python.parent / "fusion", "list", "--json").stdout)
+    assert [(i["name"], i["distribution"]) for i in listing["integrations"]] == [
+        ("tensor_parallel", "fusion-tensor-parallel")]
+    # Installed, the integration serves the load: transformers itself now asks for a process group.
+    served = _run(fresh_python, "-c", TP_LOAD, str(llama_dir), check=False)
+    assert "MissingIntegrationError" not in served.stdout
+    _run(Path(sys.executable), "-m", "pip", "--python", str(fresh_python), "uninstall", "-y", "-q",
+         "fusion-tensor-parallel", "acme-fusion-transposed-head")

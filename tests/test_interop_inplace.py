@@ -14,9 +14,10 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 import fusion_core
 from fusion_core import inplace
-from fusion_core.layout import PLAN_ATTRIBUTE, module_plan
+from fusion_core.layout import module_plan
 from fusion_core.spec import FusedModule
 from fusion_core.testing.tiny_models import TINY_MODELS
+from fusion_core.transforms import attach_plan
 
 ALL_TEXT = {"qkv": True, "gate_up": True}
 IDS = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
@@ -127,7 +128,7 @@ def test_unfuse_refuses_a_fused_class_that_cannot_undo_its_setup(llama_and_refer
         fusion_unfinalize = FusedModule.fusion_unfinalize
 
     attention.__class__ = NoUndo
-    attention.__dict__[PLAN_ATTRIBUTE] = dataclasses.replace(module_plan(attention), fused_class=NoUndo)
+    attach_plan(attention, dataclasses.replace(module_plan(attention), fused_class=NoUndo))
     with pytest.raises(fusion_core.FusionError, match="no fusion_unfinalize"):
         fusion_core.unfuse(model)
     # refused before anything changed: the other layer is still fused

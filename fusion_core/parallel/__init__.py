@@ -1,29 +1,21 @@
-"""Fused models under transformers' tensor parallelism, DDP and FSDP2 (see ``docs/distributed.md``).
+"""What the core knows of process groups (see ``docs/distributed.md``).
 
 - :mod:`~fusion_core.parallel.rules`: how a family declares that its fused tensors shard
   (``tensor_parallel = PackedColwise(...)`` on the family class), and :func:`check_tensor_parallel_rule`
-  for the conformance kit;
-- :mod:`~fusion_core.parallel.tensor_parallel`: the load step that turns each rank's shards of the
-  original tensors into its shard of the fused tensors;
-- :mod:`~fusion_core.parallel.saving`: gathered, single-writer saves from a process group.
+  for the conformance kit; the tensor-parallel integration (``fusion-tensor-parallel``) executes
+  the declarations at load;
+- :mod:`~fusion_core.parallel.saving`: gathered, single-writer saves from a process group (DDP,
+  FSDP2, tensor parallelism alike).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fusion_core.parallel.rules import (
-    PackedColwise,
-    Replicated,
-    ShardedModule,
-    TensorParallelRefusal,
-    TensorParallelRule,
-)
+from fusion_core.parallel.rules import PackedColwise, Replicated, TensorParallelRule, is_dtensor
+from fusion_core.spec import spec_member
 
-__all__ = [
-    "PackedColwise", "Replicated", "ShardedModule", "TensorParallelRefusal", "TensorParallelRule",
-    "check_tensor_parallel_rule",
-]
+__all__ = ["PackedColwise", "Replicated", "TensorParallelRule", "check_tensor_parallel_rule", "is_dtensor"]
 
 
 def check_tensor_parallel_rule(spec: Any, config: Any = None, options: Any = None) -> TensorParallelRule | None:
@@ -33,7 +25,7 @@ def check_tensor_parallel_rule(spec: Any, config: Any = None, options: Any = Non
     shards their original tensors is refused at load). Raises ``AssertionError`` for a rule that
     is not a :class:`TensorParallelRule` or contradicts the family's transforms.
     """
-    rule = getattr(spec, "tensor_parallel", None)
+    rule = spec_member(spec, "tensor_parallel")
     if rule is None:
         return None
     assert isinstance(rule, TensorParallelRule), (

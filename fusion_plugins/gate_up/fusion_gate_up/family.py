@@ -42,7 +42,7 @@ from torch.nn import functional as F
 
 from fusion_core import Concat, FamilyOptions, FusionFamily, WeightTransform
 from fusion_core.merged import MergedProjectionsMixin, is_plain_linear, merge_refusal
-from fusion_core.parallel import PackedColwise
+from fusion_core.parallel.rules import PackedColwise
 
 PROJECTIONS = ("gate_proj", "up_proj")
 MERGED = "gate_up_proj"
@@ -111,7 +111,7 @@ class GateUpMixin(MergedProjectionsMixin):
     container = MERGED
 
 
-class GateUpFamily(FusionFamily):
+class GateUpFamily(FusionFamily[GateUpOptions]):
     """Gated MLP gate_proj/up_proj run as one merged projection (one GEMM instead of two)."""
 
     name = "gate_up"
@@ -121,10 +121,10 @@ class GateUpFamily(FusionFamily):
     tensor_parallel = PackedColwise(PROJECTIONS, MERGED)
     target_modules_patterns = ()
 
-    def is_fusable(self, module: nn.Module, options: Any) -> bool:
+    def is_fusable(self, module: nn.Module, options: GateUpOptions) -> bool:
         return refusal(module) is None
 
-    def make_transforms(self, config: Any, options: Any) -> list[WeightTransform]:
+    def make_transforms(self, config: Any, options: GateUpOptions) -> list[WeightTransform]:
         return [
             WeightTransform(tuple(f"{p}.weight" for p in PROJECTIONS), (f"{MERGED}.weight",), Concat(n=2, dim=0)),
             WeightTransform(

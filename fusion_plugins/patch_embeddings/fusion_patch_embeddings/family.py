@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fusion_core import FamilyOptions, Flatten, FusedModule, FusionFamily, WeightTransform
-from fusion_core.parallel import Replicated
+from fusion_core.parallel.rules import Replicated
 
 
 class PatchEmbeddingsOptions(FamilyOptions):
@@ -84,7 +84,7 @@ class PatchLinearMixin(FusedModule):
         return super().extra_repr() + ", fused=linear"
 
 
-class PatchEmbeddingsFamily(FusionFamily):
+class PatchEmbeddingsFamily(FusionFamily[PatchEmbeddingsOptions]):
     """Non-overlapping Conv3d patch embeddings run as one flattened nn.Linear (a single GEMM)."""
 
     name = "patch_embeddings"
@@ -94,9 +94,9 @@ class PatchEmbeddingsFamily(FusionFamily):
     tensor_parallel = Replicated()
     target_modules_patterns = ()
 
-    def is_fusable(self, module: nn.Module, options: Any) -> bool:
+    def is_fusable(self, module: nn.Module, options: PatchEmbeddingsOptions) -> bool:
         return is_non_overlapping_conv3d(module)
 
-    def make_transforms(self, config: Any, options: Any) -> list[WeightTransform]:
+    def make_transforms(self, config: Any, options: PatchEmbeddingsOptions) -> list[WeightTransform]:
         return [WeightTransform(("weight",), ("weight",), Flatten(start_dim=1))]
 

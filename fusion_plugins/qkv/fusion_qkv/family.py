@@ -36,7 +36,7 @@ from torch import nn
 
 from fusion_core import Concat, FamilyOptions, FusionFamily, WeightTransform
 from fusion_core.merged import MergedProjectionsMixin, is_plain_linear, merge_refusal
-from fusion_core.parallel import PackedColwise
+from fusion_core.parallel.rules import PackedColwise
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 MERGED = "qkv_proj"
@@ -91,7 +91,7 @@ class QkvMixin(MergedProjectionsMixin):
     container = MERGED
 
 
-class QkvFamily(FusionFamily):
+class QkvFamily(FusionFamily[QkvOptions]):
     """Attention q_proj/k_proj/v_proj run as one merged projection (one GEMM instead of three)."""
 
     name = "qkv"
@@ -101,10 +101,10 @@ class QkvFamily(FusionFamily):
     tensor_parallel = PackedColwise(PROJECTIONS, MERGED, unit="head_dim")
     target_modules_patterns = ()
 
-    def is_fusable(self, module: nn.Module, options: Any) -> bool:
+    def is_fusable(self, module: nn.Module, options: QkvOptions) -> bool:
         return refusal(module) is None
 
-    def make_transforms(self, config: Any, options: Any) -> list[WeightTransform]:
+    def make_transforms(self, config: Any, options: QkvOptions) -> list[WeightTransform]:
         return [
             WeightTransform(tuple(f"{p}.weight" for p in PROJECTIONS), (f"{MERGED}.weight",), Concat(n=3, dim=0)),
             WeightTransform(

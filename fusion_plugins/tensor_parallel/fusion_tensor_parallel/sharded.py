@@ -2,13 +2,15 @@
 
 transformers applies its plan to the *original* modules (``q_proj`` colwise, ...) while it loads
 them, so when its ``from_pretrained`` returns, a fused instance holds each rank's DTensor shards
-of its original tensors. :func:`tensor_parallel_fusion` wraps fusion-core's conversion of the
-loaded instances:
+of its original tensors (plain local shards on 5.1-5.15). The integration's
+``fusion_convert_loaded`` wrapper (:mod:`fusion_tensor_parallel.plugin`) runs around fusion-core's
+conversion of the loaded instances:
 
-1. before it, each instance's family rule (:mod:`fusion_core.parallel.rules`) checks the plan
+1. before it, :func:`localize_built` executes each instance's family rule
+   (:mod:`fusion_core.parallel.rules`, :mod:`fusion_tensor_parallel.execution`): it checks the plan
    entries of its original tensors, replaces the shards by this rank's local tensors and gives a
    rank-local plan, so the ordinary conversion builds ``[q_r; k_r; v_r]`` from them;
-2. after it, the rule turns the local fused tensors back into DTensors of the model's mesh
+2. after it, :func:`finish` turns the local fused tensors back into DTensors of the model's mesh
    (``Shard(0)`` of a rank-major layout), so optimizers, gradient clipping and
    ``state_dict`` see a tensor-parallel model like the unfused one; the merged projection
    computes on the local rows and all-reduces its input gradient, as the ``colwise`` style does.
@@ -21,8 +23,7 @@ checkpoint exactly like a tensor-parallel load of the unfused model does.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, MutableSequence, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, MutableSequence, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,20 +32,19 @@ from torch import nn
 
 from fusion_core.compat import transformers as compat
 from fusion_core.errors import FusionLoadError
-from fusion_core.layout import PLAN_ATTRIBUTE
-from fusion_core.merged import MergedLinear
-from fusion_core.parallel.rules import (
+from fusion_core.merged import MergedLinear, MergedProjectionsMixin
+from fusion_core.parallel.rules import Replicated, TensorParallelRule, is_dtensor
+from fusion_core.spec import ModuleFusionSpec, spec_member
+from fusion_core.transforms import Concat, ModulePlan, Shape, TransformOp, attach_plan, attached_plan
+from fusion_tensor_parallel.execution import (
     PlanStyles,
-    Replicated,
     ShardedModule,
     StyleLookup,
     TensorParallelRefusal,
-    TensorParallelRule,
-    is_dtensor,
     leaf_tensor,
+    localize,
     set_leaf,
 )
-from fusion_core.transforms import Concat, ModulePlan, Shape, TransformOp
 
 DEFAULT_RULE = Replicated()
 
@@ -61,34 +61,31 @@ def style_lookup(model: nn.Module) -> StyleLookup | None:
     return PlanStyles(lambda name: compat.plan_style(name, plan), compat.tensor_parallel_mesh(model))
 
 
-def family_rule(spec: Any) -> TensorParallelRule:
+def family_rule(spec: ModuleFusionSpec[Any] | None) -> TensorParallelRule:
     """The family's declared ``tensor_parallel`` rule; families that declare none run unsharded."""
-    rule = getattr(spec, "tensor_parallel", None)
+    rule = spec_member(spec, "tensor_parallel") if spec is not None else None
     return DEFAULT_RULE if rule is None else rule
 
 
-@contextmanager
-def tensor_parallel_fusion(
-    model: nn.Module, built: MutableSequence[tuple[nn.Module, ModulePlan]], registry: Any
-) -> Iterator[None]:
-    """Around the conversion of ``built``: rank-local plans before it, sharded fused modules after it.
+def localize_built(
+    model: nn.Module, built: MutableSequence[tuple[nn.Module, ModulePlan]], families: Mapping[str, Any]
+) -> list[tuple[nn.Module, ModulePlan, ShardedModule]]:
+    """Before the conversion: replace each sharded module's plan in ``built`` by its rank-local plan.
 
-    A no-op (one attribute read) for a model that transformers did not load under a tensor-parallel
-    plan. Raises :class:`FusionLoadError` naming the family, module and reason for a module that
-    cannot be sharded exactly.
+    Returns what :func:`finish` must complete after the conversion; empty for a model that
+    transformers did not load under a tensor-parallel plan. Raises :class:`FusionLoadError`
+    naming the family, module and reason for a module that cannot be sharded exactly.
     """
     styles = style_lookup(model)
     if styles is None:
-        yield
-        return
+        return []
     pending: list[tuple[nn.Module, ModulePlan, ShardedModule]] = []
     for index, (module, plan) in enumerate(built):
-        spec = registry.get(plan.family).spec if plan.family in registry else None
-        rule = family_rule(spec)
+        spec = families.get(plan.family)
         try:
-            sharded = rule.localize(module, plan, styles)
+            sharded = localize(family_rule(spec), module, plan, styles)
         except TensorParallelRefusal as exc:
-            declared = "" if getattr(spec, "tensor_parallel", None) is not None else " (the family declares no rule)"
+            declared = "" if spec_member(spec, "tensor_parallel") is not None else " (the family declares no rule)"
             raise FusionLoadError(
                 f"family {plan.family!r}, module {plan.path!r}: cannot run under the tensor-parallel plan{declared}: "
                 f"{exc}"
@@ -96,9 +93,14 @@ def tensor_parallel_fusion(
         if sharded is not None:
             built[index] = (module, sharded.local_plan)
             pending.append((module, plan, sharded))
-    yield
-    for module, plan, sharded in pending:
-        sharded.rule.finish(module, plan, sharded)
+    return pending
+
+
+def finish(module: nn.Module, plan: ModulePlan, sharded: ShardedModule) -> None:
+    """After the module was fused from its local tensors: make it a sharded module of the model."""
+    if isinstance(sharded.rule, Replicated):
+        raise AssertionError("a replicated module is never sharded")
+    shard_merged_module(module, plan, sharded)
 
 
 @dataclass(frozen=True)
@@ -253,7 +255,7 @@ def _present_fused_in_order(module: nn.Module, state_dict: dict[str, Any], prefi
     A fused-layout checkpoint holds the merged tensor of a single-process load; the rank-major
     order would load there as wrong rows. Gathering is a collective: every rank must ask.
     """
-    for bound in module.__dict__[PLAN_ATTRIBUTE].transforms:
+    for bound in _plan(module).transforms:
         if not isinstance(bound.op, RankMajorConcat):
             continue
         for target in bound.targets:
@@ -273,7 +275,7 @@ def _gather_fused_local(module: nn.Module, state_dict: dict[str, Any], prefix: s
     tensor; this gathers it instead (a collective: every rank must ask).
     """
     group, world = module.__dict__[_LOCAL_SHARDS]
-    for bound in module.__dict__[PLAN_ATTRIBUTE].transforms:
+    for bound in _plan(module).transforms:
         if not isinstance(bound.op, Concat) or bound.op.dim != 0:
             continue
         for target in bound.targets:
@@ -302,8 +304,15 @@ def _keep_local(module: nn.Module, plan: ModulePlan, sharded: ShardedModule) -> 
     merged.__dict__["_tp_group"] = group
 
 
+def _plan(module: nn.Module) -> ModulePlan:
+    plan = attached_plan(module)
+    if not isinstance(plan, ModulePlan):
+        raise TypeError(f"{type(module).__name__} is not a module fusion-core fused")
+    return plan
+
+
 def _merged_projection(module: nn.Module, plan: ModulePlan) -> MergedLinear:
-    merged = module.__dict__.get("_fusion_merged")
+    merged = module.fused_projection if isinstance(module, MergedProjectionsMixin) else None
     if not isinstance(merged, MergedLinear):
         raise FusionLoadError(
             f"family {plan.family!r}, module {plan.path!r}: PackedColwise needs a merged projection "
@@ -333,7 +342,7 @@ def shard_merged_module(module: nn.Module, plan: ModulePlan, sharded: ShardedMod
                 raise FusionLoadError(f"family {plan.family!r}, module {plan.path!r}: no fused {target.name!r}")
             set_leaf(module, target.name, _from_local(local.detach(), sharded.mesh, target.shape))
         transforms[index] = replace(bound, op=RankMajorConcat(n=bound.op.n, mesh=sharded.mesh))
-    module.__dict__[PLAN_ATTRIBUTE] = replace(plan, transforms=tuple(transforms))
+    attach_plan(module, replace(plan, transforms=tuple(transforms)))
     module.register_state_dict_post_hook(_present_fused_in_order)  # type: ignore[no-untyped-call]
     merged = _merged_projection(module, plan)
     merged.__class__ = ShardedMergedLinear

@@ -18,7 +18,8 @@ shapes and values as on the unfused model (the LoRA weights live at ``q_proj.lor
 way), ``merge_and_unload()`` leaves the merged bytes a merge on the unfused model leaves, and
 ``unload()`` puts the fused module back.
 
-**Switching on.** fusion-core calls :func:`activate` whenever it fuses a model. When PEFT's LoRA
+**Switching on.** The plugin (:mod:`fusion_peft.plugin`) calls :func:`activate` whenever fusion-core
+fuses a module on a real device (not discovery's rehearsal on the meta device). When PEFT's LoRA
 module is already imported, its module factory and its ``target_modules="all-linear"`` expansion
 (:func:`fusion_core.compat.peft.wrap_lora_factories`) (which must count a slice as the ``nn.Linear`` it stands
 for) are wrapped now; otherwise a finder wraps them right after PEFT is imported. Nothing is imported early, and the
@@ -47,9 +48,9 @@ import torch
 from torch import nn
 
 from fusion_core.compat import peft as compat
-from fusion_core.layout import PLAN_ATTRIBUTE, module_plan
+from fusion_core.layout import module_plan
 from fusion_core.merged import PARTS_ATTRIBUTE, MergedSlice
-from fusion_core.transforms import ModulePlan
+from fusion_core.transforms import ModulePlan, attach_plan
 
 __all__ = ["activate", "tuner_layer_paths"]
 
@@ -284,7 +285,7 @@ def _stand_in(module: nn.Module, copy_tensors: bool) -> nn.Module:
     for name, value in module.__dict__.items():
         if name.endswith("_hooks") and isinstance(value, dict):
             stand_in.__dict__[name] = OrderedDict()
-    stand_in.__dict__.pop(PLAN_ATTRIBUTE, None)
+    attach_plan(stand_in, None)
     stand_in.__class__ = plan.original_class
     with torch.no_grad():
         for bound in plan.transforms:

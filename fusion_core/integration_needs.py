@@ -1,0 +1,75 @@
+"""Workflows on a fused model that only an integration plugin serves, as the core can see them.
+
+The core calls integrations only through hooks, so without an integration installed nothing would
+serve its workflow: a tensor-parallel load would convert each rank's shards as if they were whole
+tensors. What the core *can* see of such a workflow (a load keyword, a model transformers loaded
+sharded) is listed here, with the integration it needs; the load is then refused by
+:meth:`fusion_core.plugins.FamilyRegistry.require_integration`, naming the distribution to
+install (``fusion-<name>`` by convention, as for a missing family). Nothing here runs an integration.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from fusion_core.compat import transformers as compat
+from fusion_core.plugins import conventional_distribution
+
+
+@dataclass(frozen=True)
+class Need:
+    """``workflow`` (a phrase for the error message) needs the integration called ``integration``."""
+
+    integration: str
+    workflow: str
+
+
+TENSOR_PARALLEL = "tensor_parallel"
+
+
+def load_needs(load_kwargs: Mapping[str, Any]) -> list[Need]:
+    """What the keyword arguments of a fused load need, before anything is read."""
+    if load_kwargs.get("tp_plan") is not None:
+        return [Need(TENSOR_PARALLEL, f"a fused load with tp_plan={load_kwargs['tp_plan']!r}")]
+    return []
+
+
+def loaded_needs(model: nn.Module) -> list[Need]:
+    """What a model transformers has just loaded needs (a tensor-parallel plan set by its config)."""
+    if compat.tensor_parallel_size(model) > 1:
+        return [Need(TENSOR_PARALLEL, "a fused model that transformers loaded under a tensor-parallel plan")]
+    return []
+
+
+#: Libraries whose use on a fused model needs an integration, by import name.
+LIBRARY_NEEDS = {"peft": Need("peft", "PEFT adapters (LoRA) on fused modules")}
+
+
+def warn_unserved_libraries(integrations: Collection[str]) -> None:
+    """Warn, once per library and process, about an imported library whose integration is not installed.
+
+    The core cannot see a PEFT call (it happens after the load, inside PEFT); a library already
+    imported when a model is fused is the sign it is about to be used.
+    """
+    for library, need in LIBRARY_NEEDS.items():
+        if library in sys.modules and need.integration not in integrations and library not in _WARNED:
+            _WARNED.add(library)
+            warnings.warn(
+                f"{library} is imported, but fusion-core's {need.integration!r} integration is not installed: "
+                f"{need.workflow} need it (pip install {conventional_distribution(need.integration)})",
+                MissingIntegrationWarning, stacklevel=3,
+            )
+
+
+class MissingIntegrationWarning(UserWarning):
+    """A library in use on a fused model has no integration installed (see :func:`warn_unserved_libraries`)."""
+
+
+_WARNED: set[str] = set()
+

@@ -1,0 +1,38 @@
+"""Every piece of process-wide state fusion-core keeps, and :func:`reset_state` to clear what may be cleared.
+
+What is global, and why it must be:
+
+====================================  ===========================================================  ================
+state                                 why process-wide                                              reset_state()
+====================================  ===========================================================  ================
+plugin registry                       entry points are imported once (``fusion_core.plugins``)      rebuilt on next use
+discovery cache                       a meta model per (class, config, families) is built once      cleared
+safetensors header cache              shard headers are parsed once per file version                cleared
+merge policy and measured decisions   one measurement per kind of GEMM serves every layer           re-read, cleared
+transformers routing                  ``integrate_transformers()`` replaces a class method          switched off
+fused-class cache                     ``isinstance`` and pickling need one class per pair           kept (identity)
+``__init__`` wrappers, load lock      only while a fused load runs (``fusion_core.patching``)       none to reset
+environment variables                 read when the registry or the merge policy is (re)built       re-read
+====================================  ===========================================================  ================
+
+The environment variables: ``FUSION_CORE_DISABLE_PLUGIN_AUTOLOAD``, ``FUSION_CORE_STRICT_PLUGINS``,
+``FUSION_CORE_ALLOWED_PLUGINS`` (the registry) and ``FUSION_CORE_MERGE`` (the merge policy).
+State that belongs to a plugin is the plugin's (the PEFT integration's import hook, for one).
+"""
+
+from __future__ import annotations
+
+from fusion_core import checkpoint, discovery, merge_policy, plugins, routing
+
+
+def reset_state() -> None:
+    """Clear every resettable piece of process-wide state in one call (tests, notebooks).
+
+    Afterwards the next call reloads the plugins and re-reads the environment variables, as in a
+    fresh process. Not to be called while a load runs in another thread.
+    """
+    routing.reset_integration()
+    plugins.reset_registry()
+    discovery.clear_cache()
+    checkpoint.clear_header_cache()
+    merge_policy.reset_merge_policy()
