@@ -73,3 +73,8 @@ class MissingIntegrationWarning(UserWarning):
 
 _WARNED: set[str] = set()
 
+
+def forget_warnings() -> None:
+    """Warn again about every library (see :func:`warn_unserved_libraries`)."""
+    _WARNED.clear()
+

@@ -10,6 +10,7 @@ discovery cache                       a meta model per (class, config, families)
 safetensors header cache              shard headers are parsed once per file version                cleared
 merge policy and measured decisions   one measurement per kind of GEMM serves every layer           re-read, cleared
 transformers routing                  ``integrate_transformers()`` replaces a class method          switched off
+missing-integration warnings          each library without its integration is named once           forgotten
 fused-class cache                     ``isinstance`` and pickling need one class per pair           kept (identity)
 ``__init__`` wrappers, load lock      only while a fused load runs (``fusion_core.patching``)       none to reset
 environment variables                 read when the registry or the merge policy is (re)built       re-read
@@ -22,7 +23,7 @@ State that belongs to a plugin is the plugin's (the PEFT integration's import ho
 
 from __future__ import annotations
 
-from fusion_core import checkpoint, discovery, merge_policy, plugins, routing
+from fusion_core import checkpoint, discovery, integration_needs, merge_policy, plugins, routing
 
 
 def reset_state() -> None:
@@ -36,3 +37,4 @@ def reset_state() -> None:
     discovery.clear_cache()
     checkpoint.clear_header_cache()
     merge_policy.reset_merge_policy()
+    integration_needs.forget_warnings()

@@ -247,7 +247,7 @@ def test_a_rehearsal_on_the_meta_device_installs_no_peft_hook(llama: Path) -> No
 
 
 def test_reset_state_clears_every_resettable_piece_in_one_call(llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fusion_core import checkpoint, discovery, merge_policy, plugins, routing
+    from fusion_core import checkpoint, discovery, integration_needs, merge_policy, plugins, routing
 
     registry = get_registry()
     fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config={"qkv": True})
@@ -259,6 +259,9 @@ def test_reset_state_clears_every_resettable_piece_in_one_call(llama: Path, monk
     assert not routing.is_integrated() and not discovery._cache and not checkpoint._header_cache
     assert merge_policy.merge_policy() == "always" and merge_policy.merge_decisions() == {}
     assert plugins.get_registry() is not registry
+    integration_needs._WARNED.add("peft")
+    fusion_core.reset_state()
+    assert not integration_needs._WARNED
     routing_on.__exit__(None, None, None)  # a stale handle switches nothing back on
     assert not routing.is_integrated()
 
@@ -270,7 +273,7 @@ def test_peft_imported_without_its_integration_is_named_once(llama: Path, monkey
 
     monkeypatch.setenv("FUSION_CORE_ALLOWED_PLUGINS", "fusion-qkv")
     fusion_core.reset_registry()
-    monkeypatch.setattr(integration_needs, "_WARNED", set())
+    integration_needs.forget_warnings()
     with pytest.warns(integration_needs.MissingIntegrationWarning, match="pip install fusion-peft"):
         fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config={"qkv": True})
     with warnings.catch_warnings(record=True) as caught:
