@@ -226,7 +226,8 @@ def _discover(
                 bound = bind_transforms(family.name, path, {k: tuple(v.shape) for k, v in leaves.items()}, transforms)
             except PlanError as exc:
                 raise PlanError(f"{exc} [{family.source}]") from None
-            plans.append(ModulePlan(family.name, path, original, fused, bound, tuple(leaves)))
+            plans.append(ModulePlan(family.name, path, original, fused, bound, tuple(leaves),
+                                    _moved_linears(module, bound)))
     owners = {family.name for family, _ in families if spec_member(family.spec, "owns_submodules") is True}
     plans, nested = _leave_nested_to_outer(plans, owners)
     for family, options in families:
@@ -249,6 +250,15 @@ def _discover(
             routes[original] = ClassRoute(original, fused, instances)
     _rehearse(meta_model, plan, {family.name: family.source for family, _ in families})
     return Discovery(type(meta_model), plan, routes, len(modules))
+
+
+def _moved_linears(module: nn.Module, bound: tuple[Any, ...]) -> tuple[str, ...]:
+    """Module-relative paths of the ``nn.Linear`` modules inside ``module`` whose tensors the plan moves."""
+    moved = {s.name for b in bound for s in b.sources}
+    return tuple(
+        name for name, sub in module.named_modules() if isinstance(sub, nn.Linear)
+        and any(leaf.startswith(f"{name}.") if name else "." not in leaf for leaf in moved)
+    )
 
 
 def _leave_nested_to_outer(

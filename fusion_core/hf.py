@@ -120,7 +120,7 @@ def from_pretrained(
         logger.warning("fusion family %r found nothing to fuse in %s and is left out (required=False)", name,
                        discovery.model_class.__name__)
     families = {name: registry.get(name).spec for name in fusion.enabled_names() if name in registry}
-    for need in load_needs(kwargs):
+    for need in load_needs(kwargs, config):
         registry.require_integration(need.integration, need.workflow)
     _call_plugins(registry.hook.fusion_load_planned, "fusion_load_planned", plan=discovery.plan,
                   model_class=model_cls, config=config, load_kwargs=MappingProxyType(kwargs), families=families)

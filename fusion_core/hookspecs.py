@@ -102,7 +102,8 @@ def fusion_convert_loaded(
     model: nn.Module, built: MutableSequence[tuple[nn.Module, ModulePlan]],
     families: Mapping[str, ModuleFusionSpec[Any]],
 ) -> Generator[None, None, None] | None:
-    """transformers has loaded ``model``; its fused modules are about to be converted to the fused layout.
+    """transformers has loaded ``model`` (or ``fusion_core.fuse`` was handed it); its fused modules are about to be
+    converted to the fused layout.
 
     Implement it as a *wrapper* (``@hookimpl(wrapper=True)``, a generator that yields once): the
     code before ``yield`` runs before the conversion, the code after it once every module is

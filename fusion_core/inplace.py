@@ -73,7 +73,10 @@ def fuse(model: ModelT, fusion_config: Any) -> ModelT:
     sources = fusion.sources()
     # Under the load lock: 4.57's init_empty_weights in another thread would send parameters
     # registered here to the meta device.
-    with LOAD_LOCK:
+    registry = get_registry()
+    families = {name: registry.get(name).spec for name in fusion.enabled_names() if name in registry}
+
+    def convert() -> None:
         done: list[nn.Module] = []
         for module, plan in targets:
             try:
@@ -87,8 +90,12 @@ def fuse(model: ModelT, fusion_config: Any) -> ModelT:
                     "before it were unfused again; this one is left as the failure left it)"
                 ) from exc
             done.append(module)
+
+    with LOAD_LOCK:  # the conversion is the innermost call of the hook, as on a load
+        registry.hook.fusion_convert_loaded.call_extra([convert], {"model": model, "built": targets,
+                                                                   "families": families})
     mark_fused(model, fusion, discovery.plan)
-    warn_unserved_libraries({entry.name for entry in get_registry().integrations()})
+    warn_unserved_libraries({entry.name for entry in registry.integrations()})
     return model
 
 

@@ -31,13 +31,18 @@ class Need:
 
 
 TENSOR_PARALLEL = "tensor_parallel"
+QUANTIZATION = "quantization"
 
 
-def load_needs(load_kwargs: Mapping[str, Any]) -> list[Need]:
-    """What the keyword arguments of a fused load need, before anything is read."""
+def load_needs(load_kwargs: Mapping[str, Any], config: Any = None) -> list[Need]:
+    """What a fused load needs, from its keyword arguments and the checkpoint's config, before anything is read."""
+    needs = []
     if load_kwargs.get("tp_plan") is not None:
-        return [Need(TENSOR_PARALLEL, f"a fused load with tp_plan={load_kwargs['tp_plan']!r}")]
-    return []
+        needs.append(Need(TENSOR_PARALLEL, f"a fused load with tp_plan={load_kwargs['tp_plan']!r}"))
+    quantization = load_kwargs.get("quantization_config") or getattr(config, "quantization_config", None)
+    if quantization is not None:
+        needs.append(Need(QUANTIZATION, f"a fused load that quantizes ({type(quantization).__name__})"))
+    return needs
 
 
 def loaded_needs(model: nn.Module) -> list[Need]:
@@ -48,7 +53,12 @@ def loaded_needs(model: nn.Module) -> list[Need]:
 
 
 #: Libraries whose use on a fused model needs an integration, by import name.
-LIBRARY_NEEDS = {"peft": Need("peft", "PEFT adapters (LoRA) on fused modules")}
+LIBRARY_NEEDS = {
+    "peft": Need("peft", "PEFT adapters (LoRA) on fused modules"),
+    "torchao": Need(QUANTIZATION, "torchao quantization of a fused model"),
+    "bitsandbytes": Need(QUANTIZATION, "bitsandbytes quantization of a fused model"),
+    "optimum.quanto": Need(QUANTIZATION, "quanto quantization of a fused model"),
+}
 
 
 def warn_unserved_libraries(integrations: Collection[str]) -> None:
@@ -62,7 +72,7 @@ def warn_unserved_libraries(integrations: Collection[str]) -> None:
             _WARNED.add(library)
             warnings.warn(
                 f"{library} is imported, but fusion-core's {need.integration!r} integration is not installed: "
-                f"{need.workflow} need it (pip install {conventional_distribution(need.integration)})",
+                f"{need.workflow} needs it (pip install {conventional_distribution(need.integration)})",
                 MissingIntegrationWarning, stacklevel=3,
             )
 

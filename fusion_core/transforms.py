@@ -316,6 +316,10 @@ class ModulePlan:
     transforms: tuple[BoundTransform, ...]
     original_leaves: tuple[str, ...] = ()
     """Every tensor of the original module, in its state-dict order (kept on save)."""
+    moved_linears: tuple[str, ...] = ()
+    """Module-relative paths (``""``: the module itself) of the original ``nn.Linear`` modules whose
+    tensors the plan moves: what a quantizer matching ``isinstance(m, nn.Linear)`` would have
+    quantized there, and a fused model does not present as ``nn.Linear``."""
 
     def full_key(self, leaf: str) -> str:
         return f"{self.path}.{leaf}" if self.path else leaf

@@ -9,6 +9,9 @@ TF4_SPEC="transformers>=4.57,<4.58"
 TF5_SPEC="transformers>=5,<6"
 TEST_SPEC="pytest>=8 hypothesis>=6.100 accelerate>=1.0 peft>=0.17"
 TOOLS_SPEC="$TEST_SPEC ruff>=0.6 mypy>=1.10 mkdocs>=1.6 mkdocstrings[python]>=0.26"
+# The quantizers users bring, as the quantization tests run them: in environments of their own (with
+# torchao installed, transformers imports it on every load, ~0.5 s, and its warnings reach stderr).
+QUANT_SPEC="torchao bitsandbytes optimum-quanto"
 # The minors between 4.57 and the newest 5.x that CI runs the range subset on (tests marked `range`):
 # the first 5.x release and minors spread across the line, each the newest patch of its minor.
 RANGE_SPECS=("transformers>=5.0,<5.1" "transformers>=5.8,<5.9" "transformers>=5.16,<5.17" "transformers>=5.22,<5.23")

@@ -2,7 +2,8 @@
 # Runs the whole test suite on transformers 4.57.x and on the newest 5.x (torch 2.13.0, CPU),
 # after ruff and mypy, then the range subset (RANGE_TESTS: every shipped family loaded, run, saved
 # and reloaded, the compat fallbacks, the transformers entry points, PEFT, in-place fuse/unfuse,
-# pickling, tensor parallelism) on the minors in between (RANGE_SPECS in _env.sh).
+# pickling, tensor parallelism) on the minors in between (RANGE_SPECS in _env.sh). The quantization
+# tests run on both lines in environments with the quantizers installed (QUANT_SPEC in _env.sh).
 # Creates the environments on first use. Extra arguments go to pytest.
 # FUSION_CORE_SKIP_RANGE=1 leaves the range subset out (a quick local run).
 set -euo pipefail
@@ -37,6 +38,9 @@ run_pytest() {  # run_pytest PYTHON NAME PYTEST-ARGS...
 }
 run_pytest "$TF5_PY" "full-tf5" "$@"
 run_pytest "$TF4_PY" "full-tf4" "$@"
+QUANT_TESTS=(tests/test_quantization.py tests/test_integrations.py)
+run_pytest "$(ensure_env quant-tf5 "$TF5_SPEC" "$TEST_SPEC $QUANT_SPEC")" "quant-tf5" "${QUANT_TESTS[@]}" "$@"
+run_pytest "$(ensure_env quant-tf4 "$TF4_SPEC" "$TEST_SPEC $QUANT_SPEC")" "quant-tf4" "${QUANT_TESTS[@]}" "$@"
 if [[ "${FUSION_CORE_SKIP_RANGE:-0}" != "1" ]]; then
     for spec in "${RANGE_SPECS[@]}"; do
         name="$(range_env_name "$spec")"

@@ -36,8 +36,8 @@ AGAINST_THE_FLOW = {
     ("discovery", "layout"): "discovery rehearses every planned fuse on the meta model (fuse_instance)",
 }
 #: Distributions the core must never import: integrations are reached through hooks only.
-NEVER_IMPORTED = {"fusion_peft", "fusion_tensor_parallel", "fusion_qkv", "fusion_gate_up", "fusion_patch_embeddings",
-                  "fusion_moe_experts", "peft", "torchao", "bitsandbytes", "optimum"}
+NEVER_IMPORTED = {"fusion_peft", "fusion_tensor_parallel", "fusion_quantization", "fusion_qkv", "fusion_gate_up",
+                  "fusion_patch_embeddings", "fusion_moe_experts", "peft", "torchao", "bitsandbytes", "optimum"}
 
 
 def _name(path: Path) -> str:

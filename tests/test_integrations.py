@@ -129,7 +129,8 @@ def test_fuse_and_unfuse_ask_the_plugins_first(llama: Path) -> None:
 
 def test_the_shipped_integrations_are_plugins_found_through_entry_points() -> None:
     found = {entry.name: entry.source.distribution for entry in get_registry().integrations()}
-    assert found == {"peft": "fusion-peft", "tensor_parallel": "fusion-tensor-parallel"}
+    assert found == {"peft": "fusion-peft", "quantization": "fusion-quantization",
+                     "tensor_parallel": "fusion-tensor-parallel"}
 
 
 def test_without_the_tensor_parallel_distribution_a_tp_load_is_refused_naming_it(
@@ -222,7 +223,7 @@ def test_fusion_list_shows_integrations_and_autoload_off_leaves_them_out(monkeyp
 
     shown = listed({})
     assert {i["name"]: i["distribution"] for i in shown["integrations"]} == {
-        "peft": "fusion-peft", "tensor_parallel": "fusion-tensor-parallel"}
+        "peft": "fusion-peft", "quantization": "fusion-quantization", "tensor_parallel": "fusion-tensor-parallel"}
     assert listed({"FUSION_CORE_DISABLE_PLUGIN_AUTOLOAD": "1"})["integrations"] == []
 
 
