@@ -12,8 +12,9 @@ plus a ``Concat(n=2, dim=0)`` transform from ``("a_proj.weight", "b_proj.weight"
 :func:`is_plain_linear` in its ``is_fusable``.
 
 **How it computes.** The fused parent keeps its original ``forward``. Its projection children
-are replaced by :class:`MergedSlice` modules that all read one merged weight, owned by a plain
-``nn.Module`` parameter holder (``parent.qkv_proj.weight``). In eager mode, the first slice
+are replaced by :class:`MergedSlice` modules that all read one merged weight, owned by the
+merged container, a :class:`MergedProjection` (``parent.qkv_proj``: an ``nn.Linear`` of all the
+parts' rows). In eager mode, the first slice
 called with an input computes the whole merged GEMM once and keeps the output; a sibling
 called with the *same* tensor (same object, same version counter, same grad mode) gets its
 columns of that output, a view, without another GEMM. Any other input is answered from the
@@ -36,6 +37,13 @@ ranges derived from them in :attr:`MergedLinear.bounds`), nothing else hard-code
 merged tensors are ordinary parameters of the container module: a variant that holds only one
 rank's rows of every part (tensor parallelism) changes the sizes and the transforms, not the
 slices.
+
+**Quantizers.** The container is an ``nn.Linear``, so quantizers that pick modules with
+``isinstance(m, nn.Linear)`` (torchao's ``quantize_``, quanto's ``quantize``) quantize the merged
+weight as one layer, the way they quantize the parts on the unfused model: for per-output-channel
+schemes the merged quantized weight is exactly the parts' quantized data and scales, concatenated.
+A container whose weight is a quantizer's tensor, or that a quantizer replaced by its own module,
+is called as a module (its quantized kernel, one merged GEMM) and sliced; nothing is run per part.
 
 **Adapters and copies.** A slice is deliberately not an ``nn.Linear`` (initialisers and
 quantisers that match ``isinstance(m, nn.Linear)`` would write a new tensor over a view, and
@@ -82,8 +90,10 @@ class MergedLinear:
     that replace the parameters are seen at once.
     """
 
-    def __init__(self, owner: nn.Module, sizes: tuple[int, ...]) -> None:
-        self.owner = owner
+    def __init__(self, owner: nn.Module, sizes: tuple[int, ...], parent: nn.Module | None = None,
+                 container: str | None = None) -> None:
+        self._owner = owner
+        self._parent, self._container = parent, container
         self.sizes = tuple(sizes)
         starts = [0]
         for size in self.sizes[:-1]:
@@ -97,6 +107,15 @@ class MergedLinear:
         self._kinds: dict[tuple[Any, ...], merge_policy.Kind] = {}
         self.originals: dict[str, nn.Module] = {}
         """The emptied original projection modules, by child name (what :func:`unmerge_children` restores)."""
+
+    @property
+    def owner(self) -> nn.Module:
+        """The merged container, read from the parent at every call: a quantizer may have replaced it."""
+        if self._parent is not None and self._container is not None:
+            current = self._parent._modules.get(self._container)
+            if current is not None:
+                return current
+        return self._owner
 
     @property
     def weight(self) -> torch.Tensor:
@@ -122,9 +141,16 @@ class MergedLinear:
 
     def __call__(self, index: int, input: torch.Tensor) -> torch.Tensor:
         """Part ``index`` of the merged projection of ``input``: what the original projection computed."""
+        owner = self.owner
         if torch.compiler.is_compiling():
-            # Traced code gets the original projection's own GEMM: no Python state to guard on.
+            # Traced code gets the original projection's own GEMM: no Python state to guard on (a
+            # container a quantizer replaced is called as the module it now is).
+            if type(owner) is not MergedProjection:
+                start, stop = self.bounds[index]
+                return cast(torch.Tensor, owner(input)).narrow(-1, start, stop - start)
             return F.linear(input, self.rows(self.weight, index), self.part(self.bias, index))
+        if not _runs_plain(owner):
+            return self._through(owner, index, input)
         cache = self._cache
         if cache is not None:
             cached_input, version, grad, parts, pending = cache
@@ -156,6 +182,25 @@ class MergedLinear:
             self._cache = [input, _version(input), grad, parts, pending]
         return parts[index]
 
+    def _through(self, owner: nn.Module, index: int, input: torch.Tensor) -> torch.Tensor:
+        """A quantized container: its own forward (the quantizer's kernel), one merged GEMM, sliced."""
+        cache = self._cache
+        if cache is not None:
+            cached_input, version, grad, parts, pending = cache
+            if cached_input is input and grad == torch.is_grad_enabled() and version == _version(input) and (
+                pending >> index
+            ) & 1:
+                pending &= ~(1 << index)
+                self._cache = [cached_input, version, grad, parts, pending] if pending else None
+                cached: torch.Tensor = parts[index]
+                return cached
+        output = cast(torch.Tensor, owner(input))
+        self.merged_gemms += 1
+        columns = [output.narrow(-1, lo, hi - lo) for lo, hi in self.bounds]
+        pending = self._all & ~(1 << index)
+        self._cache = [input, _version(input), torch.is_grad_enabled(), columns, pending] if pending else None
+        return columns[index]
+
     def _merge_pays(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether this call runs the merged GEMM (:mod:`fusion_core.merge_policy`); kinds memoised by shape."""
         key = (input.shape, input.dtype, input.device)
@@ -173,6 +218,31 @@ class MergedLinear:
     def __getstate__(self) -> dict[str, Any]:
         # A cached output is transient: copies and pickles never carry one.
         return {**self.__dict__, "_cache": None, "_kinds": {}}
+
+
+def _runs_plain(owner: nn.Module) -> bool:
+    """Whether the container is fusion-core's own with a torch tensor weight (DTensor included), not a quantizer's."""
+    weight = owner._parameters.get("weight")
+    return type(owner) is MergedProjection and weight is not None and is_torch_tensor(weight)
+
+
+def is_torch_tensor(tensor: torch.Tensor) -> bool:
+    """A tensor of torch's own classes (``Parameter``, ``DTensor``, ...), not a quantizer's tensor subclass."""
+    module = type(tensor).__module__
+    return module == "torch" or module.startswith("torch.")
+
+
+class MergedProjection(nn.Linear):
+    """The merged container (``qkv_proj``): an ``nn.Linear`` holding every part's rows, in order.
+
+    Being an ``nn.Linear`` is what lets quantizers and tools that pick ``isinstance(m, nn.Linear)``
+    treat the merged weight as the one layer it is (see the module docs). It is built by
+    :func:`merge_children` from the container that holds the concatenated tensors, never by
+    ``__init__``; the fused parent calls it through :class:`MergedLinear`, not directly.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("MergedProjection is made by fusion_core.merged.merge_children, not constructed")
 
 
 class MergedSlice(nn.Module):
@@ -234,7 +304,10 @@ def merge_children(parent: nn.Module, names: tuple[str, ...], container: str) ->
         )
     if "bias" not in owner._parameters and "bias" not in owner._buffers:
         owner.register_parameter("bias", None)  # what nn.Linear(bias=False) has: a fast, uniform lookup
-    merged = MergedLinear(owner, sizes)
+    if type(owner) is nn.Module:
+        owner.__class__ = MergedProjection
+        owner.__dict__["in_features"], owner.__dict__["out_features"] = in_features, sum(sizes)
+    merged = MergedLinear(owner, sizes, parent, container)
     for index, name in enumerate(names):
         parent._modules[name] = MergedSlice(merged, index, in_features)
     merged.originals = dict(zip(names, children, strict=True))
@@ -256,6 +329,9 @@ def unmerge_children(parent: nn.Module, merged: MergedLinear) -> None:
             )
         parent._modules[name] = original
     owner = merged.owner
+    if type(owner) is MergedProjection:
+        owner.__class__ = nn.Module  # type: ignore[assignment]  # back to the plain holder it was
+        del owner.__dict__["in_features"], owner.__dict__["out_features"]
     if "bias" in owner._parameters and owner._parameters["bias"] is None:
         del owner._parameters["bias"]  # the placeholder merge_children registered: an empty container is dropped
     owner.__dict__.pop(PARTS_ATTRIBUTE, None)

@@ -158,9 +158,13 @@ class Concat(TransformOp):
     def inverse(
         self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]
     ) -> tuple[torch.Tensor, ...]:
-        sizes = [shape[self.dim] for shape in source_shapes]
+        # narrow, not split: tensor subclasses (a quantizer's weight) implement slicing more often.
         # Clones: slices of one storage would be saved as shared tensors, which checkpoints refuse.
-        return tuple(part.clone() for part in torch.split(tensors[0], sizes, dim=self.dim))
+        parts, start = [], 0
+        for shape in source_shapes:
+            parts.append(tensors[0].narrow(self.dim, start, shape[self.dim]).clone())
+            start += shape[self.dim]
+        return tuple(parts)
 
 
 @dataclass(frozen=True)

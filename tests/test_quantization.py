@@ -1,10 +1,12 @@
 """Quantizers on fused models, with the real libraries (torchao, bitsandbytes, optimum-quanto on CPU).
 
-Quantizing fused weights exactly is not implemented yet, so every path that would quantize the
-unfused model's ``nn.Linear`` layers but leave the fused ones unquantized, or crash inside a kernel,
-is refused by the quantization integration (``fusion-quantization``) with an error naming the
-family, a module, the quantizer and the way out: at load before any weight is read, on ``fuse``,
-and on the first forward and on save after a quantizer fusion-core did not see. A family that
+After a fused load, torchao's ``quantize_`` and quanto's ``quantize`` quantize the merged
+projections (their containers are ``nn.Linear``) exactly as the parts on the unfused model: the
+same elements quantized, each part's quantized data and scales bit-equal, one quantized GEMM per
+merged projection. What cannot be quantized exactly is refused by the quantization integration
+(``fusion-quantization``) naming the family, a module, the quantizer and the way out: a quantizing
+load before any weight is read, ``fuse`` of a quantized model, a fused tensor a quantizer left
+alone (on the first forward and on save), LoRA on a quantized merged projection. A family that
 merges no ``nn.Linear`` (``patch_embeddings``) quantizes exactly as the unfused model does.
 
 CI runs this module in its own environment with the quantizers installed (``scripts/test.sh``).
@@ -23,6 +25,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 import fusion_core
+from fusion_core import FusedModule, FusionFamily, Transpose, WeightTransform
 from fusion_core.compare import relative_error
 from fusion_core.testing.tiny_models import TINY_MODELS
 
@@ -54,23 +57,136 @@ def _torchao_configs() -> list[Any]:
     return [quantization.Int8WeightOnlyConfig(), quantization.Int8DynamicActivationInt8WeightConfig()]
 
 
+def _inner(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A quantized weight's inner tensors (torchao: qdata, scale, zero_point), by name."""
+    names, _ = weight.__tensor_flatten__()  # type: ignore[attr-defined]
+    return {name: getattr(weight, name) for name in names}
+
+
+def _assert_parts_are_the_unfused_quantization(fused: nn.Module, plain: nn.Module) -> None:
+    """Each part's rows of every merged quantized tensor are bit-equal to the unfused model's quantized part."""
+    plan = fusion_core.get_fusion_plan(fused)
+    assert plan is not None
+    checked = 0
+    for module_plan in plan.modules:
+        module = fused.get_submodule(module_plan.path)
+        merged = module.fused_projection
+        for name, (start, stop) in zip(merged.originals, merged.bounds, strict=True):
+            part = plain.get_submodule(f"{module_plan.path}.{name}").weight
+            for inner, tensor in _inner(merged.weight).items():
+                assert torch.equal(tensor[start:stop], _inner(part)[inner]), (module_plan.path, name, inner)
+            checked += 1
+    assert checked
+
+
 @pytest.mark.parametrize("index", [0, 1], ids=["int8-weight-only", "int8-dynamic"])
-def test_torchao_quantize_after_a_fused_load_is_refused_on_forward_and_save(llama: Path, tmp_path: Path,
-                                                                             index: int) -> None:
+def test_torchao_quantize_after_a_fused_load_quantizes_the_merged_weights_exactly(llama: Path, index: int) -> None:
+    from torchao.quantization import quantize_
+
+    plain = AutoModelForCausalLM.from_pretrained(llama)
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT)
+    for model in (plain, fused):
+        quantize_(model, _torchao_configs()[index])
+
+    def quantized(module: nn.Module) -> bool:
+        return type(module.weight).__module__.startswith("torchao")
+
+    # The same weights quantized: every projection's elements, the merged ones in their container.
+    assert _quantized_elements(fused, quantized) == _quantized_elements(plain, quantized) > 0
+    _assert_parts_are_the_unfused_quantization(fused, plain)
+    attention = fused.model.layers[0].self_attn
+    with torch.no_grad():
+        logits = [model(_ids()).logits for model in (fused, plain)]
+    assert relative_error(logits[1], logits[0]) <= INT8_TOLERANCE
+    assert attention.q_proj.merged.merged_gemms > 0 and attention.q_proj.merged.own_gemms == 0  # one int8 GEMM
+
+
+def test_quantized_merged_weights_unfuse_into_the_unfused_models_quantized_parts(llama: Path) -> None:
+    from torchao.quantization import quantize_
+
+    plain = AutoModelForCausalLM.from_pretrained(llama)
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT)
+    for model in (plain, fused):
+        quantize_(model, _torchao_configs()[0])
+    fusion_core.unfuse(fused)
+    for name, module in plain.named_modules():
+        if isinstance(module, nn.Linear):
+            other = fused.get_submodule(name)
+            assert all(torch.equal(a, b) for a, b in zip(_inner(other.weight).values(), _inner(module.weight).values(),
+                                                         strict=True)), name
+
+
+class _TransposedMixin(FusedModule):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        out = input @ self.weight_t
+        return out if self.bias is None else out + self.bias
+
+
+class TransposedDown(FusionFamily):
+    """A third-party family whose fused Linear keeps no ``weight``: no nn.Linear quantizer can see it."""
+
+    name = "transposed_down"
+    fused_mixin = _TransposedMixin
+    target_modules_patterns = (r"mlp\.down_proj$",)
+
+    def is_fusable(self, module: nn.Module, options: Any) -> bool:
+        return type(module) is nn.Linear
+
+    def make_transforms(self, config: Any, options: Any) -> list[WeightTransform]:
+        return [WeightTransform(("weight",), ("weight_t",), Transpose(0, 1))]
+
+
+def test_fused_weights_no_quantizer_can_see_are_refused_on_forward_and_save(llama: Path, tmp_path: Path) -> None:
+    from torchao.quantization import quantize_
+
+    fusion_core.register_family(TransposedDown())
+    model = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config={"transposed_down": True})
+    with torch.no_grad():
+        model(_ids())  # the fused model runs before it is quantized
+
+    def linear_with_weight(module: nn.Module, name: str) -> bool:  # torchao's default, minus weightless Linears
+        return isinstance(module, nn.Linear) and getattr(module, "weight", None) is not None
+
+    quantize_(model, _torchao_configs()[0], filter_fn=linear_with_weight)  # every projection but the fused one
+    with pytest.raises(fusion_core.FusionError, match=r"torchao quantized 'model\.layers\.0\.self_attn\.q_proj' "
+                       r"after the model was fused; this forward would not be quantized exactly: family "
+                       r"'transposed_down', module 'model\.layers\.0\.mlp\.down_proj' holds the nn\.Linear "
+                       r"tensors of itself in modules no nn\.Linear quantizer sees.*quantize the unfused model, or "
+                       r"leave the families out \(fusion_config=\{'transposed_down': False\}\)"):
+        model(_ids())
+    with pytest.raises(fusion_core.SaveError, match="torchao quantized .*this save would not be quantized exactly"):
+        fusion_core.save_pretrained(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_what_a_filter_leaves_out_stays_the_users_choice(llama: Path) -> None:
+    from torchao.quantization import quantize_
+
+    def not_attention(module: nn.Module, name: str) -> bool:  # the same filter on both models
+        return isinstance(module, nn.Linear) and ".self_attn." not in f"{name}."
+
+    plain = AutoModelForCausalLM.from_pretrained(llama)
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT)
+    for model in (plain, fused):
+        quantize_(model, _torchao_configs()[0], filter_fn=not_attention)
+
+    def quantized(module: nn.Module) -> bool:
+        return type(module.weight).__module__.startswith("torchao")
+
+    assert _quantized_elements(fused, quantized) == _quantized_elements(plain, quantized) > 0
+    with torch.no_grad():
+        assert relative_error(plain(_ids()).logits, fused(_ids()).logits) <= INT8_TOLERANCE
+
+
+def test_lora_on_a_quantized_merged_projection_is_refused_before_training(llama: Path) -> None:
+    peft = pytest.importorskip("peft")
     from torchao.quantization import quantize_
 
     model = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT)
-    with torch.no_grad():
-        model(_ids())  # the fused model runs before it is quantized
-    quantize_(model, _torchao_configs()[index])
-    with pytest.raises(fusion_core.FusionError, match=r"torchao quantized 'model\.layers\.0\.self_attn\.o_proj' "
-                       r"after the model was fused; this forward would use fused weights it did not quantize: "
-                       r"family 'qkv', module 'model\.layers\.0\.self_attn' holds the nn\.Linear tensors of q_proj, "
-                       r"k_proj, v_proj merged.*" + WAY_OUT):
-        model(_ids())
-    with pytest.raises(fusion_core.SaveError, match="torchao quantized .*this save would use fused weights"):
-        fusion_core.save_pretrained(model, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    quantize_(model, _torchao_configs()[0])
+    with pytest.raises(ValueError, match="LoRA on this slice of fusion-core's merged projection is not supported once "
+                                         "the projection is quantized"):
+        peft.get_peft_model(model, peft.LoraConfig(target_modules=["q_proj", "v_proj"]))
 
 
 @pytest.mark.parametrize("index", [0, 1], ids=["int8-weight-only", "int8-dynamic"])
@@ -93,7 +209,7 @@ def test_torchao_quantizes_a_fused_patch_embedding_model_exactly_as_the_unfused_
     assert plan is not None and plan.modules
     for module_plan in plan.modules:  # the fused Conv3d stays unquantized, as the unfused one does
         fused_module = fused.get_submodule(module_plan.path)
-        assert type(fused_module.weight).__module__.startswith("torch")
+        assert not type(fused_module.weight).__module__.startswith("torchao")
         assert not type(plain.get_submodule(module_plan.path).weight).__module__.startswith("torchao")
     tiny = TINY_MODELS["qwen2_vl"]
     inputs = tiny.make_vision_input(plain.config, torch.Generator().manual_seed(0))
@@ -115,7 +231,7 @@ def test_a_torchao_load_is_refused_before_any_weight_is_read(llama: Path, tmp_pa
     broken = _broken_copy(llama, tmp_path / "broken")
     config = TorchAoConfig(_torchao_configs()[0])
     with pytest.raises(fusion_core.FusionLoadError, match=r"the load quantizes with TorchAoConfig \(torchao\); the "
-                       r"fused model would use fused weights it did not quantize: family 'qkv'.*" + WAY_OUT):
+                       r"fused model would not be quantized exactly: family 'qkv'.*" + WAY_OUT):
         fusion_core.from_pretrained(AutoModelForCausalLM, broken, fusion_config=ALL_TEXT, quantization_config=config)
 
 
@@ -148,15 +264,27 @@ def test_a_bitsandbytes_load_is_refused_before_any_weight_is_read(llama: Path, t
 
 
 # -- quanto --------------------------------------------------------------------------------------
-def test_quanto_quantize_after_a_fused_load_is_refused_on_forward(llama: Path) -> None:
+def test_quanto_quantize_after_a_fused_load_quantizes_the_merged_weights(llama: Path) -> None:
     quanto = pytest.importorskip("optimum.quanto")
 
-    model = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT)
-    quanto.quantize(model, weights=quanto.qint8)
-    quanto.freeze(model)
-    with pytest.raises(fusion_core.FusionError, match=r"optimum quantized 'model\.layers\.0\.self_attn\.o_proj'.*"
-                                                      + WAY_OUT):
-        model(_ids())
+    plain = AutoModelForCausalLM.from_pretrained(llama)
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT)
+    for model in (plain, fused):
+        quanto.quantize(model, weights=quanto.qint8)
+        quanto.freeze(model)
+
+    def quantized(module: nn.Module) -> bool:
+        return isinstance(module, quanto.QModuleMixin)
+
+    assert _quantized_elements(fused, quantized) == _quantized_elements(plain, quantized) > 0
+    attention = fused.model.layers[0].self_attn
+    assert isinstance(attention.qkv_proj, quanto.QModuleMixin)  # the container, replaced by quanto's QLinear
+    with torch.no_grad():
+        logits = [model(_ids()).logits for model in (fused, plain)]
+    assert relative_error(logits[1], logits[0]) <= INT8_TOLERANCE
+    assert attention.q_proj.merged.merged_gemms > 0 and attention.q_proj.merged.own_gemms == 0
+    with pytest.raises(fusion_core.FusionError, match=r"its merged 'qkv_proj' was replaced by QLinear \(optimum\)"):
+        fusion_core.unfuse(fused)
 
 
 def test_a_quanto_load_is_refused_before_any_weight_is_read(llama: Path, tmp_path: Path) -> None:

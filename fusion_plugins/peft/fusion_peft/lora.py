@@ -49,7 +49,7 @@ from torch import nn
 
 from fusion_core.compat import peft as compat
 from fusion_core.layout import module_plan
-from fusion_core.merged import PARTS_ATTRIBUTE, MergedSlice
+from fusion_core.merged import PARTS_ATTRIBUTE, MergedProjection, MergedSlice, is_torch_tensor
 from fusion_core.transforms import ModulePlan, attach_plan
 
 __all__ = ["activate", "tuner_layer_paths"]
@@ -125,7 +125,7 @@ def _create_new_module(original: Any) -> Any:
 
 
 def _all_linear(original: Any) -> Any:
-    """``target_modules="all-linear"`` counts merged slices as the linear layers they stand for."""
+    """``target_modules="all-linear"`` counts merged slices as the linear layers they are (not their container)."""
 
     def _maybe_include_all_linear_layers(peft_config: Any, model: nn.Module) -> Any:
         targets = getattr(peft_config, "target_modules", None)
@@ -136,6 +136,10 @@ def _all_linear(original: Any) -> Any:
             result.target_modules |= {
                 name for name, module in model.named_modules()
                 if isinstance(module, MergedSlice) and not name.startswith(wrapped)
+            }
+            # The merged containers are nn.Linear too (for quantizers); adapters go on the parts instead.
+            result.target_modules -= {
+                name for name, module in model.named_modules() if isinstance(module, MergedProjection)
             }
         return result
 
@@ -159,6 +163,13 @@ def _fused_lora_layer(lora_config: Any, adapter_name: str, target: nn.Module, **
     if isinstance(target, BaseTunerLayer) or kwargs.get("parameter_name") is not None:
         return None
     if isinstance(target, MergedSlice):
+        container = target.merged.owner
+        if type(container) is not MergedProjection or not is_torch_tensor(target.merged.weight):
+            raise ValueError(
+                f"LoRA on this slice of fusion-core's merged projection is not supported once the projection is "
+                f"quantized ({type(container).__name__} with a {type(target.merged.weight).__name__} weight): attach "
+                "the adapters before quantizing, or quantize and adapt the unfused model"
+            )
         layer_cls: type[nn.Module] = _layer_classes()[nn.Linear]
     elif module_plan(target) is not None:
         plan = _plan(target)

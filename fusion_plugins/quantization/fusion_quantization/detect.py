@@ -24,7 +24,8 @@ _QUANTIZED_DTYPES = frozenset({
 })
 
 
-def _package(cls: type) -> str:
+def package_of(cls: type) -> str:
+    """The top-level package a class comes from (``torchao``, ``optimum``, ...)."""
     return cls.__module__.split(".", 1)[0]
 
 
@@ -38,13 +39,13 @@ def unwrapped(module: nn.Module) -> nn.Module:
 def quantizer_of(module: nn.Module) -> str | None:
     """The quantization library (or ``"an unknown quantizer"``) that quantized ``module``; None when plain."""
     module = unwrapped(module)
-    if _package(type(module)) in QUANTIZER_PACKAGES:
-        return _package(type(module))
+    if package_of(type(module)) in QUANTIZER_PACKAGES:
+        return package_of(type(module))
     weight = module._parameters.get("weight")
     if weight is None:
         return None
-    if _package(type(weight)) in QUANTIZER_PACKAGES:
-        return _package(type(weight))
+    if package_of(type(weight)) in QUANTIZER_PACKAGES:
+        return package_of(type(weight))
     if weight.dtype in _QUANTIZED_DTYPES:
         return "an unknown quantizer"
     return None

@@ -1,11 +1,16 @@
-"""Noticing a quantizer that ran on a fused model after fusion-core fused it.
+"""Noticing a quantizer that ran on a fused model and could not see some fused weights.
 
-A ``quantize_`` call fusion-core does not see leaves the merged projections unquantized: they are
-not ``nn.Linear`` modules. What it does quantize are the model's other ``nn.Linear`` modules (an
-attention's ``o_proj``, an MLP's ``down_proj``, the LM head), so a few of them are kept as
-*sentinels* when the model is fused; the model's first forward after a quantizer touched one, and
-any save, then raise :class:`~fusion_core.errors.FusionError` naming the families, a module, the
-quantizer and the way out, instead of running or writing fused weights left unquantized.
+Quantizers pick ``nn.Linear`` modules that hold a ``weight``. A merged projection's container is
+one (:class:`fusion_core.merged.MergedProjection`), and ``moe_experts`` keeps ``nn.Linear`` stand-ins
+of its experts that refuse a quantizer by name; for those, a quantizer sees what it sees on the
+unfused model, and what it quantizes or skips (a ``filter_fn``) is the user's choice, as there. A
+family built otherwise (a fused class without a ``weight``, tensors moved into a plain module)
+leaves fused weights no quantizer can see: quantizing the rest of the model would leave them
+unquantized without a word. To notice that, a few of the model's other ``nn.Linear`` modules (an
+attention's ``o_proj``, an MLP's ``down_proj``, the LM head) are kept as *sentinels* when the model
+is fused: once a quantizer touched one, the model's first forward and any save raise
+:class:`~fusion_core.errors.FusionError` naming such a family, the module, the quantizer and the way
+out.
 
 The guard is plain data on the model (sentinel paths, no module references) and the check a
 module-level function, so a guarded model still pickles and deep-copies.
@@ -17,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from fusion_core.errors import FusionError
@@ -24,6 +30,8 @@ from fusion_core.transforms import ModulePlan
 from fusion_quantization.detect import quantizer_of
 
 GUARD_ATTRIBUTE = "fusion_quantization_guard"
+FusedEntry = tuple[str, str, tuple[str, ...], tuple[str, ...]]
+"""(family, module path, its moved nn.Linear children, the containers of its fused tensors)."""
 _SENTINELS = 4
 
 
@@ -32,8 +40,8 @@ class Guard:
     """Which fused modules a quantizer would have quantized, and the sentinels that tell it ran."""
 
     sentinels: tuple[str, ...]
-    fused: tuple[tuple[str, str, tuple[str, ...]], ...]
-    """(family, module path, its moved nn.Linear children) of every fused module holding ex-Linear tensors."""
+    fused: tuple[FusedEntry, ...]
+    """Every fused module holding ex-Linear tensors."""
 
     def refusal(self, model: nn.Module, action: str) -> str | None:
         for path in self.sentinels:
@@ -42,27 +50,58 @@ class Guard:
             except AttributeError:
                 continue
             quantizer = quantizer_of(module)
-            if quantizer is not None:
-                return refusal_message(self.fused, f"{quantizer} quantized {path!r} after the model was fused", action)
+            if quantizer is None:
+                continue
+            hidden = [entry for entry in self.fused if not _visible(model, entry)]
+            if hidden:
+                return refusal_message(hidden, f"{quantizer} quantized {path!r} after the model was fused", action,
+                                       "in modules no nn.Linear quantizer sees")
+            return None
         return None
 
 
-def refusal_message(fused: Sequence[tuple[str, str, tuple[str, ...]]], what: str, action: str) -> str:
-    families = sorted({family for family, _, _ in fused})
-    family, path, linears = fused[0]
+def _seen_by_quantizers(module: nn.Module) -> bool:
+    """What a quantizer picking ``nn.Linear`` modules with a ``weight`` would see (or has quantized)."""
+    if quantizer_of(module) is not None:
+        return True
+    try:
+        return isinstance(module, nn.Linear) and isinstance(module.weight, torch.Tensor)
+    except AttributeError:
+        return False
+
+
+def _visible(model: nn.Module, entry: FusedEntry) -> bool:
+    """Whether a quantizer sees the fused module's tensors: in its containers, or at the original Linears' paths."""
+    _, path, linears, holders = entry
+    for names in (holders, linears):
+        try:
+            if all(_seen_by_quantizers(model.get_submodule(f"{path}.{n}" if n else path)) for n in names):
+                return True
+        except AttributeError:
+            continue
+    return False
+
+
+def refusal_message(fused: Sequence[FusedEntry], what: str, action: str, where: str) -> str:
+    families = sorted({entry[0] for entry in fused})
+    family, path, linears, _ = fused[0]
     parts = ", ".join(linear or "itself" for linear in linears)
     leave_out = ", ".join(f"{name!r}: False" for name in families)
     return (
-        f"{what}; {action} would use fused weights it did not quantize: family {family!r}, module {path!r} "
-        f"holds the nn.Linear tensors of {parts} merged (families {families}, {len(fused)} module(s)). fusion-core "
-        f"does not quantize fused weights yet: quantize the unfused model, or leave the families out "
-        f"(fusion_config={{{leave_out}}})"
+        f"{what}; {action} would not be quantized exactly: family {family!r}, module {path!r} "
+        f"holds the nn.Linear tensors of {parts} {where} (families {families}, {len(fused)} module(s)): quantize "
+        f"the unfused model, or leave the families out (fusion_config={{{leave_out}}})"
     )
 
 
-def fused_linears(plans: Sequence[ModulePlan]) -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+def fused_linears(plans: Sequence[ModulePlan]) -> tuple[FusedEntry, ...]:
     """The fused modules whose plans move ``nn.Linear`` tensors (what a Linear quantizer would have seen)."""
-    return tuple((p.family, p.path, p.moved_linears) for p in plans if p.moved_linears)
+    return tuple((p.family, p.path, p.moved_linears, containers(p)) for p in plans if p.moved_linears)
+
+
+def containers(plan: ModulePlan) -> tuple[str, ...]:
+    """Module-relative paths of the modules holding the plan's fused tensors (``qkv_proj``)."""
+    return tuple(dict.fromkeys(t.name.rpartition(".")[0] for b in plan.transforms for t in b.targets))
 
 
 def attach_guard(model: nn.Module, plans: Sequence[ModulePlan]) -> None:
@@ -70,7 +109,8 @@ def attach_guard(model: nn.Module, plans: Sequence[ModulePlan]) -> None:
     fused = fused_linears(plans)
     if not fused or GUARD_ATTRIBUTE in model.__dict__:
         return
-    inside = tuple(f"{p.path}.{name}" if name else p.path for p in plans for name in p.moved_linears)
+    inside = tuple(f"{p.path}.{name}" if name else p.path
+                   for p in plans for name in (*p.moved_linears, *containers(p)))
     candidates = [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and name
                   and not name.startswith(tuple(f"{path}." for path in inside)) and name not in inside]
     if not candidates:
@@ -87,6 +127,8 @@ def guard_of(model: nn.Module) -> Guard | None:
 
 
 def check_before_forward(model: nn.Module, args: Any) -> None:
+    if torch.compiler.is_compiling():  # Python state: checked by the eager calls, never traced
+        return
     guard = guard_of(model)
     if guard is None:
         return
