@@ -151,12 +151,17 @@ def test_installing_the_plugin_lists_it_with_its_distribution(fresh_python):
     assert family["options_schema"]["additionalProperties"] is False
 
 
-def test_third_party_family_is_found_used_and_gone_when_uninstalled(fresh_python, llama_dir, tmp_path):
+def _install_third_party_family(fresh_python: Path, tmp_path: Path) -> None:
+    """pip-install the ``acme-fusion-transposed-head`` distribution (THIRD_PARTY_*) into the fresh environment."""
     package = tmp_path / "acme"
     package.mkdir()
     (package / "pyproject.toml").write_text(THIRD_PARTY_PYPROJECT)
     (package / "acme_transposed_head.py").write_text(textwrap.dedent(THIRD_PARTY_MODULE))
     _pip(fresh_python, str(package))
+
+
+def test_third_party_family_is_found_used_and_gone_when_uninstalled(fresh_python, llama_dir, tmp_path):
+    _install_third_party_family(fresh_python, tmp_path)
     family = _families(fresh_python)["transposed_head"]
     assert (family["distribution"], family["version"]) == ("acme-fusion-transposed-head", "3.1.4")
     used = _run(fresh_python, "-c", LOAD, str(llama_dir), "transposed_head")
@@ -193,11 +198,7 @@ except Exception as exc:
 
 
 def test_an_integration_distribution_is_a_plugin_and_its_absence_is_named(fresh_python, llama_dir, tmp_path):
-    package = tmp_path / "acme"
-    package.mkdir()
-    (package / "pyproject.toml").write_text(THIRD_PARTY_PYPROJECT)
-    (package / "acme_transposed_head.py").write_text(textwrap.dedent(THIRD_PARTY_MODULE))
-    _pip(fresh_python, str(package))
+    _install_third_party_family(fresh_python, tmp_path)
     refused = _run(fresh_python, "-c", TP_LOAD, str(llama_dir), check=False)
     assert refused.returncode == 3, refused.stdout + refused.stderr
     assert "ERROR MissingIntegrationError" in refused.stdout and "pip install fusion-tensor-parallel" in refused.stdout
