@@ -29,6 +29,10 @@ from fusion_core import FusedModule, FusionFamily, Transpose, WeightTransform
 from fusion_core.compare import relative_error
 from fusion_core.testing.tiny_models import TINY_MODELS
 
+for _library in ("torchao", "bitsandbytes", "optimum.quanto"):
+    pytest.importorskip(_library, reason=f"{_library} is not installed here: scripts/test.sh runs this module in the "
+                                         "quant-tf5 / quant-tf4 environments, which have the quantizers")
+
 ALL_TEXT = {"qkv": True, "gate_up": True}
 INT8_TOLERANCE = 1e-2
 """Relative error (:func:`fusion_core.compare.relative_error`) allowed between two int8-quantized models."""
