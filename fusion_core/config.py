@@ -20,7 +20,7 @@ from pydantic import PrivateAttr, RootModel, ValidationError, ValidationInfo, mo
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from fusion_core.plugins import FamilyRegistry, PluginSource, RegisteredFamily, get_registry
-from fusion_core.spec import FamilyOptions
+from fusion_core.spec import FamilyOptions, ModuleFusionSpec
 
 FamilySetting = bool | FamilyOptions
 
@@ -119,6 +119,10 @@ class FusionConfig(RootModel[dict[str, Any]]):
     def sources(self) -> dict[str, PluginSource]:
         """Where each enabled family came from, by name: what every error about a family names."""
         return {family.name: family.source for family, _ in self.families()}
+
+    def specs(self) -> dict[str, ModuleFusionSpec[Any]]:
+        """Each enabled family's spec, by name (what the lifecycle hooks receive as ``families``)."""
+        return {family.name: family.spec for family, _ in self.families()}
 
     def enabled(self) -> dict[str, FamilyOptions]:
         """Enabled family names, in order, each with its options object (defaults for ``True``)."""

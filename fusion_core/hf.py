@@ -119,11 +119,11 @@ def from_pretrained(
     for name in discovery.plan.skipped:
         logger.warning("fusion family %r found nothing to fuse in %s and is left out (required=False)", name,
                        discovery.model_class.__name__)
-    families = {name: registry.get(name).spec for name in fusion.enabled_names() if name in registry}
     for need in load_needs(kwargs, config):
         registry.require_integration(need.integration, need.workflow)
     _call_plugins(registry.hook.fusion_load_planned, "fusion_load_planned", plan=discovery.plan,
-                  model_class=model_cls, config=config, load_kwargs=MappingProxyType(kwargs), families=families)
+                  model_class=model_cls, config=config, load_kwargs=MappingProxyType(kwargs),
+                  families=fusion.specs())
     if local.is_dir():
         check_checkpoint(local / kwargs.get("subfolder", ""), discovery.plan, fused_dir)
     on_built = convert_to_fused if fused_dir else None
@@ -135,24 +135,34 @@ def from_pretrained(
     for need in loaded_needs(model):
         registry.require_integration(need.integration, need.workflow)
 
-    def convert() -> None:
-        _convert_built(scope, fused_dir, fusion.sources())
-
-    # Under the lock too: while another load runs, 4.57's init_empty_weights sends every parameter
-    # registered in *any* thread to the meta device, the fused ones created here included.
-    with LOAD_LOCK:
-        # The conversion is the innermost call of the hook: integrations' wrappers run around it.
-        registry.hook.fusion_convert_loaded.call_extra(
-            [convert], {"model": model, "built": scope.built, "families": families}
-        )
+    convert_with_hooks(model, scope.built, fusion, lambda: _convert_built(scope, fused_dir, fusion.sources()))
     mark_fused(model, fusion, discovery.plan)
-    warn_unserved_libraries({entry.name for entry in registry.integrations()})
     return (model, info) if want_info else model
+
+
+def convert_with_hooks(
+    model: nn.Module, built: list[tuple[nn.Module, ModulePlan]], fusion: FusionConfig, convert: Callable[[], None]
+) -> None:
+    """Run ``convert`` (fusing ``built``) as the innermost call of ``fusion_convert_loaded``: wrappers run around it.
+
+    The one way a load and ``fusion_core.fuse`` convert, under the load lock: while another load
+    runs, 4.57's init_empty_weights sends every parameter registered in *any* thread to the meta
+    device, the fused ones created here included.
+    """
+    registry = get_registry()
+    with LOAD_LOCK:
+        registry.hook.fusion_convert_loaded.call_extra(
+            [convert], {"model": model, "built": built, "families": fusion.specs()}
+        )
+    warn_unserved_libraries({entry.name for entry in registry.integrations()})
 
 
 def _call_plugins(hook: Any, name: str, **kwargs: Any) -> None:
     """Call a refusing hook: a FusionError passes as it is, anything else is wrapped naming the plugin."""
     for impl in reversed(hook.get_hookimpls()):
+        if impl.wrapper or impl.hookwrapper:
+            raise FusionLoadError(f"plugin {impl.plugin_name.partition(':')[0]!r} implements {name} as a wrapper; "
+                                  "it takes a plain implementation (raise to refuse)")
         try:
             impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
         except FusionError:

@@ -27,8 +27,7 @@ from torch import nn
 from fusion_core.config import parse_fusion_config
 from fusion_core.discovery import discover
 from fusion_core.errors import FusionError, FusionLoadError
-from fusion_core.hf import get_fusion_plan, mark_fused, mark_unfused
-from fusion_core.integration_needs import warn_unserved_libraries
+from fusion_core.hf import convert_with_hooks, get_fusion_plan, mark_fused, mark_unfused
 from fusion_core.layout import fuse_instance, module_plan, unfuse_instance, unfuse_refusal
 from fusion_core.patching import LOAD_LOCK
 from fusion_core.plugins import get_registry
@@ -71,10 +70,6 @@ def fuse(model: ModelT, fusion_config: Any) -> ModelT:
     targets = [(_checked_instance(model, plan), plan) for plan in discovery.plan.modules]
     verified: set[tuple[object, ...]] = set()
     sources = fusion.sources()
-    # Under the load lock: 4.57's init_empty_weights in another thread would send parameters
-    # registered here to the meta device.
-    registry = get_registry()
-    families = {name: registry.get(name).spec for name in fusion.enabled_names() if name in registry}
 
     def convert() -> None:
         done: list[nn.Module] = []
@@ -91,11 +86,8 @@ def fuse(model: ModelT, fusion_config: Any) -> ModelT:
                 ) from exc
             done.append(module)
 
-    with LOAD_LOCK:  # the conversion is the innermost call of the hook, as on a load
-        registry.hook.fusion_convert_loaded.call_extra([convert], {"model": model, "built": targets,
-                                                                   "families": families})
+    convert_with_hooks(model, targets, fusion, convert)  # under the load lock, as on a load
     mark_fused(model, fusion, discovery.plan)
-    warn_unserved_libraries({entry.name for entry in registry.integrations()})
     return model
 
 
