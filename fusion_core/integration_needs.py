@@ -39,10 +39,16 @@ def load_needs(load_kwargs: Mapping[str, Any], config: Any = None) -> list[Need]
     needs = []
     if load_kwargs.get("tp_plan") is not None:
         needs.append(Need(TENSOR_PARALLEL, f"a fused load with tp_plan={load_kwargs['tp_plan']!r}"))
-    quantization = load_kwargs.get("quantization_config") or getattr(config, "quantization_config", None)
+    quantization = load_quantization(load_kwargs, config)
     if quantization is not None:
         needs.append(Need(QUANTIZATION, f"a fused load that quantizes ({type(quantization).__name__})"))
     return needs
+
+
+def load_quantization(load_kwargs: Mapping[str, Any], config: Any) -> Any:
+    """The quantization a load applies: its ``quantization_config`` keyword, else the checkpoint's own; or None."""
+    explicit = load_kwargs.get("quantization_config")
+    return explicit if explicit is not None else getattr(config, "quantization_config", None)
 
 
 def loaded_needs(model: nn.Module) -> list[Need]:

@@ -23,6 +23,7 @@ from torch import nn
 from fusion_core.errors import FusionLoadError, SaveError
 from fusion_core.hookspecs import hookimpl
 from fusion_core.integration import Integration
+from fusion_core.integration_needs import load_quantization
 from fusion_core.transforms import FusionPlan, ModulePlan
 from fusion_quantization.detect import QUANTIZER_PACKAGES, package_of, quantization_method, quantizer_of
 from fusion_quantization.guard import attach_guard, containers, fused_linears, guard_of, refusal_message
@@ -38,15 +39,9 @@ def register_fusion_integrations(register: Callable[[Integration], None]) -> Non
     register(INTEGRATION)
 
 
-def load_quantization(config: Any, load_kwargs: Mapping[str, Any]) -> Any:
-    """The quantization a load applies: its ``quantization_config`` keyword, or the checkpoint's own."""
-    explicit = load_kwargs.get("quantization_config")
-    return explicit if explicit is not None else getattr(config, "quantization_config", None)
-
-
 @hookimpl
 def fusion_load_planned(plan: FusionPlan, config: Any, load_kwargs: Mapping[str, Any]) -> None:
-    quantization = load_quantization(config, load_kwargs)
+    quantization = load_quantization(load_kwargs, config)
     fused = fused_linears(plan.modules)
     if quantization is None or not fused:
         return
