@@ -53,6 +53,7 @@ layer for it. ``copy.deepcopy`` and pickling keep the slices tied to the copied 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, ClassVar, cast
 
@@ -228,8 +229,13 @@ def _runs_plain(owner: nn.Module) -> bool:
 
 def is_torch_tensor(tensor: torch.Tensor) -> bool:
     """A tensor of torch's own classes (``Parameter``, ``DTensor``, ...), not a quantizer's tensor subclass."""
-    module = type(tensor).__module__
-    return module == "torch" or module.startswith("torch.")
+    return _torch_class(type(tensor))
+
+
+@functools.cache
+def _torch_class(cls: type) -> bool:
+    # Cached per class: the merged projection asks on every eager call.
+    return cls.__module__ == "torch" or cls.__module__.startswith("torch.")
 
 
 class MergedProjection(nn.Linear):
