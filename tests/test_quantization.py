@@ -313,3 +313,29 @@ def test_the_guard_leaves_adapters_pickling_and_plain_use_alone(llama: Path) -> 
     adapted = peft.get_peft_model(model, peft.LoraConfig(target_modules=["o_proj", "down_proj", "q_proj"]))
     with torch.no_grad():
         adapted(_ids())  # LoRA wraps sentinels (o_proj, down_proj): not a quantizer
+
+
+def test_saving_a_quantized_fused_model_does_what_saving_the_unfused_one_does(llama: Path, tmp_path: Path) -> None:
+    """Both refuse the same way, or both write the same keys, shapes, dtypes and bytes."""
+    from torchao.quantization import quantize_
+
+    from fusion_core.compare import compare_checkpoints
+
+    plain = AutoModelForCausalLM.from_pretrained(llama)
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT)
+    for model in (plain, fused):
+        quantize_(model, _torchao_configs()[0])
+    outcomes: list[Any] = []
+    for save, target in ((plain.save_pretrained, tmp_path / "plain"),
+                         (lambda d: fusion_core.save_pretrained(fused, d), tmp_path / "fused")):
+        try:
+            save(target)
+            outcomes.append(None)
+        except Exception as exc:  # what transformers raises for the unfused model is the reference
+            outcomes.append(type(exc))
+    assert outcomes[0] == outcomes[1], outcomes
+    if outcomes[0] is None:
+        report = compare_checkpoints(tmp_path / "plain", tmp_path / "fused")
+        assert report.ok, report
+    else:
+        assert not (tmp_path / "fused").exists()  # nothing half-written
