@@ -18,7 +18,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fusion_core.testing.distributed import Checks, close, free_port, full_state, report_rank, same_state, saved
+from fusion_core.testing.distributed import (
+    Checks,
+    close,
+    free_port,
+    full_state,
+    report_rank,
+    same_generation,
+    same_state,
+    saved,
+)
 
 FUSION = {"qkv": True, "gate_up": True}
 
@@ -126,9 +135,7 @@ def tensor_parallel(rank: int, world: int, path: Path, out: Path) -> Checks:
     close(checks, "merged bias is [q_r; k_r; v_r]", local_of(attention.qkv_proj.bias), torch.cat(own_bias), tol=0)
     with torch.no_grad():
         close(checks, "logits (tp_plan='auto')", fused(ids).logits, reference(ids).logits)
-    generated = fused.generate(ids[:1], max_new_tokens=6, do_sample=False)
-    expected = reference.generate(ids[:1], max_new_tokens=6, do_sample=False)
-    checks["generate"] = [torch.equal(generated, expected), f"{generated.tolist()} vs {expected.tolist()}"]
+    same_generation(checks, "generate", fused, reference, ids[:1])
 
     fusion_core.save_pretrained(fused, out / "saved")
     if rank == 0:

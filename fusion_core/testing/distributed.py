@@ -29,6 +29,14 @@ def close(checks: Checks, name: str, actual: torch.Tensor, expected: torch.Tenso
     checks[name] = [diff <= tol, f"max |diff| {diff:.3g} (shapes {tuple(actual.shape)} vs {tuple(expected.shape)})"]
 
 
+def same_generation(checks: Checks, name: str, model: Any, reference: Any, ids: torch.Tensor,
+                    tokens: int = 6) -> None:
+    """Record whether ``model`` greedily generates exactly ``reference``'s ``tokens`` tokens after ``ids``."""
+    generated = model.generate(ids, max_new_tokens=tokens, do_sample=False)
+    expected = reference.generate(ids, max_new_tokens=tokens, do_sample=False)
+    checks[name] = [torch.equal(generated, expected), f"{generated.tolist()} vs {expected.tolist()}"]
+
+
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every DTensor gathered to its full tensor (a collective: every rank calls it)."""
     from torch.distributed.tensor import DTensor

@@ -29,7 +29,16 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from fusion_core.testing.distributed import Checks, close, free_port, full_state, report_rank, same_state, saved
+from fusion_core.testing.distributed import (
+    Checks,
+    close,
+    free_port,
+    full_state,
+    report_rank,
+    same_generation,
+    same_state,
+    saved,
+)
 
 FUSION = {"moe_experts": True}
 IDS = torch.tensor([[1, 5, 7, 9, 11, 3], [1, 4, 8, 16, 32, 64]])
@@ -141,9 +150,7 @@ def tensor_parallel(checks: Checks, rank: int, paths: dict[str, Path], out: Path
         f"q_proj {type(q_proj).__name__}, {fused_blocks(fused)} fused blocks"]
     with torch.no_grad():
         close(checks, "TP: logits (experts replicated)", fused(IDS).logits, reference(IDS).logits)
-    generated = fused.generate(IDS[:1], max_new_tokens=6, do_sample=False)
-    expected = reference.generate(IDS[:1], max_new_tokens=6, do_sample=False)
-    checks["TP: generate"] = [torch.equal(generated, expected), f"{generated.tolist()} vs {expected.tolist()}"]
+    same_generation(checks, "TP: generate", fused, reference, IDS[:1])
     fusion_core.save_pretrained(fused, out / "tp-saved")
     if rank == 0:
         same_state(checks, "TP: save, original layout, same bytes", saved(out / "tp-saved"), saved(path), exact=True)
