@@ -164,6 +164,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(f"  {row['module']} ({row['family']}): inside {row['inside']}, fused by {row['left_to']}")
         if len(result["nested"]) > 8:
             print(f"  ... and {len(result['nested']) - 8} more")
+    if result.get("refused"):
+        print(f"\nDeclined by the family, with its reason ({len(result['refused'])}):")
+        for row in result["refused"][:8]:
+            print(f"  {row['module']} ({row['family']}): {row['reason']}")
+        if len(result["refused"]) > 8:
+            print(f"  ... and {len(result['refused']) - 8} more")
     if result["skipped"]:
         print(f"\nSkipped, nothing to fuse (required=False): {', '.join(result['skipped'])}")
     if not result["modules"]:

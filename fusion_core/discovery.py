@@ -180,6 +180,7 @@ def _discover(
     modules = list(meta_model.named_modules())
     plans: list[ModulePlan] = []
     skipped: list[str] = []
+    refused: list[tuple[str, str, str]] = []
     class_owner: dict[type[nn.Module], tuple[str, type[nn.Module]]] = {}
     for family, options in families:
         where = f"family {family.name!r} ({family.source})"
@@ -199,15 +200,21 @@ def _discover(
                 ) from exc
             if fusable is True:
                 chosen.append((path, module))
-            elif fusable is not False:
+                continue
+            if fusable is not False:
                 raise DiscoveryError(f"{where}: is_fusable must return a bool, got {fusable!r} for {path!r}")
+            reason = _refusal(family, where, path, module, options)
+            if reason is not None:
+                refused.append((family.name, path, reason))
         if not chosen and not options.required:
             skipped.append(family.name)
             continue
         if not chosen:
+            reasons = [f"{path or '(the model)'}: {reason}" for name, path, reason in refused if name == family.name]
+            said = f"; {len(reasons)} declined, e.g. " + "; ".join(reasons[:3]) if reasons else ""
             raise DiscoveryError(
                 f"{where} found nothing to fuse in {type(meta_model).__name__}: {len(modules)} modules, "
-                f"{considered} passed the name patterns, none is fusable"
+                f"{considered} passed the name patterns, none is fusable{said}"
             )
         fused_classes: dict[type[nn.Module], type[nn.Module]] = {}
         for path, module in chosen:
@@ -241,7 +248,8 @@ def _discover(
     order = {path: i for i, (path, _) in enumerate(modules)}
     plan = FusionPlan(tuple(sorted(plans, key=lambda p: order[p.path])), skipped=tuple(skipped),
                       nested=tuple((inner.family, inner.path, outer.family, outer.path)
-                                   for inner, outer in sorted(nested, key=lambda pair: order[pair[0].path])))
+                                   for inner, outer in sorted(nested, key=lambda pair: order[pair[0].path])),
+                      refused=tuple(refused))
     by_path = plan.by_path()
     routes: dict[type[nn.Module], ClassRoute] = {}
     for original, (_, fused) in class_owner.items():
@@ -250,6 +258,19 @@ def _discover(
             routes[original] = ClassRoute(original, fused, instances)
     _rehearse(meta_model, plan, {family.name: family.source for family, _ in families})
     return Discovery(type(meta_model), plan, routes, len(modules))
+
+
+def _refusal(family: RegisteredFamily, where: str, path: str, module: nn.Module, options: FamilyOptions) -> str | None:
+    """The family's reason for declining ``module`` (its optional ``refusal`` member), checked."""
+    try:
+        reason = spec_member(family.spec, "refusal")(module, options)
+    except Exception as exc:
+        raise DiscoveryError(
+            f"{where}: refusal raised {type(exc).__name__} on module {path!r} ({type(module).__name__}): {exc}"
+        ) from exc
+    if reason is not None and not isinstance(reason, str):
+        raise DiscoveryError(f"{where}: refusal must return a str or None, got {reason!r} for {path!r}")
+    return reason or None
 
 
 def _moved_linears(module: nn.Module, bound: tuple[Any, ...]) -> tuple[str, ...]:

@@ -117,8 +117,9 @@ def from_pretrained(
             return model_cls.from_pretrained(name_or_path, config=config, output_loading_info=want_info, **kwargs)
     discovery = discover(model_cls, config, fusion)
     for name in discovery.plan.skipped:
-        logger.warning("fusion family %r found nothing to fuse in %s and is left out (required=False)", name,
-                       discovery.model_class.__name__)
+        reasons = [f"{path}: {reason}" for family, path, reason in discovery.plan.refused if family == name]
+        logger.warning("fusion family %r found nothing to fuse in %s and is left out (required=False)%s", name,
+                       discovery.model_class.__name__, f"; it declined {reasons[0]}" if reasons else "")
     for need in load_needs(kwargs, config):
         registry.require_integration(need.integration, need.workflow)
     _call_plugins(registry.hook.fusion_load_planned, "fusion_load_planned", plan=discovery.plan,

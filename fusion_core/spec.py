@@ -115,6 +115,17 @@ class ModuleFusionSpec(Protocol[OptionsT]):
     plan for a module inside one it fuses is then left to it (:attr:`fusion_core.FusionPlan.nested`)
     instead of being a conflict. Default False."""
 
+    def refusal(self, module: nn.Module, options: OptionsT) -> str | None:
+        """Why ``is_fusable`` declined this module instance, in one sentence; None: nothing to say.
+
+        Asked only for modules the name patterns selected and ``is_fusable`` declined. The reasons
+        are listed by ``fusion plan`` (:attr:`fusion_core.FusionPlan.refused`) and quoted in the
+        "found nothing to fuse" error, so a user learns why a block that looks fusable was left
+        alone (a changed forward, a bias, stacked weights already). Return None for modules that
+        are not candidates at all (most of a model, for a family with broad patterns). Default: None.
+        """
+        ...
+
     def sample_inputs(self, module: nn.Module, generator: torch.Generator) -> list[Inputs]:
         """Example ``(args, kwargs)`` calls of the *original* ``module`` for ``fusion check`` and the kit.
 
@@ -135,10 +146,15 @@ def _no_sample_inputs(module: nn.Module, generator: torch.Generator) -> list[Inp
     return []
 
 
+def _no_refusal(module: nn.Module, options: Any) -> str | None:
+    return None
+
+
 OPTIONAL_MEMBERS: dict[str, Any] = {
     "tensor_parallel": None,
     "owns_submodules": False,
     "sample_inputs": _no_sample_inputs,
+    "refusal": _no_refusal,
 }
 """Each optional member of :class:`ModuleFusionSpec` and the value a spec without it gets."""
 
@@ -180,6 +196,10 @@ class FusionFamily(Generic[OptionsT]):
     def sample_inputs(self, module: nn.Module, generator: torch.Generator) -> list[Inputs]:
         """See :meth:`ModuleFusionSpec.sample_inputs`: none by default."""
         return []
+
+    def refusal(self, module: nn.Module, options: OptionsT) -> str | None:
+        """See :meth:`ModuleFusionSpec.refusal`: no reason by default."""
+        return None
 
     fused_mixin: ClassVar[type | None] = None
     """Set this to a mixin class (usually a :class:`FusedModule` subclass) and the default

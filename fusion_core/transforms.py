@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fusion_core.errors import PlanError
+from fusion_core.wrapped import concat
 
 Shape = tuple[int, ...]
 
@@ -153,7 +154,8 @@ class Concat(TransformOp):
         return ((*first[:self.dim], total, *first[self.dim + 1:]),)
 
     def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        return (torch.cat(list(tensors), dim=self.dim),)
+        # concat: a quantizer's per-row weights (tensor subclasses) too, exactly or refused.
+        return (concat(tensors, self.dim),)
 
     def inverse(
         self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]
@@ -190,7 +192,7 @@ class Split(TransformOp):
     def inverse(
         self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]
     ) -> tuple[torch.Tensor, ...]:
-        return (torch.cat(list(tensors), dim=self.dim),)
+        return (concat(tensors, self.dim),)
 
 
 def _require_parts(op: Stack | Unstack) -> None:
@@ -346,11 +348,14 @@ class FusionPlan:
     have fused that lies inside a module fused whole by a family with ``owns_submodules``, claiming
     its tensors: the outer fusion owns them (a MoE block's expert MLPs, fused by ``moe_experts``,
     not ``gate_up``).
+    ``refused`` lists ``(family, path, reason)`` for each module a family's patterns selected and
+    its ``is_fusable`` declined, where its optional ``refusal`` member said why.
     """
 
     modules: tuple[ModulePlan, ...] = ()
     skipped: tuple[str, ...] = ()
     nested: tuple[tuple[str, str, str, str], ...] = ()
+    refused: tuple[tuple[str, str, str], ...] = ()
 
     def __post_init__(self) -> None:
         check_conflicts(self.modules)

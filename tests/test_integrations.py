@@ -209,7 +209,8 @@ def test_optional_spec_members_have_their_declared_defaults() -> None:
     assert spec_member(Minimal(), "tensor_parallel") is None
     assert spec_member(Minimal(), "owns_submodules") is False
     assert spec_member(Minimal(), "sample_inputs")(torch.nn.Linear(2, 2), torch.Generator()) == []
-    assert set(OPTIONAL_MEMBERS) == {"tensor_parallel", "owns_submodules", "sample_inputs"}
+    assert spec_member(Minimal(), "refusal")(torch.nn.Linear(2, 2), None) is None
+    assert set(OPTIONAL_MEMBERS) == {"tensor_parallel", "owns_submodules", "sample_inputs", "refusal"}
     with pytest.raises(KeyError, match="'is_fusable' is not an optional member"):
         spec_member(Minimal(), "is_fusable")
 

@@ -242,6 +242,15 @@ USE_FAULTS: list[tuple[str, str, type, str]] = [
      fusion_core.DiscoveryError, "is_fusable must return a bool"),
     ("nothing-fusable", "def is_fusable(self, module, options):\n    return False\n",
      fusion_core.DiscoveryError, "found nothing to fuse"),
+    ("nothing-fusable-says-why", "def is_fusable(self, module, options):\n    return False\n"
+     "def refusal(self, module, options):\n    return 'a made-up reason' if isinstance(module, nn.Conv3d) else None\n",
+     fusion_core.DiscoveryError, "1 declined, e.g. model.visual.patch_embed.proj: a made-up reason"),
+    ("refusal-raises", "def is_fusable(self, module, options):\n    return False\n"
+     "def refusal(self, module, options):\n    raise KeyError('no reason')\n",
+     fusion_core.DiscoveryError, "refusal raised KeyError on module"),
+    ("refusal-not-str", "def is_fusable(self, module, options):\n    return False\n"
+     "def refusal(self, module, options):\n    return 3\n",
+     fusion_core.DiscoveryError, "refusal must return a str or None, got 3"),
     ("make-fused-class-raises", "def make_fused_class(self, cls, options):\n    raise RuntimeError('no class')\n",
      fusion_core.DiscoveryError, "make_fused_class(Conv3d) raised RuntimeError"),
     ("fused-class-not-subclass", "def make_fused_class(self, cls, options):\n    return nn.Linear\n",

@@ -39,6 +39,7 @@ def run_plan(
         "modules": [],
         "skipped": [],
         "nested": [],
+        "refused": [],
         "transforms": [],
         "checkpoint": {"checked": False, "error": None},
     }
@@ -55,6 +56,8 @@ def run_plan(
         {"family": family, "module": path, "left_to": outer_family, "inside": outer_path}
         for family, path, outer_family, outer_path in plan.nested
     ]
+    result["refused"] = [{"family": family, "module": path, "reason": reason}
+                         for family, path, reason in plan.refused]
     result["modules"] = [
         {
             "family": m.family,

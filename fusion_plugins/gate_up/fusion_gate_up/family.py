@@ -124,6 +124,10 @@ class GateUpFamily(FusionFamily[GateUpOptions]):
     def is_fusable(self, module: nn.Module, options: GateUpOptions) -> bool:
         return refusal(module) is None
 
+    def refusal(self, module: nn.Module, options: GateUpOptions) -> str | None:
+        """The reason for a module with the projections this family merges; None for the rest."""
+        return refusal(module) if all(name in module._modules for name in (*PROJECTIONS, "down_proj")) else None
+
     def make_transforms(self, config: Any, options: GateUpOptions) -> list[WeightTransform]:
         return [
             WeightTransform(tuple(f"{p}.weight" for p in PROJECTIONS), (f"{MERGED}.weight",), Concat(n=2, dim=0)),

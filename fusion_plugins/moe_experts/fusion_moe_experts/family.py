@@ -381,6 +381,10 @@ class MoeExpertsFamily(FusionFamily[MoeExpertsOptions]):
     def is_fusable(self, module: nn.Module, options: MoeExpertsOptions) -> bool:
         return refusal(module) is None
 
+    def refusal(self, module: nn.Module, options: MoeExpertsOptions) -> str | None:
+        """The reason for a module with an ``experts`` child (a MoE block, fusable or not); None for the rest."""
+        return refusal(module) if "experts" in module._modules else None
+
     def make_fused_class(self, original_cls: type[nn.Module], options: MoeExpertsOptions) -> type[nn.Module]:
         """One mixin per recognised forward (the templates compute differently), mixed in as usual."""
         template = template_for(original_cls)

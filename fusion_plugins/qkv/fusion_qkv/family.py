@@ -104,6 +104,10 @@ class QkvFamily(FusionFamily[QkvOptions]):
     def is_fusable(self, module: nn.Module, options: QkvOptions) -> bool:
         return refusal(module) is None
 
+    def refusal(self, module: nn.Module, options: QkvOptions) -> str | None:
+        """The reason for a module with the projections this family merges; None for the rest."""
+        return refusal(module) if all(name in module._modules for name in PROJECTIONS) else None
+
     def make_transforms(self, config: Any, options: QkvOptions) -> list[WeightTransform]:
         return [
             WeightTransform(tuple(f"{p}.weight" for p in PROJECTIONS), (f"{MERGED}.weight",), Concat(n=3, dim=0)),
