@@ -25,6 +25,7 @@ from fusion_core.errors import FusionError, FusionLoadError
 from fusion_core.plugins import get_registry
 from fusion_core.spec import FusedModule
 from fusion_core.transforms import ModulePlan, attach_plan, attached_plan
+from fusion_core.wrapped import is_wrapper_subclass
 
 _PRESENT_FUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("fusion_core_present_fused", default=False)
 
@@ -79,9 +80,19 @@ def _pop_leaf(module: nn.Module, leaf: str) -> tuple[torch.Tensor, bool, bool]:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same shape, dtype and bytes (NaN payloads and -0.0 included), unlike ``torch.equal``."""
+    """Same shape, dtype and bytes (NaN payloads and -0.0 included), unlike ``torch.equal``.
+
+    A quantizer's tensor subclass (:func:`~fusion_core.wrapped.is_wrapper_subclass`) is compared
+    through its inner tensors and flatten context: the same class, context and inner bytes.
+    """
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
+    if is_wrapper_subclass(a) or is_wrapper_subclass(b):
+        if type(a) is not type(b):
+            return False
+        (names, context), (other_names, other_context) = a.__tensor_flatten__(), b.__tensor_flatten__()  # type: ignore[attr-defined]
+        return (list(names) == list(other_names) and context == other_context
+                and all(same_bits(getattr(a, name), getattr(b, name)) for name in names))
     return torch.equal(_bytes(a), _bytes(b))
 
 

@@ -32,6 +32,7 @@ EXTRA_MODULES = (
     "fusion_core.integration",
     "fusion_core.spec",
     "fusion_core.state",
+    "fusion_core.wrapped",
     "fusion_core.compare",
     "fusion_core.merged",
     "fusion_core.merge_policy",

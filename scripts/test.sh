@@ -39,7 +39,8 @@ run_pytest() {  # run_pytest PYTHON NAME PYTEST-ARGS...
 run_pytest "$TF5_PY" "full-tf5" "$@"
 run_pytest "$TF4_PY" "full-tf4" "$@"
 QUANT_TESTS=(tests/test_quantization.py tests/test_integrations.py
-             fusion_plugins/moe_experts/tests/test_moe_experts.py::test_torchao_quantize_refuses_an_expert_by_name_and_quantizes_the_rest_when_told_to)
+             fusion_plugins/moe_experts/tests/test_moe_experts.py::test_torchao_quantize_refuses_an_expert_by_name_and_quantizes_the_rest_when_told_to
+             fusion_plugins/moe_experts/tests/test_moe_experts.py::test_a_torchao_quantizing_load_is_refused_before_any_weight_is_read)
 run_pytest "$(ensure_env quant-tf5 "$TF5_SPEC" "$TEST_SPEC $QUANT_SPEC")" "quant-tf5" "${QUANT_TESTS[@]}" "$@"
 run_pytest "$(ensure_env quant-tf4 "$TF4_SPEC" "$TEST_SPEC $QUANT_SPEC")" "quant-tf4" "${QUANT_TESTS[@]}" "$@"
 if [[ "${FUSION_CORE_SKIP_RANGE:-0}" != "1" ]]; then

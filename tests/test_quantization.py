@@ -228,15 +228,46 @@ def test_torchao_quantizes_a_fused_patch_embedding_model_exactly_as_the_unfused_
     assert relative_error(logits[1], logits[0]) <= INT8_TOLERANCE
 
 
-def test_a_torchao_load_is_refused_before_any_weight_is_read(llama: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("index", [0, 1], ids=["int8-weight-only", "int8-dynamic"])
+def test_a_torchao_quantizing_load_merges_the_quantized_parts_exactly(llama: Path, index: int) -> None:
+    """``quantization_config=TorchAoConfig(...)``: transformers quantizes q/k/v (gate/up) as it loads them, the
+    conversion concatenates their quantized data and scales; the same as the unfused quantizing load, bit for bit."""
     from transformers import TorchAoConfig
 
-    _torchao_configs()
-    broken = _broken_copy(llama, tmp_path / "broken")
-    config = TorchAoConfig(_torchao_configs()[0])
-    with pytest.raises(fusion_core.FusionLoadError, match=r"the load quantizes with TorchAoConfig \(torchao\); the "
-                       r"fused model would not be quantized exactly: family 'qkv'.*" + WAY_OUT):
-        fusion_core.from_pretrained(AutoModelForCausalLM, broken, fusion_config=ALL_TEXT, quantization_config=config)
+    plain = AutoModelForCausalLM.from_pretrained(llama, quantization_config=TorchAoConfig(_torchao_configs()[index]))
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT,
+                                        quantization_config=TorchAoConfig(_torchao_configs()[index]))
+
+    def quantized(module: nn.Module) -> bool:
+        return type(module.weight).__module__.startswith("torchao")
+
+    assert _quantized_elements(fused, quantized) == _quantized_elements(plain, quantized) > 0
+    _assert_parts_are_the_unfused_quantization(fused, plain)
+    with torch.no_grad():
+        logits = [model(_ids()).logits for model in (fused, plain)]
+    assert relative_error(logits[1], logits[0]) <= INT8_TOLERANCE
+    attention = fused.model.layers[0].self_attn
+    assert attention.q_proj.merged.merged_gemms > 0 and attention.q_proj.merged.own_gemms == 0  # one int8 GEMM
+
+
+def test_merging_quantized_tensors_refuses_what_it_cannot_merge_exactly() -> None:
+    """Row-wise scales concatenate; a scale shared by all rows must be equal in every part; mixed schemes refused."""
+    from torchao.quantization import quantize_
+
+    from fusion_core.wrapped import ConcatRefused, concat
+
+    layers = [nn.Linear(16, rows, bias=False) for rows in (8, 4, 4)]
+    for layer in layers:
+        quantize_(layer, _torchao_configs()[0])
+    merged = concat([layer.weight for layer in layers], 0)
+    assert merged.shape == (16, 16) and type(merged) is type(layers[0].weight)
+    assert torch.equal(merged.dequantize(), torch.cat([layer.weight.dequantize() for layer in layers]))
+    other = nn.Linear(16, 4, bias=False)
+    quantize_(other, _torchao_configs()[1])  # another scheme: its tensor differs in class or context
+    with pytest.raises(ConcatRefused, match="different classes|quantized differently"):
+        concat([layers[0].weight, other.weight], 0)
+    with pytest.raises(ConcatRefused, match="neither per row along dim 1 nor equal in every part"):
+        concat([layers[1].weight, layers[2].weight], 1)  # per-row scales, joined along the columns
 
 
 def test_fuse_refuses_a_model_quantized_already(llama: Path) -> None:

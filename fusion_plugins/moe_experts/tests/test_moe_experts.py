@@ -91,7 +91,8 @@ IDS = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(2))
 def _per_expert_only():
     """On 5.x: discovery finds nothing, a clear error by default, a skip under required: false."""
     model = _model("olmoe")
-    with pytest.raises(DiscoveryError, match="found nothing to fuse"):
+    with pytest.raises(DiscoveryError, match="found nothing to fuse.*declined, e.g. model.layers.0.mlp: no experts "
+                                             r"ModuleList \(transformers 5.x blocks hold their experts stacked"):
         fusion_core.fuse(copy.deepcopy(model), {"moe_experts": True})
     fused = fusion_core.fuse(copy.deepcopy(model), {"moe_experts": {"required": False}})
     assert not any(isinstance(m, StackedExpertsMixin) for m in fused.modules())
@@ -367,6 +368,47 @@ def test_torchao_quantize_refuses_an_expert_by_name_and_quantizes_the_rest_when_
         torch.testing.assert_close(quantized[0](IDS).logits, quantized[1](IDS).logits, rtol=1e-4, atol=1e-5)
 
 
+def test_a_torchao_quantizing_load_is_refused_before_any_weight_is_read(tmp_path):
+    """At load the quantization integration merges torchao tensors by concatenating rows only: stacking quantized
+    experts is refused, naming the block, before the (unreadable) weights are touched."""
+    if not PER_EXPERT:
+        return _per_expert_only()
+    torchao = pytest.importorskip("torchao.quantization")
+    _model("olmoe").save_pretrained(tmp_path / "model")
+    for file in (tmp_path / "model").glob("*.safetensors"):
+        file.write_bytes(b"not a header")
+    with pytest.raises(fusion_core.FusionLoadError, match=r"TorchAoConfig \(torchao\).*family 'moe_experts', module "
+                                                           r"'model.layers.0.mlp'.*concatenation of rows"):
+        fusion_core.from_pretrained(transformers.AutoModelForCausalLM, tmp_path / "model",
+                                    fusion_config={"moe_experts": True},
+                                    quantization_config=transformers.TorchAoConfig(torchao.Int8WeightOnlyConfig()))
+
+
+def test_torch_quantize_dynamic_skipping_the_experts_is_refused_naming_the_block(tmp_path):
+    """torch's quantize_dynamic looks classes up by exact type: it quantises the unfused experts but skips the fused
+    block's ExpertProjections, so the quantization integration refuses the fused model's forward and save."""
+    if not PER_EXPERT:
+        return _per_expert_only()
+    import warnings
+
+    from torch.ao.quantization import quantize_dynamic
+
+    plain, fused = _model("olmoe"), _fused_model(_model("olmoe"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated in favour of torchao
+        for model in (plain, fused):
+            quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+    assert type(plain.model.layers[0].mlp.experts[0].gate_proj).__module__.startswith("torch.ao.nn.quantized")
+    assert type(fused.model.layers[0].mlp.experts[0].gate_proj) is ExpertProjection  # skipped: still float
+    refused = (r"torch.ao.quantization quantized .* would not be quantized exactly: family 'moe_experts', module "
+               r"'model.layers.0.mlp' holds the nn.Linear tensors of experts.0.gate_proj")
+    with pytest.raises(fusion_core.FusionError, match=refused), torch.no_grad():
+        fused(IDS)
+    with pytest.raises(fusion_core.SaveError, match=refused):
+        fusion_core.save_pretrained(fused, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_expert_projection_is_a_linear_that_refuses_replacement():
     if not PER_EXPERT:
         return _per_expert_only()
@@ -421,6 +463,43 @@ def test_expert_forward_table_covers_the_architectures():
     used = {template_for(type(_model(n).get_submodule(_block_path(n)))).name for n in ARCHS}
     assert used == {t.name for t in TEMPLATES}
     assert set(EXPERT_FORWARDS.values()) == {"w1", "gate_proj"}
+
+
+def test_fusion_plan_says_why_a_block_was_declined(tmp_path):
+    """Each declined MoE block is listed with the family's reason (4.57: a block whose forward was changed; 5.x:
+    every block, its experts stacked already); the fused blocks and the dense modules are not listed."""
+    import subprocess
+    import sys
+
+    from fusion_core.config import parse_fusion_config
+    from fusion_core.discovery import discover
+
+    config = _config("olmoe")
+    base = transformers.OlmoeForCausalLM
+
+    class ChangedFirstBlock(base):  # layer 0's block runs another forward: not one the family reproduces
+        def __init__(self, config):
+            super().__init__(config)
+            block = self.model.layers[0].mlp
+            block.__class__ = type("EditedBlock", (type(block),), {"forward": lambda self, x: x})
+
+    plan = discover(ChangedFirstBlock, config, parse_fusion_config({"moe_experts": {"required": False}})).plan
+    if PER_EXPERT:
+        assert [m.path for m in plan.modules] == ["model.layers.1.mlp"]
+        assert plan.refused == (("moe_experts", "model.layers.0.mlp",
+                                 "the forward of EditedBlock is not one this family reproduces (see TEMPLATES)"),)
+    else:
+        declined = [path for _, path, _ in plan.refused]
+        assert plan.modules == () and declined == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    base(config).save_pretrained(tmp_path / "model")
+    (tmp_path / "fusion.json").write_text('{"moe_experts": {"required": false}}')
+    done = subprocess.run([sys.executable, "-m", "fusion_core", "plan", str(tmp_path / "model"), "--config",
+                           str(tmp_path / "fusion.json")], capture_output=True, text=True, timeout=300)
+    if PER_EXPERT:
+        assert "Declined by the family" not in done.stdout, done.stdout
+    else:
+        assert "Declined by the family, with its reason (2):" in done.stdout, done.stdout + done.stderr
+        assert "model.layers.1.mlp (moe_experts): no experts ModuleList" in done.stdout
 
 
 def test_a_model_without_experts_finds_nothing_to_fuse():

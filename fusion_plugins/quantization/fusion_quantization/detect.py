@@ -4,7 +4,8 @@ Quantizers that pick modules with ``isinstance(m, nn.Linear)`` either replace th
 their own classes (bitsandbytes' ``Linear8bitLt`` / ``Linear4bit``, quanto's ``QLinear``) or keep it
 and replace its weight by a tensor subclass (torchao's ``quantize_``) or by integer storage. A
 module counts as quantized when its class or its weight's class comes from a quantization library,
-or when its weight holds an integer or 8-bit float type. Wrappers that keep the original module as
+or when its weight holds an integer or 8-bit float type; torch's own quantized layers
+(``torch.ao.nn.quantized``) count as the quantizer ``torch.ao.quantization``. Wrappers that keep the original module as
 ``base_layer`` (PEFT's tuner layers) are looked through.
 """
 
@@ -24,6 +25,12 @@ _QUANTIZED_DTYPES = frozenset({
 })
 
 
+#: Module packages of torch's own quantized layers (``torch.ao.quantization.quantize_dynamic`` and the
+#: eager-mode workflows swap ``nn.Linear`` for these), named as one quantizer.
+TORCH_AO_MODULES = ("torch.ao.nn.quantized", "torch.ao.nn.intrinsic.quantized", "torch.nn.quantized")
+TORCH_AO = "torch.ao.quantization"
+
+
 def package_of(cls: type) -> str:
     """The top-level package a class comes from (``torchao``, ``optimum``, ...)."""
     return cls.__module__.split(".", 1)[0]
@@ -41,6 +48,8 @@ def quantizer_of(module: nn.Module) -> str | None:
     module = unwrapped(module)
     if package_of(type(module)) in QUANTIZER_PACKAGES:
         return package_of(type(module))
+    if type(module).__module__.startswith(TORCH_AO_MODULES):
+        return TORCH_AO
     weight = module._parameters.get("weight")
     if weight is None:
         return None

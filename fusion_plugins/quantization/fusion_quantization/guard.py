@@ -3,7 +3,9 @@
 Quantizers pick ``nn.Linear`` modules that hold a ``weight``. A merged projection's container is
 one (:class:`fusion_core.merged.MergedProjection`), and ``moe_experts`` keeps ``nn.Linear`` stand-ins
 of its experts that refuse a quantizer by name; for those, a quantizer sees what it sees on the
-unfused model, and what it quantizes or skips (a ``filter_fn``) is the user's choice, as there. A
+unfused model, and what it quantizes or skips (a ``filter_fn``) is the user's choice, as there
+(torch's own ``quantize_dynamic`` is the exception: it looks classes up by exact type, so it sees
+neither, and is refused the same way as the families below). A
 family built otherwise (a fused class without a ``weight``, tensors moved into a plain module)
 leaves fused weights no quantizer can see: quantizing the rest of the model would leave them
 unquantized without a word. To notice that, a few of the model's other ``nn.Linear`` modules (an
@@ -27,7 +29,7 @@ from torch import nn
 
 from fusion_core.errors import FusionError
 from fusion_core.transforms import ModulePlan
-from fusion_quantization.detect import quantizer_of
+from fusion_quantization.detect import TORCH_AO, quantizer_of, unwrapped
 
 GUARD_ATTRIBUTE = "fusion_quantization_guard"
 FusedEntry = tuple[str, str, tuple[str, ...], tuple[str, ...]]
@@ -51,10 +53,12 @@ class Guard:
             quantizer = quantizer_of(module)
             if quantizer is None:
                 continue
-            hidden = [entry for entry in self.fused if not _visible(model, entry)]
+            hidden = [entry for entry in self.fused if not _visible(model, entry, quantizer)]
             if hidden:
+                where = ("in modules whose class torch.ao.quantization's exact-type lookup skips"
+                         if quantizer == TORCH_AO else "in modules no nn.Linear quantizer sees")
                 return refusal_message(hidden, f"{quantizer} quantized {path!r} after the model was fused", action,
-                                       "in modules no nn.Linear quantizer sees")
+                                       where)
             return None
         return None
 
@@ -73,22 +77,26 @@ def _plain_linear(module: nn.Module) -> bool:
     return type(weight) is nn.Parameter and weight.is_floating_point() and weight.element_size() > 1
 
 
-def _seen_by_quantizers(module: nn.Module) -> bool:
-    """What a quantizer picking ``nn.Linear`` modules with a ``weight`` would see (or has quantized)."""
+def _seen_by(module: nn.Module, quantizer: str) -> bool:
+    """What ``quantizer`` would see (or has quantized): most pick ``nn.Linear`` modules with a ``weight``
+    (``isinstance``); torch's own (``quantize_dynamic``) looks classes up by exact type, so it skips every
+    subclass, a merged projection's container and a MoE expert stand-in among them."""
     if quantizer_of(module) is not None:
         return True
+    if quantizer == TORCH_AO:
+        return type(unwrapped(module)) is nn.Linear
     try:
         return isinstance(module, nn.Linear) and isinstance(module.weight, torch.Tensor)
     except AttributeError:
         return False
 
 
-def _visible(model: nn.Module, entry: FusedEntry) -> bool:
-    """Whether a quantizer sees the fused module's tensors: in its containers, or at the original Linears' paths."""
+def _visible(model: nn.Module, entry: FusedEntry, quantizer: str) -> bool:
+    """Whether ``quantizer`` sees the fused module's tensors: in its containers, or at the original Linears' paths."""
     _, path, linears, holders = entry
     for names in (holders, linears):
         try:
-            if all(_seen_by_quantizers(model.get_submodule(f"{path}.{n}" if n else path)) for n in names):
+            if all(_seen_by(model.get_submodule(f"{path}.{n}" if n else path), quantizer) for n in names):
                 return True
         except AttributeError:
             continue

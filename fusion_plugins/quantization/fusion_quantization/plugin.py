@@ -3,9 +3,10 @@
 After a fused load, a quantizer that picks ``nn.Linear`` modules (torchao's ``quantize_``, quanto's
 ``quantize``) quantizes a merged projection's container like the parts on the unfused model (see
 :mod:`fusion_core.merged`). What cannot be quantized exactly is refused by name, never left
-unquantized without a word: a load that quantizes (``quantization_config=...``, or a pre-quantized
-checkpoint) when a family would fuse ``nn.Linear`` tensors, before any weight is read (the
-quantizer would run on the original projections, before they are fused); ``fusion_core.fuse`` of a
+unquantized without a word: a load that quantizes when a family would fuse ``nn.Linear`` tensors,
+before any weight is read, unless it is a torchao load whose fused modules only concatenate rows
+(:func:`merges_at_load`: the conversion then merges the quantized parts exactly, see
+:mod:`fusion_core.wrapped`); ``fusion_core.fuse`` of a
 model that is quantized already; a fused tensor a quantizer left alone while it quantized the rest
 of the model because it could not see them (:mod:`fusion_quantization.guard`), on the first forward
 and on save; ``unfuse`` of a
@@ -24,8 +25,14 @@ from fusion_core.errors import FusionLoadError, SaveError
 from fusion_core.hookspecs import hookimpl
 from fusion_core.integration import Integration
 from fusion_core.integration_needs import load_quantization
-from fusion_core.transforms import FusionPlan, ModulePlan
-from fusion_quantization.detect import QUANTIZER_PACKAGES, package_of, quantization_method, quantizer_of
+from fusion_core.transforms import Concat, FusionPlan, ModulePlan
+from fusion_quantization.detect import (
+    QUANTIZER_PACKAGES,
+    TORCH_AO_MODULES,
+    package_of,
+    quantization_method,
+    quantizer_of,
+)
 from fusion_quantization.guard import attach_guard, containers, fused_linears, guard_of, refusal_message
 
 INTEGRATION = Integration(
@@ -42,14 +49,41 @@ def register_fusion_integrations(register: Callable[[Integration], None]) -> Non
 @hookimpl
 def fusion_load_planned(plan: FusionPlan, config: Any, load_kwargs: Mapping[str, Any]) -> None:
     quantization = load_quantization(load_kwargs, config)
-    fused = fused_linears(plan.modules)
-    if quantization is None or not fused:
+    planned = [p for p in plan.modules if p.moved_linears]
+    if quantization is None or not planned:
         return
-    raise FusionLoadError(refusal_message(
-        fused, f"the load quantizes with {quantization_method(quantization)}", "the fused model",
-        "fused, and a quantizing load quantizes the original layers before fusion-core fuses them (merging quantized "
-        "tensors at load is not implemented yet)",
-    ))
+    method = quantization_method(quantization)
+    if not merges_at_load(quantization, config, load_kwargs):
+        raise FusionLoadError(refusal_message(
+            fused_linears(planned), f"the load quantizes with {method}", "the fused model",
+            "fused, and this quantizing load replaces the original layers (or reads a pre-quantized checkpoint) in a "
+            "form fusion-core does not merge; at load it merges torchao's tensors only (TorchAoConfig)",
+        ))
+    unmerged = [p for p in planned if not concatenates_rows(p)]
+    if unmerged:
+        raise FusionLoadError(refusal_message(
+            fused_linears(unmerged), f"the load quantizes with {method}", "the fused model",
+            "by ops other than a concatenation of rows, which quantized tensors do not go through",
+        ))
+
+
+def merges_at_load(quantization: Any, config: Any, load_kwargs: Mapping[str, Any]) -> bool:
+    """A load whose quantized weights fusion-core's conversion merges: torchao's tensor subclasses, quantized by
+    this load (``quantization_config=TorchAoConfig(...)``) from an unquantized checkpoint.
+
+    torchao keeps each ``nn.Linear`` and swaps its weight for a tensor subclass, which the conversion concatenates
+    through its inner tensors, exactly or refused (:mod:`fusion_core.wrapped`). Quantizers that replace the
+    module (bitsandbytes, quanto) and pre-quantized checkpoints (other keys) are not merged.
+    """
+    explicit = load_kwargs.get("quantization_config") is not None
+    stored = getattr(config, "quantization_config", None) is not None
+    method = getattr(quantization, "quant_method", None)
+    return explicit and not stored and getattr(method, "value", method) == "torchao"
+
+
+def concatenates_rows(plan: ModulePlan) -> bool:
+    """Whether every transform of ``plan`` concatenates rows (``Concat`` along dim 0): q/k/v, gate/up."""
+    return all(isinstance(bound.op, Concat) and bound.op.dim == 0 for bound in plan.transforms)
 
 
 @hookimpl(wrapper=True)
@@ -65,7 +99,8 @@ def fusion_convert_loaded(
 @hookimpl
 def fusion_fuse_refusal(model: nn.Module) -> str | None:
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) or "base_layer" in module._modules:
+        if (isinstance(module, nn.Linear) or "base_layer" in module._modules
+                or type(module).__module__.startswith(TORCH_AO_MODULES)):
             quantizer = quantizer_of(module)
             if quantizer is not None:
                 return (f"is quantized ({quantizer}: {name!r}); fusion-core cannot fuse quantized weights yet: fuse "
