@@ -250,6 +250,38 @@ def test_a_torchao_quantizing_load_merges_the_quantized_parts_exactly(llama: Pat
     assert attention.q_proj.merged.merged_gemms > 0 and attention.q_proj.merged.own_gemms == 0  # one int8 GEMM
 
 
+def test_a_torchao_loaded_fused_model_saves_what_the_unfused_one_saves_and_loads_it_back(llama: Path,
+                                                                                         tmp_path: Path) -> None:
+    """Saving: the same keys, shapes, dtypes and bytes as the unfused model's save (5.x: torchao's safetensors
+    keys), or the same refusal with nothing written (4.57: transformers cannot serialize it to safetensors). A
+    checkpoint plain transformers pre-quantized loads fused, its stored quantization config included."""
+    from transformers import TorchAoConfig
+
+    from fusion_core.compare import compare_checkpoints
+
+    plain = AutoModelForCausalLM.from_pretrained(llama, quantization_config=TorchAoConfig(_torchao_configs()[0]))
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT,
+                                        quantization_config=TorchAoConfig(_torchao_configs()[0]))
+    outcomes: list[Any] = []
+    for save, target in ((plain.save_pretrained, tmp_path / "plain"),
+                         (lambda d: fusion_core.save_pretrained(fused, d), tmp_path / "fused")):
+        try:
+            save(target)
+            outcomes.append(None)
+        except Exception as exc:  # what transformers raises for the unfused model is the reference
+            outcomes.append(type(exc))
+    assert outcomes[0] == outcomes[1], outcomes
+    if outcomes[0] is not None:
+        assert not (tmp_path / "fused").exists()  # nothing half-written
+        return
+    report = compare_checkpoints(tmp_path / "plain", tmp_path / "fused")
+    assert report.ok and report.tensors > 0, report
+    again = fusion_core.from_pretrained(AutoModelForCausalLM, tmp_path / "plain", fusion_config=ALL_TEXT)
+    _assert_parts_are_the_unfused_quantization(again, plain)
+    with torch.no_grad():
+        assert torch.equal(again(_ids()).logits, plain(_ids()).logits)
+
+
 def test_merging_quantized_tensors_refuses_what_it_cannot_merge_exactly() -> None:
     """Row-wise scales concatenate; a scale shared by all rows must be equal in every part; mixed schemes refused."""
     from torchao.quantization import quantize_

@@ -53,11 +53,11 @@ def fusion_load_planned(plan: FusionPlan, config: Any, load_kwargs: Mapping[str,
     if quantization is None or not planned:
         return
     method = quantization_method(quantization)
-    if not merges_at_load(quantization, config, load_kwargs):
+    if not merges_at_load(quantization):
         raise FusionLoadError(refusal_message(
             fused_linears(planned), f"the load quantizes with {method}", "the fused model",
-            "fused, and this quantizing load replaces the original layers (or reads a pre-quantized checkpoint) in a "
-            "form fusion-core does not merge; at load it merges torchao's tensors only (TorchAoConfig)",
+            "fused, and this quantizer replaces the original layers in a form fusion-core does not merge; at load "
+            "it merges torchao's tensors only (TorchAoConfig, or a checkpoint torchao pre-quantized)",
         ))
     unmerged = [p for p in planned if not concatenates_rows(p)]
     if unmerged:
@@ -67,18 +67,19 @@ def fusion_load_planned(plan: FusionPlan, config: Any, load_kwargs: Mapping[str,
         ))
 
 
-def merges_at_load(quantization: Any, config: Any, load_kwargs: Mapping[str, Any]) -> bool:
-    """A load whose quantized weights fusion-core's conversion merges: torchao's tensor subclasses, quantized by
-    this load (``quantization_config=TorchAoConfig(...)``) from an unquantized checkpoint.
+def merges_at_load(quantization: Any) -> bool:
+    """A load whose quantized weights fusion-core's conversion merges: torchao's tensor subclasses, whether this
+    load quantizes (``quantization_config=TorchAoConfig(...)``) or the checkpoint is pre-quantized by torchao.
 
-    torchao keeps each ``nn.Linear`` and swaps its weight for a tensor subclass, which the conversion concatenates
+    torchao keeps each ``nn.Linear`` and swaps its weight for a tensor subclass (transformers rebuilds it from a
+    pre-quantized checkpoint's ``_weight_qdata`` / ``_weight_scale`` keys), which the conversion concatenates
     through its inner tensors, exactly or refused (:mod:`fusion_core.wrapped`). Quantizers that replace the
-    module (bitsandbytes, quanto) and pre-quantized checkpoints (other keys) are not merged.
+    module (bitsandbytes, quanto) are not merged.
     """
-    explicit = load_kwargs.get("quantization_config") is not None
-    stored = getattr(config, "quantization_config", None) is not None
     method = getattr(quantization, "quant_method", None)
-    return explicit and not stored and getattr(method, "value", method) == "torchao"
+    if isinstance(quantization, dict):
+        method = quantization.get("quant_method")
+    return getattr(method, "value", method) == "torchao"
 
 
 def concatenates_rows(plan: ModulePlan) -> bool:
