@@ -52,7 +52,7 @@ def test_plugin_is_registered_with_pytest(pytestconfig):
 
 def test_a_correct_family_passes_every_check(fusion_conformance):
     fusion_conformance.check_family(FAMILY, make_conv, make_rows, tiny_model="qwen2_vl",
-                                    dtypes=(torch.float32, torch.bfloat16, torch.float16))
+                                    dtypes=(torch.float32, torch.bfloat16, torch.float16), quantizers=True)
 
 
 def test_discovery_check_names_the_modules(fusion_conformance):
@@ -95,6 +95,61 @@ class _MutableOptions(PatchEmbeddingsOptions):
 class _MutableOptionsFamily(PatchEmbeddingsFamily):
     name = "mutable_options"
     options_model = _MutableOptions
+
+
+class _HiddenWeightMixin(FusedModule):
+    """Keeps the Linear's weight transposed as ``weight_t`` and drops ``weight``: no nn.Linear quantizer sees it."""
+
+    def forward(self, x):
+        return x @ self.weight_t
+
+
+class _HiddenWeight(FusionFamily):
+    """A third-party family that moves an nn.Linear's weight out of sight of quantizers."""
+
+    name = "hidden_weight"
+    fused_mixin = _HiddenWeightMixin
+    target_modules_patterns = (r"mlp\.down_proj$",)
+
+    def is_fusable(self, module, options):
+        return type(module) is nn.Linear and module.bias is None
+
+    def make_transforms(self, config, options):
+        return [WeightTransform(("weight",), ("weight_t",), Transpose(0, 1))]
+
+
+def test_quantizer_visibility_passes_families_built_on_the_building_blocks(fusion_conformance):
+    """patch_embeddings (a Conv3d: nothing for a Linear quantizer, fused or not) and the merged projections of qkv /
+    gate_up (an nn.Linear container) show a Linear quantizer the same weight elements as the unfused model."""
+    registry = fusion_core.get_registry()
+    for spec, model in ((FAMILY, "qwen2_vl"), (registry.get("qkv").spec, "llama"), (registry.get("gate_up").spec,
+                                                                                     "llama")):
+        counts = fusion_conformance.quantizer_visibility(spec, model)
+        assert counts["fused"] == counts["unfused"] > 0
+
+
+def test_quantizer_visibility_catches_a_weight_moved_out_of_sight(fusion_conformance):
+    with pytest.raises(AssertionError, match=r"family 'hidden_weight' on llama: fused nn.Linear modules without a "
+                                             r"weight tensor \['model.layers.0.mlp.down_proj'"):
+        fusion_conformance.quantizer_visibility(_HiddenWeight(), "llama")
+
+
+def test_quantizer_visibility_compares_what_a_quantizer_quantized(fusion_conformance):
+    """With ``quantize``, the elements it changed are compared too (here a stand-in that casts Linear weights to int8,
+    fused ones included; and one that leaves the merged containers alone, as torch's quantize_dynamic would)."""
+    def to_int8(model, keep=lambda module: False):
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and not keep(module) and isinstance(module._parameters.get("weight"),
+                                                                                 nn.Parameter):
+                module.weight = nn.Parameter(module.weight.detach().to(torch.int8), requires_grad=False)
+
+    qkv = fusion_core.get_registry().get("qkv").spec
+    counts = fusion_conformance.quantizer_visibility(qkv, "llama", quantize=to_int8)
+    assert counts["fused_quantized"] == counts["unfused_quantized"] > 0
+    with pytest.raises(AssertionError, match=r"family 'qkv' on llama: the quantizer quantized \d+ weight elements of "
+                                             r"the fused model, \d+ of the unfused one"):
+        fusion_conformance.quantizer_visibility(qkv, "llama", quantize=lambda m: to_int8(
+            m, keep=lambda module: type(module) is not nn.Linear))
 
 
 def test_wrong_numerics_are_caught(fusion_conformance):

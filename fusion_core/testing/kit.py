@@ -34,7 +34,8 @@ from fusion_core.transforms import BoundTransform, FusionPlan, ModulePlan, Shape
 
 __all__ = [
     "TOLERANCES", "ModelSource", "ModelUnderTest", "assert_discovers", "assert_fused_load",
-    "assert_numerically_equivalent", "assert_options_schema", "assert_state_dict_round_trip",
+    "assert_numerically_equivalent", "assert_options_schema", "assert_quantizers_see_the_same_weights",
+    "assert_state_dict_round_trip",
     "assert_tensor_parallel_rule",
     "assert_transform_op", "assert_transform_round_trip", "build_model", "fuse_module", "model_config",
     "module_factory",
@@ -495,3 +496,88 @@ def assert_fused_load(
             f"{comparison.whole_model.as_dict()}, round trip {comparison.round_trip.as_dict()}"
         )
     return comparison
+
+
+def _linear_weights(model: nn.Module) -> tuple[dict[str, int], list[str]]:
+    """What a quantizer picking ``isinstance(m, nn.Linear)`` modules sees: weight elements per module path, and
+    the ``nn.Linear`` modules whose ``weight`` is missing (a quantizer reading it would crash)."""
+    seen: dict[str, int] = {}
+    weightless: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        try:
+            weight = module.weight
+        except AttributeError:
+            weight = None
+        if isinstance(weight, torch.Tensor):
+            seen[name] = weight.numel()
+        else:
+            weightless.append(name)
+    return seen, weightless
+
+
+def _quantized_elements(model: nn.Module) -> int:
+    """Elements of every module's ``weight`` that a quantizer changed: a tensor class of its own, or integer storage."""
+    total = 0
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is None:
+            continue
+        if type(weight) not in (torch.Tensor, nn.Parameter) or not weight.is_floating_point():
+            total += weight.numel()
+    return total
+
+
+def assert_quantizers_see_the_same_weights(
+    spec: ModuleFusionSpec[Any],
+    model: ModelSource,
+    options: FamilyOptions | Mapping[str, Any] | None = None,
+    seed: int = 0,
+    config: Any = None,
+    quantize: Callable[[nn.Module], Any] | None = None,
+) -> dict[str, int]:
+    """A quantizer run on the fused model sees the weights it sees on the unfused one, no fewer, no more.
+
+    Quantizers (torchao's ``quantize_``, quanto's ``quantize``, transformers' quantizers at load)
+    pick modules with ``isinstance(m, nn.Linear)`` and quantize their ``weight``. The model is
+    built (seeded), fused with ``spec`` by :func:`fusion_core.fuse`, and on both the weight
+    elements of those modules are counted: they must be equal, and every ``nn.Linear`` of the
+    fused model must still hold a weight tensor (a family that moves a Linear's weight elsewhere
+    leaves one that crashes a quantizer's filter, or that it silently skips). A module it fuses
+    that no quantizer would see is not an error here if the fused model then refuses the quantizer
+    by name (``fusion-quantization`` does); this check is for families that stay quantizable.
+
+    With ``quantize`` (a callable run on each model, e.g. ``lambda m: quantize_(m, Int8WeightOnlyConfig())``),
+    the elements it quantized are compared too (weights of a quantizer's tensor class or integer
+    storage). Returns the counts: ``{"unfused": n, "fused": n}`` and, with ``quantize``,
+    ``{"unfused_quantized": n, "fused_quantized": n}``.
+    """
+    from fusion_core.inplace import fuse
+
+    resolved = resolve_model(model, config)
+    plain = build_model(resolved, seed)
+    with registered(spec):
+        fused = fuse(copy.deepcopy(plain), {spec.name: _setting(options)})
+    where = f"family {spec.name!r} on {resolved.label}"
+    unfused_seen, _ = _linear_weights(plain)
+    fused_seen, weightless = _linear_weights(fused)
+    if weightless:
+        raise AssertionError(f"{where}: fused nn.Linear modules without a weight tensor {weightless[:4]}: a quantizer "
+                             "picking nn.Linear reads .weight and crashes or skips them; keep the weight on the module "
+                             "(fusion_core.merged keeps merged tensors in an nn.Linear container)")
+    counts = {"unfused": sum(unfused_seen.values()), "fused": sum(fused_seen.values())}
+    if counts["unfused"] != counts["fused"]:
+        only_plain = sorted(set(unfused_seen) - set(fused_seen))[:4]
+        only_fused = sorted(set(fused_seen) - set(unfused_seen))[:4]
+        raise AssertionError(f"{where}: a quantizer picking nn.Linear would see {counts['fused']} weight elements on "
+                             f"the fused model, {counts['unfused']} on the unfused one (only unfused: {only_plain}; "
+                             f"only fused: {only_fused})")
+    if quantize is not None:
+        for label, target in (("unfused", plain), ("fused", fused)):
+            quantize(target)
+            counts[f"{label}_quantized"] = _quantized_elements(target)
+        if counts["unfused_quantized"] != counts["fused_quantized"]:
+            raise AssertionError(f"{where}: the quantizer quantized {counts['fused_quantized']} weight elements of "
+                                 f"the fused model, {counts['unfused_quantized']} of the unfused one")
+    return counts

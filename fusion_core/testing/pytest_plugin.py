@@ -17,9 +17,9 @@ Installed with fusion-core, so any test suite can use these fixtures without a `
     ``options_schema(spec)``, ``numerics(spec, module_factory, inputs_factory, dtypes=...)``,
     ``transform_round_trip(spec, module)``, ``state_dict_round_trip(spec, module)``,
     ``transform_op(op, shapes, bad_shapes=None)``, ``discovery(spec, model, expected_modules=None)``,
-    ``fused_load(spec, model)``. A ``model`` is a tiny-model name, a ``(model_class, config)`` pair
-    or a checkpoint directory; ``config=`` (every method that builds transforms) is what the
-    family's ``make_transforms`` receives.
+    ``fused_load(spec, model)``, ``quantizer_visibility(spec, model, quantize=None)``. A ``model``
+    is a tiny-model name, a ``(model_class, config)`` pair or a checkpoint directory; ``config=``
+    (every method that builds transforms) is what the family's ``make_transforms`` receives.
 
 ``fusion_registered``
     ``fusion_registered(spec, ...)`` registers families in the process-wide registry until the
@@ -102,6 +102,13 @@ class Conformance:
         _require_model(model)
         return assert_fused_load(spec, model, self.tmp_path / "fused-load", options, config=config)
 
+    def quantizer_visibility(self, spec: Any, model: Any, options: Any = None, config: Any = None,
+                             quantize: Callable[[Any], Any] | None = None) -> dict[str, int]:
+        from fusion_core.testing.kit import assert_quantizers_see_the_same_weights
+
+        _require_model(model)
+        return assert_quantizers_see_the_same_weights(spec, model, options, config=config, quantize=quantize)
+
     def check_family(
         self,
         spec: Any,
@@ -111,12 +118,16 @@ class Conformance:
         dtypes: Sequence[Any] | None = None,
         options: Any = None,
         config: Any = None,
+        quantizers: bool = False,
     ) -> None:
         """Every check: options schema, numerics per dtype, both round trips, discovery and a fused load.
 
         ``tiny_model`` (any model source) adds discovery and a fused load of that model; its
         config is then also what the module-level checks hand ``make_transforms``, unless
-        ``config`` is given.
+        ``config`` is given. ``quantizers=True`` adds :meth:`quantizer_visibility` on it, for a family
+        whose fused model should stay quantizable (one that moves an ``nn.Linear``'s weight out of a
+        Linear, like the scaffold's transpose, fails it: quantizing such a fused model is refused by
+        ``fusion-quantization`` instead).
         """
         from fusion_core.testing.kit import model_config
 
@@ -131,6 +142,8 @@ class Conformance:
         if tiny_model is not None:
             self.discovery(spec, tiny_model, options, config=config)
             self.fused_load(spec, tiny_model, options, config=config)
+            if quantizers:
+                self.quantizer_visibility(spec, tiny_model, options, config=config)
 
 
 def _require_model(model: Any) -> None:
