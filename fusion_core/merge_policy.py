@@ -9,9 +9,11 @@ backends, dtypes and shapes, so by default (policy ``"measure"``) the first eage
 kind times both ways on the real input and weight, and the faster one is used from then on:
 
 - a *kind* is the device, the dtype, the merged weight's shape, the part sizes, whether there is
-  a bias, and the input's row count rounded up to a power of two (1 = a decode step, 16 and
-  256 = prompts of those lengths); every layer of a model shares its kinds, so a 24-layer model
-  measures each kind once, in its first layer;
+  a bias, the input's row count rounded up to a power of two (1 = a decode step, 16 and 256 =
+  prompts of those lengths) and the weight's tensor class (torch's, or a quantizer's such as
+  torchao's ``Int8Tensor``, whose kernel may scale differently: its int8 weight-only GEMV of one
+  ``896 -> 9728`` projection ran at ~0.7x of two ``896 -> 4864`` ones on a 2-core AVX2 CPU); every
+  layer of a model shares its kinds, so a 24-layer model measures each kind once, in its first layer;
 - a measurement is one untimed call of each way and then the best of three interleaved timed
   calls each (synchronised on an accelerator), under ``torch.no_grad``: the work of eight
   merged GEMMs of that size, once per kind and process; the merged GEMM is kept unless it was more than 2%
@@ -43,8 +45,8 @@ MergePolicy = Literal["measure", "always", "never"]
 ENV_VARIABLE = "FUSION_CORE_MERGE"
 _POLICIES: tuple[str, ...] = get_args(MergePolicy)
 
-#: A kind of call: (device, dtype, merged weight shape, part sizes, has bias, row-count bucket).
-Kind = tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...], bool, int]
+#: A kind of call: (device, dtype, merged weight shape, part sizes, has bias, row-count bucket, weight class).
+Kind = tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...], bool, int, str]
 
 _TIMED_ROUNDS = 3
 #: The merged GEMM is kept unless it measured this much slower than the separate ones (timing noise).
@@ -110,7 +112,13 @@ def reset_merge_policy() -> None:
 def kind_of(input: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...], has_bias: bool) -> Kind:
     """The kind of a call: what its decision is filed under."""
     rows = input.numel() // max(int(input.shape[-1]), 1)
-    return (str(input.device), input.dtype, tuple(weight.shape), sizes, has_bias, max(rows - 1, 0).bit_length())
+    return (str(input.device), input.dtype, tuple(weight.shape), sizes, has_bias, max(rows - 1, 0).bit_length(),
+            _weight_class(type(weight)))
+
+
+def _weight_class(cls: type) -> str:
+    """``"torch"`` for torch's own tensor classes; a quantizer's tensor class by name (its kernels differ)."""
+    return "torch" if cls.__module__.split(".", 1)[0] == "torch" else f"{cls.__module__}.{cls.__qualname__}"
 
 
 def merge_pays(kind: Kind, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -184,7 +184,8 @@ class MergedLinear:
         return parts[index]
 
     def _through(self, owner: nn.Module, index: int, input: torch.Tensor) -> torch.Tensor:
-        """A quantized container: its own forward (the quantizer's kernel), one merged GEMM, sliced."""
+        """A container a quantizer replaced by its own module: its forward (the quantizer's kernel), one merged
+        GEMM, sliced (the parts' own GEMMs are not known to exist for its weight)."""
         cache = self._cache
         if cache is not None:
             cached_input, version, grad, parts, pending = cache
@@ -222,9 +223,10 @@ class MergedLinear:
 
 
 def _runs_plain(owner: nn.Module) -> bool:
-    """Whether the container is fusion-core's own with a torch tensor weight (DTensor included), not a quantizer's."""
-    weight = owner._parameters.get("weight")
-    return type(owner) is MergedProjection and weight is not None and is_torch_tensor(weight)
+    """Whether the container is still fusion-core's own ``MergedProjection`` holding a weight (torch's tensor, a
+    DTensor, or a quantizer's tensor subclass such as torchao's, which ``F.linear`` and row slices dispatch to),
+    not a module a quantizer put in its place."""
+    return type(owner) is MergedProjection and owner._parameters.get("weight") is not None
 
 
 def is_torch_tensor(tensor: torch.Tensor) -> bool:

@@ -122,8 +122,8 @@ def test_a_real_measurement_is_recorded_by_kind(measure):
         torch.testing.assert_close(fused(_ids(3)).logits, plain(_ids(3)).logits, rtol=1e-5, atol=1e-5)
     decisions = merge_decisions()
     assert len(decisions) == 2 and all(isinstance(v, bool) for v in decisions.values())
-    device, dtype, shape, sizes, _, bucket = next(iter(decisions))
-    assert (device, dtype, bucket) == ("cpu", torch.float32, 2) and sum(sizes) == shape[0]
+    device, dtype, shape, sizes, _, bucket, weight_class = next(iter(decisions))
+    assert (device, dtype, bucket, weight_class) == ("cpu", torch.float32, 2, "torch") and sum(sizes) == shape[0]
 
 
 def test_meta_tensors_merge_and_decide_nothing(measure):
