@@ -39,6 +39,8 @@ from typing import Literal, get_args
 import torch
 from torch.nn import functional as F
 
+from fusion_core.wrapped import row_slice
+
 MergePolicy = Literal["measure", "always", "never"]
 """How an eager merged projection chooses between the merged GEMM and one GEMM per part."""
 
@@ -155,7 +157,7 @@ def _merged_is_faster(input: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         (lambda: None) if device.type == "cpu" else (lambda: torch.accelerator.synchronize(device))
     )
     x = input.detach()
-    parts = [(weight[start:stop], None if bias is None else bias[start:stop]) for start, stop in bounds]
+    parts = [(row_slice(weight, start, stop), None if bias is None else bias[start:stop]) for start, stop in bounds]
 
     def merged() -> None:
         F.linear(x, weight, bias)

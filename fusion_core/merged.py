@@ -63,6 +63,7 @@ from torch.nn import functional as F
 
 from fusion_core import merge_policy
 from fusion_core.spec import FusedModule
+from fusion_core.wrapped import row_slice
 
 #: Input shapes whose decision kind a merged projection remembers (a cap: prompt lengths vary).
 _MEMO_SIZE = 64
@@ -134,7 +135,7 @@ class MergedLinear:
     def rows(self, tensor: torch.Tensor, index: int) -> torch.Tensor:
         """Rows of part ``index`` of a merged weight or bias: a view, no copy."""
         start, stop = self.bounds[index]
-        return tensor[start:stop]
+        return row_slice(tensor, start, stop)
 
     def part(self, tensor: torch.Tensor | None, index: int) -> torch.Tensor | None:
         """:meth:`rows`, passing None through (a projection without bias)."""

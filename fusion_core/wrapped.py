@@ -34,6 +34,15 @@ def is_wrapper_subclass(tensor: torch.Tensor) -> bool:
     return type(tensor) not in (torch.Tensor, torch.nn.Parameter) and hasattr(tensor, "__tensor_flatten__")
 
 
+def row_slice(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``tensor[start:stop]``; a wrapper subclass is sliced outside inference mode (torchao's ``Int8Tensor``
+    cannot make its view inside ``torch.inference_mode``, which ``generate`` runs in)."""
+    if not torch.is_inference_mode_enabled() or not is_wrapper_subclass(tensor):
+        return tensor[start:stop]
+    with torch.inference_mode(False):
+        return tensor[start:stop]
+
+
 def concat(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     """``torch.cat(tensors, dim)``; for wrapper subclasses, through their inner tensors (see the module docs)."""
     if not any(is_wrapper_subclass(t) for t in tensors):

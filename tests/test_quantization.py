@@ -248,6 +248,15 @@ def test_a_torchao_quantizing_load_merges_the_quantized_parts_exactly(llama: Pat
     assert relative_error(logits[1], logits[0]) <= INT8_TOLERANCE
     attention = fused.model.layers[0].self_attn
     assert attention.q_proj.merged.merged_gemms > 0 and attention.q_proj.merged.own_gemms == 0  # one int8 GEMM
+    # Where one int8 GEMM per part is faster (the merge policy measures it per kind, weight class included), each
+    # part runs its rows of the merged quantized weight: the same as the merged GEMM's columns.
+    from fusion_core.merge_policy import merge_policy_set_to
+
+    with merge_policy_set_to("never"), torch.inference_mode():  # what generate runs in
+        assert relative_error(fused(_ids()).logits, logits[0]) <= INT8_TOLERANCE
+    assert attention.q_proj.merged.own_gemms > 0
+    with merge_policy_set_to("measure"), torch.inference_mode():  # times both ways on the Int8Tensor slices
+        assert relative_error(fused(_ids()).logits, logits[0]) <= INT8_TOLERANCE
 
 
 def test_a_torchao_loaded_fused_model_saves_what_the_unfused_one_saves_and_loads_it_back(llama: Path,
@@ -280,6 +289,20 @@ def test_a_torchao_loaded_fused_model_saves_what_the_unfused_one_saves_and_loads
     _assert_parts_are_the_unfused_quantization(again, plain)
     with torch.no_grad():
         assert torch.equal(again(_ids()).logits, plain(_ids()).logits)
+
+
+@pytest.mark.parametrize(("family", "model"), [("patch_embeddings", "qwen2_vl"), ("qkv", "llama"),
+                                               ("gate_up", "llama")])
+def test_the_kit_checks_torchao_quantizes_the_same_weights_fused_and_unfused(family: str, model: str) -> None:
+    """The conformance kit's quantizer check, with the real quantize_: what a third-party family runs too."""
+    from torchao.quantization import quantize_
+
+    from fusion_core.testing import kit
+
+    spec = fusion_core.get_registry().get(family).spec
+    counts = kit.assert_quantizers_see_the_same_weights(
+        spec, model, quantize=lambda m: quantize_(m, _torchao_configs()[0]))
+    assert counts["fused_quantized"] == counts["unfused_quantized"] > 0
 
 
 def test_merging_quantized_tensors_refuses_what_it_cannot_merge_exactly() -> None:
