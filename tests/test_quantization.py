@@ -425,3 +425,20 @@ def test_saving_a_quantized_fused_model_does_what_saving_the_unfused_one_does(ll
         assert report.ok, report
     else:
         assert not (tmp_path / "fused").exists()  # nothing half-written
+
+
+def test_the_quantized_benchmark_runs(tmp_path: Path) -> None:
+    """benchmarks/bench_quantized.py --quick prints its tables and the fused int8 tokens equal the unfused ones."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_quantized.py"), "--quick", "--json",
+                           str(tmp_path / "out.json")], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "FUSION_BENCH_CHECKPOINTS": str(tmp_path / "ckpt")})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "fused int8 vs plain int8" in done.stdout and "decode ms/token" in done.stdout
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["tokens_equal"]["fused int8"] is True and result["tokens_equal"]["fused fp32"] is True
