@@ -337,10 +337,57 @@ def test_fuse_refuses_a_model_quantized_already(llama: Path) -> None:
 
 
 # -- bitsandbytes --------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs", [{"load_in_8bit": True},
-                                    {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
+def _int8_scales(layer: nn.Module) -> torch.Tensor:
+    scales = getattr(layer.weight, "SCB", None)
+    return scales if scales is not None else layer.state.SCB
+
+
+def test_a_bitsandbytes_8bit_load_merges_the_int8_rows_and_scales_exactly(llama: Path, tmp_path: Path) -> None:
+    """LLM.int8 at load: the merged container is a Linear8bitLt of the parts' int8 rows and per-row scales, bit for
+    bit; one int8 matmul per merged projection; saving writes the unfused model's keys (SCB, weight_format) and
+    bytes."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    from fusion_core.compare import compare_checkpoints
+
+    plain = AutoModelForCausalLM.from_pretrained(llama, quantization_config=BitsAndBytesConfig(load_in_8bit=True))
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT,
+                                        quantization_config=BitsAndBytesConfig(load_in_8bit=True))
+    plan = fusion_core.get_fusion_plan(fused)
+    assert plan is not None
+    for module_plan in plan.modules:
+        merged = fused.get_submodule(module_plan.path).fused_projection
+        container = merged.owner
+        assert isinstance(container, bnb.nn.Linear8bitLt)
+        for name, (start, stop) in zip(merged.originals, merged.bounds, strict=True):
+            part = plain.get_submodule(f"{module_plan.path}.{name}")
+            assert torch.equal(container.weight.data[start:stop], part.weight.data), (module_plan.path, name)
+            assert torch.equal(_int8_scales(container)[start:stop], _int8_scales(part)), (module_plan.path, name)
+
+    def quantized(module: nn.Module) -> bool:
+        return isinstance(module, bnb.nn.Linear8bitLt)
+
+    assert _quantized_elements(fused, quantized) == _quantized_elements(plain, quantized) > 0
+    with torch.no_grad():
+        logits = [model(_ids()).logits for model in (fused, plain)]
+    assert relative_error(logits[1], logits[0]) <= INT8_TOLERANCE
+    attention = fused.model.layers[0].self_attn
+    assert attention.q_proj.merged.merged_gemms > 0 and attention.q_proj.merged.own_gemms == 0
+    plain.save_pretrained(tmp_path / "plain")
+    fusion_core.save_pretrained(fused, tmp_path / "fused")
+    report = compare_checkpoints(tmp_path / "plain", tmp_path / "fused")
+    assert report.ok and report.tensors > 0, report
+    with pytest.raises(fusion_core.FusionError, match=r"its merged 'qkv_proj' was replaced by Linear8bitLt"):
+        fusion_core.unfuse(fused)
+    # A checkpoint bitsandbytes pre-quantized holds SCB keys the plan does not know: refused before reading them.
+    with pytest.raises(fusion_core.FusionLoadError, match=r"the load quantizes with .*bitsandbytes.*family 'qkv'"):
+        fusion_core.from_pretrained(AutoModelForCausalLM, tmp_path / "plain", fusion_config=ALL_TEXT)
+
+
+@pytest.mark.parametrize("kwargs", [{"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
                                     {"load_in_4bit": True, "bnb_4bit_use_double_quant": True}],
-                         ids=["8bit", "nf4", "qlora-double-quant"])
+                         ids=["nf4", "qlora-double-quant"])
 def test_a_bitsandbytes_load_is_refused_before_any_weight_is_read(llama: Path, tmp_path: Path,
                                                                    kwargs: dict[str, Any]) -> None:
     pytest.importorskip("bitsandbytes")

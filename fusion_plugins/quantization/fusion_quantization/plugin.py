@@ -4,9 +4,9 @@ After a fused load, a quantizer that picks ``nn.Linear`` modules (torchao's ``qu
 ``quantize``) quantizes a merged projection's container like the parts on the unfused model (see
 :mod:`fusion_core.merged`). What cannot be quantized exactly is refused by name, never left
 unquantized without a word: a load that quantizes when a family would fuse ``nn.Linear`` tensors,
-before any weight is read, unless it is a torchao load whose fused modules only concatenate rows
-(:func:`merges_at_load`: the conversion then merges the quantized parts exactly, see
-:mod:`fusion_core.wrapped`); ``fusion_core.fuse`` of a
+before any weight is read, unless it is a torchao or bitsandbytes LLM.int8 load whose fused modules
+only concatenate rows (:func:`merges_at_load`: the conversion then merges the quantized parts
+exactly, see :mod:`fusion_core.wrapped` and :mod:`fusion_quantization.bnb_int8`); ``fusion_core.fuse`` of a
 model that is quantized already; a fused tensor a quantizer left alone while it quantized the rest
 of the model because it could not see them (:mod:`fusion_quantization.guard`), on the first forward
 and on save; ``unfuse`` of a
@@ -26,6 +26,8 @@ from fusion_core.hookspecs import hookimpl
 from fusion_core.integration import Integration
 from fusion_core.integration_needs import load_quantization
 from fusion_core.transforms import Concat, FusionPlan, ModulePlan
+from fusion_quantization.bnb_int8 import collect as collect_int8
+from fusion_quantization.bnb_int8 import install as install_int8
 from fusion_quantization.detect import (
     QUANTIZER_PACKAGES,
     TORCH_AO_MODULES,
@@ -53,11 +55,12 @@ def fusion_load_planned(plan: FusionPlan, config: Any, load_kwargs: Mapping[str,
     if quantization is None or not planned:
         return
     method = quantization_method(quantization)
-    if not merges_at_load(quantization):
+    if not merges_at_load(quantization, config):
         raise FusionLoadError(refusal_message(
             fused_linears(planned), f"the load quantizes with {method}", "the fused model",
             "fused, and this quantizer replaces the original layers in a form fusion-core does not merge; at load "
-            "it merges torchao's tensors only (TorchAoConfig, or a checkpoint torchao pre-quantized)",
+            "it merges torchao's tensors (TorchAoConfig, or a checkpoint torchao pre-quantized) and bitsandbytes "
+            "LLM.int8 (BitsAndBytesConfig(load_in_8bit=True) on an unquantized checkpoint) only",
         ))
     unmerged = [p for p in planned if not concatenates_rows(p)]
     if unmerged:
@@ -67,19 +70,28 @@ def fusion_load_planned(plan: FusionPlan, config: Any, load_kwargs: Mapping[str,
         ))
 
 
-def merges_at_load(quantization: Any) -> bool:
+def merges_at_load(quantization: Any, config: Any = None) -> bool:
     """A load whose quantized weights fusion-core's conversion merges: torchao's tensor subclasses, whether this
     load quantizes (``quantization_config=TorchAoConfig(...)``) or the checkpoint is pre-quantized by torchao.
 
     torchao keeps each ``nn.Linear`` and swaps its weight for a tensor subclass (transformers rebuilds it from a
     pre-quantized checkpoint's ``_weight_qdata`` / ``_weight_scale`` keys), which the conversion concatenates
-    through its inner tensors, exactly or refused (:mod:`fusion_core.wrapped`). Quantizers that replace the
-    module (bitsandbytes, quanto) are not merged.
+    through its inner tensors, exactly or refused (:mod:`fusion_core.wrapped`). bitsandbytes LLM.int8
+    (``load_in_8bit``) quantized by this load: the conversion concatenates the int8 rows and the integration
+    carries the per-row scales into a merged ``Linear8bitLt`` (:mod:`fusion_quantization.bnb_int8`). Not merged:
+    bitsandbytes 4-bit (packed blocks, nested double-quantization scales), quanto, and checkpoints
+    bitsandbytes pre-quantized (their ``SCB`` keys are not the plan's).
     """
     method = getattr(quantization, "quant_method", None)
     if isinstance(quantization, dict):
         method = quantization.get("quant_method")
-    return getattr(method, "value", method) == "torchao"
+    method = getattr(method, "value", method)
+    if method == "torchao":
+        return True
+    # LLM.int8 quantized by this load (not a checkpoint bitsandbytes pre-quantized: its SCB keys are not the plan's).
+    pre_quantized = getattr(config, "quantization_config", None) is not None
+    return (method == "bitsandbytes" and getattr(quantization, "load_in_8bit", False) is True
+            and not getattr(quantization, "load_in_4bit", False) and not pre_quantized)
 
 
 def concatenates_rows(plan: ModulePlan) -> bool:
@@ -92,7 +104,10 @@ def fusion_convert_loaded(
     model: nn.Module, built: MutableSequence[tuple[nn.Module, ModulePlan]]
 ) -> Generator[None, None, None]:
     plans = [plan for _, plan in built]
+    int8 = [(module, collect_int8(module, plan)) for module, plan in built]  # scales the conversion cannot carry
     result = yield
+    for module, merges in int8:
+        install_int8(module, merges)
     attach_guard(model, plans)
     return result
 
