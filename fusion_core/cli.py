@@ -149,6 +149,17 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 # -- plan --------------------------------------------------------------------------------------
+def _print_some(title: str, rows: list[dict[str, Any]], detail: Callable[[dict[str, Any]], str]) -> None:
+    """A titled list of plan rows, ``module (family): detail``, the first eight and a count of the rest."""
+    if not rows:
+        return
+    print(f"\n{title} ({len(rows)}):")
+    for row in rows[:8]:
+        print(f"  {row['module']} ({row['family']}): {detail(row)}")
+    if len(rows) > 8:
+        print(f"  ... and {len(rows) - 8} more")
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from fusion_core.commands.plan import run_plan
 
@@ -158,18 +169,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0 if result["ok"] else 1
     print(f"{result['model_dir']}: {result['model_class']}, {result['layout']} layout; "
           f"fusion_config {json.dumps(result['fusion_config'])}")
-    if result.get("nested"):
-        print(f"\nLeft to the family fusing the module around them ({len(result['nested'])}):")
-        for row in result["nested"][:8]:
-            print(f"  {row['module']} ({row['family']}): inside {row['inside']}, fused by {row['left_to']}")
-        if len(result["nested"]) > 8:
-            print(f"  ... and {len(result['nested']) - 8} more")
-    if result.get("refused"):
-        print(f"\nDeclined by the family, with its reason ({len(result['refused'])}):")
-        for row in result["refused"][:8]:
-            print(f"  {row['module']} ({row['family']}): {row['reason']}")
-        if len(result["refused"]) > 8:
-            print(f"  ... and {len(result['refused']) - 8} more")
+    _print_some("Left to the family fusing the module around them", result.get("nested", []),
+                lambda row: f"inside {row['inside']}, fused by {row['left_to']}")
+    _print_some("Declined by the family, with its reason", result.get("refused", []), lambda row: row["reason"])
     if result["skipped"]:
         print(f"\nSkipped, nothing to fuse (required=False): {', '.join(result['skipped'])}")
     if not result["modules"]:

@@ -47,6 +47,21 @@ def _broken_copy(source: Path, target: Path) -> Path:
     return target
 
 
+def _save_both(plain: nn.Module, fused: nn.Module, tmp_path: Path) -> list[Any]:
+    """Save the unfused model (transformers) to ``plain`` and the fused one (fusion-core) to ``fused``: the
+    exception type each raised, or None; asserts both did the same."""
+    outcomes: list[Any] = []
+    for save, target in ((plain.save_pretrained, tmp_path / "plain"),
+                         (lambda d: fusion_core.save_pretrained(fused, d), tmp_path / "fused")):
+        try:
+            save(target)
+            outcomes.append(None)
+        except Exception as exc:  # what transformers raises for the unfused model is the reference
+            outcomes.append(type(exc))
+    assert outcomes[0] == outcomes[1], outcomes
+    return outcomes
+
+
 def _quantized_elements(model: nn.Module, quantized: Any) -> int:
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and quantized(m))
 
@@ -271,15 +286,7 @@ def test_a_torchao_loaded_fused_model_saves_what_the_unfused_one_saves_and_loads
     plain = AutoModelForCausalLM.from_pretrained(llama, quantization_config=TorchAoConfig(_torchao_configs()[0]))
     fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT,
                                         quantization_config=TorchAoConfig(_torchao_configs()[0]))
-    outcomes: list[Any] = []
-    for save, target in ((plain.save_pretrained, tmp_path / "plain"),
-                         (lambda d: fusion_core.save_pretrained(fused, d), tmp_path / "fused")):
-        try:
-            save(target)
-            outcomes.append(None)
-        except Exception as exc:  # what transformers raises for the unfused model is the reference
-            outcomes.append(type(exc))
-    assert outcomes[0] == outcomes[1], outcomes
+    outcomes = _save_both(plain, fused, tmp_path)
     if outcomes[0] is not None:
         assert not (tmp_path / "fused").exists()  # nothing half-written
         return
@@ -458,15 +465,7 @@ def test_saving_a_quantized_fused_model_does_what_saving_the_unfused_one_does(ll
     fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT)
     for model in (plain, fused):
         quantize_(model, _torchao_configs()[0])
-    outcomes: list[Any] = []
-    for save, target in ((plain.save_pretrained, tmp_path / "plain"),
-                         (lambda d: fusion_core.save_pretrained(fused, d), tmp_path / "fused")):
-        try:
-            save(target)
-            outcomes.append(None)
-        except Exception as exc:  # what transformers raises for the unfused model is the reference
-            outcomes.append(type(exc))
-    assert outcomes[0] == outcomes[1], outcomes
+    outcomes = _save_both(plain, fused, tmp_path)
     if outcomes[0] is None:
         report = compare_checkpoints(tmp_path / "plain", tmp_path / "fused")
         assert report.ok, report
