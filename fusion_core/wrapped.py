@@ -86,6 +86,9 @@ def _check_parts(merged: torch.Tensor, tensors: Sequence[torch.Tensor], dim: int
         except Exception as exc:  # the subclass cannot slice: it could not be split back on save either
             raise ConcatRefused(f"{name} cannot be narrowed back into its parts: {type(exc).__name__}: {exc}") from exc
         start += part.shape[dim]
+        if type(back) is not type(part):
+            raise ConcatRefused(f"{name}: a slice of the merged tensor is a {type(back).__name__}, not a "
+                                f"{type(part).__name__}: it could not be split back into its parts on save")
         names, _ = part.__tensor_flatten__()  # type: ignore[attr-defined]
         for inner_name in names:
             if not torch.equal(getattr(back, inner_name), getattr(part, inner_name)):
