@@ -37,7 +37,8 @@ def is_wrapper_subclass(tensor: torch.Tensor) -> bool:
 def row_slice(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """``tensor[start:stop]``; a wrapper subclass is sliced outside inference mode (torchao's ``Int8Tensor``
     cannot make its view inside ``torch.inference_mode``, which ``generate`` runs in)."""
-    if not torch.is_inference_mode_enabled() or not is_wrapper_subclass(tensor):
+    # The class test first: dynamo traces it, but breaks the graph on the inference-mode query.
+    if not is_wrapper_subclass(tensor) or not torch.is_inference_mode_enabled():
         return tensor[start:stop]
     with torch.inference_mode(False):
         return tensor[start:stop]
