@@ -387,6 +387,11 @@ def test_a_bitsandbytes_8bit_load_merges_the_int8_rows_and_scales_exactly(llama:
     assert report.ok and report.tensors > 0, report
     with pytest.raises(fusion_core.FusionError, match=r"its merged 'qkv_proj' was replaced by Linear8bitLt"):
         fusion_core.unfuse(fused)
+    # LoRA on an int8 merged slice (QLoRA-style, on q_proj / v_proj) is refused before training, as for torchao.
+    peft = pytest.importorskip("peft")
+    with pytest.raises(ValueError, match="LoRA on this slice of fusion-core's merged projection is not supported once "
+                                         "the projection is quantized"):
+        peft.get_peft_model(fused, peft.LoraConfig(target_modules=["q_proj", "v_proj"]))
     # A checkpoint bitsandbytes pre-quantized holds SCB keys the plan does not know: refused before reading them.
     with pytest.raises(fusion_core.FusionLoadError, match=r"the load quantizes with .*bitsandbytes.*family 'qkv'"):
         fusion_core.from_pretrained(AutoModelForCausalLM, tmp_path / "plain", fusion_config=ALL_TEXT)
