@@ -456,7 +456,7 @@ def compare_checkpoints(source: Path, saved: Path) -> RoundTripReport:
     if not problems:
         from safetensors import safe_open
 
-        from fusion_core.layout import same_bits
+        from fusion_core.wrapped import same_bits
 
         handles: dict[str, Any] = {}
         with contextlib.ExitStack() as stack:

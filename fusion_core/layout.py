@@ -25,7 +25,7 @@ from fusion_core.errors import FusionError, FusionLoadError
 from fusion_core.plugins import get_registry
 from fusion_core.spec import FusedModule
 from fusion_core.transforms import ModulePlan, attach_plan, attached_plan
-from fusion_core.wrapped import is_wrapper_subclass
+from fusion_core.wrapped import same_bits
 
 _PRESENT_FUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("fusion_core_present_fused", default=False)
 
@@ -77,33 +77,6 @@ def _pop_leaf(module: nn.Module, leaf: str) -> tuple[torch.Tensor, bool, bool]:
         del owner._buffers[name]
         return buffer, False, False
     raise AttributeError(f"{leaf!r} is neither a parameter nor a buffer")
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same shape, dtype and bytes (NaN payloads and -0.0 included), unlike ``torch.equal``.
-
-    A quantizer's tensor subclass (:func:`~fusion_core.wrapped.is_wrapper_subclass`) is compared
-    through its inner tensors and flatten context: the same class, context and inner bytes.
-    """
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if is_wrapper_subclass(a) or is_wrapper_subclass(b):
-        if type(a) is not type(b):
-            return False
-        (names, context), (other_names, other_context) = a.__tensor_flatten__(), b.__tensor_flatten__()  # type: ignore[attr-defined]
-        return (list(names) == list(other_names) and context == other_context
-                and all(same_bits(getattr(a, name), getattr(b, name)) for name in names))
-    return torch.equal(_bytes(a), _bytes(b))
-
-
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.reshape(-1)
-    if flat.numel() > 1:
-        return flat.contiguous().view(torch.uint8)  # a copy only when the tensor is not contiguous
-    # ``contiguous()`` keeps the stride of a tensor with 0 or 1 elements (a row unbound from a
-    # stacked tensor has stride 2), and a byte view of that raises: copy it into a fresh one.
-    fresh = torch.empty(flat.numel(), dtype=flat.dtype, device=flat.device)
-    return fresh.copy_(flat).view(torch.uint8)
 
 
 def convert_to_fused(module: nn.Module, plan: ModulePlan, verified: set[tuple[object, ...]] | None = None) -> None:

@@ -39,7 +39,7 @@ from typing import Literal, get_args
 import torch
 from torch.nn import functional as F
 
-from fusion_core.wrapped import row_slice
+from fusion_core.wrapped import is_torch_tensor, row_slice
 
 MergePolicy = Literal["measure", "always", "never"]
 """How an eager merged projection chooses between the merged GEMM and one GEMM per part."""
@@ -115,12 +115,7 @@ def kind_of(input: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...], h
     """The kind of a call: what its decision is filed under."""
     rows = input.numel() // max(int(input.shape[-1]), 1)
     return (str(input.device), input.dtype, tuple(weight.shape), sizes, has_bias, max(rows - 1, 0).bit_length(),
-            _weight_class(type(weight)))
-
-
-def _weight_class(cls: type) -> str:
-    """``"torch"`` for torch's own tensor classes; a quantizer's tensor class by name (its kernels differ)."""
-    return "torch" if cls.__module__.split(".", 1)[0] == "torch" else f"{cls.__module__}.{cls.__qualname__}"
+            "torch" if is_torch_tensor(weight) else f"{type(weight).__module__}.{type(weight).__qualname__}")
 
 
 def merge_pays(kind: Kind, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -53,7 +53,6 @@ layer for it. ``copy.deepcopy`` and pickling keep the slices tied to the copied 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any, ClassVar, cast
 
@@ -228,17 +227,6 @@ def _runs_plain(owner: nn.Module) -> bool:
     DTensor, or a quantizer's tensor subclass such as torchao's, which ``F.linear`` and row slices dispatch to),
     not a module a quantizer put in its place."""
     return type(owner) is MergedProjection and owner._parameters.get("weight") is not None
-
-
-def is_torch_tensor(tensor: torch.Tensor) -> bool:
-    """A tensor of torch's own classes (``Parameter``, ``DTensor``, ...), not a quantizer's tensor subclass."""
-    return _torch_class(type(tensor))
-
-
-@functools.cache
-def _torch_class(cls: type) -> bool:
-    # Cached per class: the merged projection asks on every eager call.
-    return cls.__module__ == "torch" or cls.__module__.startswith("torch.")
 
 
 class MergedProjection(nn.Linear):

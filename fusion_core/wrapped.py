@@ -1,4 +1,4 @@
-"""Concatenating tensor subclasses (a quantizer's weights) through their inner tensors.
+"""Tensor subclasses (a quantizer's weights): telling them from torch's own, slicing, comparing, concatenating.
 
 A quantizer that keeps ``nn.Linear`` and swaps its weight for a tensor subclass (torchao's
 ``Int8Tensor``: ``qdata`` int8 ``[out, in]`` and a per-row ``scale``) rarely implements
@@ -14,12 +14,14 @@ protocol every traceable wrapper subclass implements), without knowing the quant
   must be bit-equal in every part, and is kept once; otherwise the merge is refused.
 
 The result is then checked, not trusted: each part's rows, narrowed out of the merged tensor,
-must flatten to inner tensors bit-equal to that part's. A scheme that fails any of this raises
+must flatten to inner tensors bit-equal to that part's (:func:`same_bits`, which compares every
+tensor, plain or subclass, by its bytes). A scheme that fails any of this raises
 :class:`ConcatRefused` naming the subclass and the inner tensor at fault.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -29,19 +31,60 @@ class ConcatRefused(TypeError):
     """Tensors that cannot be concatenated exactly (mixed schemes, scales that span parts)."""
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def is_torch_tensor(tensor: torch.Tensor) -> bool:
+    """A tensor of torch's own classes (``Parameter``, ``DTensor``, ...), not a quantizer's tensor subclass."""
+    return type(tensor) in _PLAIN or _torch_class(type(tensor))
+
+
+@functools.cache
+def _torch_class(cls: type) -> bool:  # cached per class: asked on every eager merged-projection call
+    return cls.__module__ == "torch" or cls.__module__.startswith("torch.")
+
+
 def is_wrapper_subclass(tensor: torch.Tensor) -> bool:
-    """A tensor subclass holding inner tensors (``__tensor_flatten__``), not a plain tensor or parameter."""
-    return type(tensor) not in (torch.Tensor, torch.nn.Parameter) and hasattr(tensor, "__tensor_flatten__")
+    """A quantizer's tensor subclass holding inner tensors (``__tensor_flatten__``); torch's own wrapper
+    subclasses (``DTensor``, fake and functional tensors) are not: they concatenate and slice as tensors."""
+    return not is_torch_tensor(tensor) and hasattr(tensor, "__tensor_flatten__")
 
 
 def row_slice(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """``tensor[start:stop]``; a wrapper subclass is sliced outside inference mode (torchao's ``Int8Tensor``
     cannot make its view inside ``torch.inference_mode``, which ``generate`` runs in)."""
-    # The class test first: dynamo traces it, but breaks the graph on the inference-mode query.
-    if not is_wrapper_subclass(tensor) or not torch.is_inference_mode_enabled():
+    # The class tests first: dynamo traces them, but breaks the graph on the inference-mode query.
+    if type(tensor) in _PLAIN or not is_wrapper_subclass(tensor) or not torch.is_inference_mode_enabled():
         return tensor[start:stop]
     with torch.inference_mode(False):
         return tensor[start:stop]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bytes (NaN payloads and -0.0 included), unlike ``torch.equal``.
+
+    A wrapper subclass is compared through its inner tensors and flatten context: the same class,
+    context and inner bytes.
+    """
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if is_wrapper_subclass(a) or is_wrapper_subclass(b):
+        if type(a) is not type(b):
+            return False
+        (names, context), (other_names, other_context) = a.__tensor_flatten__(), b.__tensor_flatten__()  # type: ignore[attr-defined]
+        return (list(names) == list(other_names) and context == other_context
+                and all(same_bits(getattr(a, name), getattr(b, name)) for name in names))
+    return torch.equal(_bytes(a), _bytes(b))
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.reshape(-1)
+    if flat.numel() > 1:
+        return flat.contiguous().view(torch.uint8)  # a copy only when the tensor is not contiguous
+    # ``contiguous()`` keeps the stride of a tensor with 0 or 1 elements (a row unbound from a
+    # stacked tensor has stride 2), and a byte view of that raises: copy it into a fresh one.
+    fresh = torch.empty(flat.numel(), dtype=flat.dtype, device=flat.device)
+    return fresh.copy_(flat).view(torch.uint8)
 
 
 def concat(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
@@ -87,10 +130,6 @@ def _check_parts(merged: torch.Tensor, tensors: Sequence[torch.Tensor], dim: int
         except Exception as exc:  # the subclass cannot slice: it could not be split back on save either
             raise ConcatRefused(f"{name} cannot be narrowed back into its parts: {type(exc).__name__}: {exc}") from exc
         start += part.shape[dim]
-        if type(back) is not type(part):
-            raise ConcatRefused(f"{name}: a slice of the merged tensor is a {type(back).__name__}, not a "
-                                f"{type(part).__name__}: it could not be split back into its parts on save")
-        names, _ = part.__tensor_flatten__()  # type: ignore[attr-defined]
-        for inner_name in names:
-            if not torch.equal(getattr(back, inner_name), getattr(part, inner_name)):
-                raise ConcatRefused(f"{name}: part {index}'s {inner_name} does not come back out of the merged tensor")
+        if not same_bits(back, part):
+            raise ConcatRefused(f"{name}: part {index} does not come back out of the merged tensor bit for bit (its "
+                                f"slice is a {type(back).__name__}); it could not be split back into its parts on save")

@@ -26,8 +26,9 @@ from fusion_core import (
     Unstack,
     WeightTransform,
 )
-from fusion_core.layout import convert_to_fused, finalize, fused_layout, same_bits
+from fusion_core.layout import convert_to_fused, finalize, fused_layout
 from fusion_core.transforms import BoundTransform, LeafSpec, ModulePlan, bind_transforms, check_conflicts
+from fusion_core.wrapped import same_bits
 
 SETTINGS = settings(max_examples=60, deadline=None)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]

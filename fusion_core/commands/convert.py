@@ -33,9 +33,9 @@ from fusion_core.checkpoint import (
 from fusion_core.commands._common import UsageError, fusion_config_from_args, progress, resolve_checkpoint
 from fusion_core.discovery import discover
 from fusion_core.errors import CheckpointError
-from fusion_core.layout import same_bits
 from fusion_core.record import CONFIG_NAME, FUSED_CONFIG_NAME, write_config
 from fusion_core.transforms import BoundTransform, FusionPlan
+from fusion_core.wrapped import same_bits
 
 #: Index metadata a fused-layout conversion leaves so the way back restores the original shards.
 ORIGINAL_SHARDS_KEY = "fusion_core_original_shards"

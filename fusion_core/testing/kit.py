@@ -27,10 +27,11 @@ from torch import nn
 
 from fusion_core.compare import TOLERANCES, Comparison, compare_outputs, relative_error
 from fusion_core.compat import transformers as compat
-from fusion_core.layout import fuse_instance, same_bits
+from fusion_core.layout import fuse_instance
 from fusion_core.plugins import validate_spec
 from fusion_core.spec import FamilyOptions, ModuleFusionSpec
 from fusion_core.transforms import BoundTransform, FusionPlan, ModulePlan, Shape, TransformOp, bind_transforms
+from fusion_core.wrapped import is_torch_tensor, same_bits
 
 __all__ = [
     "TOLERANCES", "ModelSource", "ModelUnderTest", "assert_discovers", "assert_fused_load",
@@ -524,7 +525,7 @@ def _quantized_elements(model: nn.Module) -> int:
         weight = module._parameters.get("weight")
         if weight is None:
             continue
-        if type(weight) not in (torch.Tensor, nn.Parameter) or not weight.is_floating_point():
+        if not is_torch_tensor(weight) or not weight.is_floating_point():
             total += weight.numel()
     return total
 

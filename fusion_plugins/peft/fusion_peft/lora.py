@@ -49,8 +49,9 @@ from torch import nn
 
 from fusion_core.compat import peft as compat
 from fusion_core.layout import module_plan
-from fusion_core.merged import PARTS_ATTRIBUTE, MergedProjection, MergedSlice, is_torch_tensor
+from fusion_core.merged import PARTS_ATTRIBUTE, MergedProjection, MergedSlice
 from fusion_core.transforms import ModulePlan, attach_plan
+from fusion_core.wrapped import is_torch_tensor
 
 __all__ = ["activate", "tuner_layer_paths"]
 
