@@ -32,7 +32,7 @@ from fusion_core.patching import LOAD_LOCK, ClassRoute, no_routing
 from fusion_core.patterns import search_any
 from fusion_core.plugins import PluginSource, RegisteredFamily
 from fusion_core.spec import FamilyOptions, spec_member
-from fusion_core.transforms import FusionPlan, ModulePlan, WeightTransform, bind_transforms
+from fusion_core.transforms import FusionPlan, ModulePlan, WeightTransform, bind_transforms, declined
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ def _discover(
             skipped.append(family.name)
             continue
         if not chosen:
-            reasons = [f"{path or '(the model)'}: {reason}" for name, path, reason in refused if name == family.name]
+            reasons = declined(refused, family.name)
             said = f"; {len(reasons)} declined, e.g. " + "; ".join(reasons[:3]) if reasons else ""
             raise DiscoveryError(
                 f"{where} found nothing to fuse in {type(meta_model).__name__}: {len(modules)} modules, "

@@ -52,7 +52,7 @@ from fusion_core.record import (
     pop_stored_fusion_config,
     write_config,
 )
-from fusion_core.transforms import FusionPlan, ModulePlan, attach_plan, attached_plan
+from fusion_core.transforms import FusionPlan, ModulePlan, attach_plan, attached_plan, declined
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def from_pretrained(
             return model_cls.from_pretrained(name_or_path, config=config, output_loading_info=want_info, **kwargs)
     discovery = discover(model_cls, config, fusion)
     for name in discovery.plan.skipped:
-        reasons = [f"{path}: {reason}" for family, path, reason in discovery.plan.refused if family == name]
+        reasons = declined(discovery.plan.refused, name)
         logger.warning("fusion family %r found nothing to fuse in %s and is left out (required=False)%s", name,
                        discovery.model_class.__name__, f"; it declined {reasons[0]}" if reasons else "")
     for need in load_needs(kwargs, config):

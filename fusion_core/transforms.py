@@ -386,6 +386,12 @@ class FusionPlan:
         return rows
 
 
+def declined(refused: Iterable[tuple[str, str, str]], family: str) -> list[str]:
+    """``"path: reason"`` for each of ``family``'s entries in :attr:`FusionPlan.refused` (the root module as
+    ``(the model)``): what errors and warnings quote."""
+    return [f"{path or '(the model)'}: {reason}" for name, path, reason in refused if name == family]
+
+
 def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 

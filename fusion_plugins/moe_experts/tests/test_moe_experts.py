@@ -465,7 +465,7 @@ def test_expert_forward_table_covers_the_architectures():
     assert set(EXPERT_FORWARDS.values()) == {"w1", "gate_proj"}
 
 
-def test_fusion_plan_says_why_a_block_was_declined(tmp_path):
+def test_fusion_plan_says_why_a_block_was_declined(tmp_path, caplog):
     """Each declined MoE block is listed with the family's reason (4.57: a block whose forward was changed; 5.x:
     every block, its experts stacked already); the fused blocks and the dense modules are not listed."""
     import subprocess
@@ -500,6 +500,10 @@ def test_fusion_plan_says_why_a_block_was_declined(tmp_path):
     else:
         assert "Declined by the family, with its reason (2):" in done.stdout, done.stdout + done.stderr
         assert "model.layers.1.mlp (moe_experts): no experts ModuleList" in done.stdout
+        with caplog.at_level("WARNING", logger="fusion_core"):  # the skip warning of a load quotes a reason too
+            fusion_core.from_pretrained(transformers.AutoModelForCausalLM, tmp_path / "model",
+                                        fusion_config={"moe_experts": {"required": False}})
+        assert "is left out (required=False); it declined model.layers.0.mlp: no experts ModuleList" in caplog.text
 
 
 def test_a_model_without_experts_finds_nothing_to_fuse():
