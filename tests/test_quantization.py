@@ -353,7 +353,7 @@ def test_a_bitsandbytes_8bit_load_merges_the_int8_rows_and_scales_exactly(llama:
     """LLM.int8 at load: the merged container is a Linear8bitLt of the parts' int8 rows and per-row scales, bit for
     bit; one int8 matmul per merged projection; saving writes the unfused model's keys (SCB, weight_format) and
     bytes."""
-    bnb = pytest.importorskip("bitsandbytes")
+    import bitsandbytes as bnb  # the module is skipped as a whole where it is missing
     from transformers import BitsAndBytesConfig
 
     from fusion_core.compare import compare_checkpoints
@@ -387,14 +387,15 @@ def test_a_bitsandbytes_8bit_load_merges_the_int8_rows_and_scales_exactly(llama:
     assert report.ok and report.tensors > 0, report
     with pytest.raises(fusion_core.FusionError, match=r"its merged 'qkv_proj' was replaced by Linear8bitLt"):
         fusion_core.unfuse(fused)
-    # LoRA on an int8 merged slice (QLoRA-style, on q_proj / v_proj) is refused before training, as for torchao.
-    peft = pytest.importorskip("peft")
-    with pytest.raises(ValueError, match="LoRA on this slice of fusion-core's merged projection is not supported once "
-                                         "the projection is quantized"):
-        peft.get_peft_model(fused, peft.LoraConfig(target_modules=["q_proj", "v_proj"]))
     # A checkpoint bitsandbytes pre-quantized holds SCB keys the plan does not know: refused before reading them.
     with pytest.raises(fusion_core.FusionLoadError, match=r"the load quantizes with .*bitsandbytes.*family 'qkv'"):
         fusion_core.from_pretrained(AutoModelForCausalLM, tmp_path / "plain", fusion_config=ALL_TEXT)
+    # LoRA on an int8 merged slice (QLoRA-style, on q_proj / v_proj) is refused before training, as for torchao.
+    import peft  # the quantizer environments install it (TEST_SPEC)
+
+    with pytest.raises(ValueError, match="LoRA on this slice of fusion-core's merged projection is not supported once "
+                                         "the projection is quantized"):
+        peft.get_peft_model(fused, peft.LoraConfig(target_modules=["q_proj", "v_proj"]))
 
 
 @pytest.mark.parametrize("kwargs", [{"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},

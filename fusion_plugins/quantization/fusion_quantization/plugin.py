@@ -70,7 +70,7 @@ def fusion_load_planned(plan: FusionPlan, config: Any, load_kwargs: Mapping[str,
         ))
 
 
-def merges_at_load(quantization: Any, config: Any = None) -> bool:
+def merges_at_load(quantization: Any, config: Any) -> bool:
     """A load whose quantized weights fusion-core's conversion merges: torchao's tensor subclasses, whether this
     load quantizes (``quantization_config=TorchAoConfig(...)``) or the checkpoint is pre-quantized by torchao.
 
