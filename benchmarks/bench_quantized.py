@@ -68,8 +68,12 @@ def run(quick: bool, layers: int, rounds: int, new_tokens: int, prompt_length: i
         speedups[label] = {metric: Summary.of([a[metric] / b[metric] for a, b in
                                                zip(samples[numerator], samples[denominator], strict=True)])
                            for metric in ("prefill", "decode")}
+    from fusion_core.merge_policy import merge_decisions
+
+    decisions = [{"weight": list(kind[2]), "parts": list(kind[3]), "rows": 2 ** kind[5], "class": kind[6],
+                  "merged": merged} for kind, merged in merge_decisions().items()]
     return {"layers": layers, "rounds": rounds, "new_tokens": new_tokens, "prompt": prompt_length,
-            "seconds": seconds, "speedups": speedups,
+            "seconds": seconds, "speedups": speedups, "merge_decisions": decisions,
             "tokens_equal": {name: tokens[name] == tokens["plain int8" if "int8" in name else "plain fp32"]
                              for name in CONTENDERS},
             "machine": machine_info()}
@@ -90,7 +94,12 @@ def tables(result: dict[str, Any]) -> list[Table]:
         passed = budget is not None and s["decode"].median >= budget
         verdict = "-" if budget is None else f">= {budget}x decode: {'PASS' if passed else 'MISS'}"
         speed.rows.append([label, s["prefill"].fmt_range(1, 2) + "x", s["decode"].fmt_range(1, 2) + "x", verdict])
-    return [times, speed]
+    policy = Table("Merge policy: what each fused kind measured faster (fusion_core.merge_policy)",
+                   ["merged weight", "parts", "rows (bucket)", "weight class", "runs"])
+    for row in result["merge_decisions"]:
+        policy.rows.append([str(row["weight"]), str(row["parts"]), str(row["rows"]), row["class"],
+                            "one merged GEMM" if row["merged"] else "one GEMM per part"])
+    return [times, speed, policy]
 
 
 def main() -> int:
