@@ -11,8 +11,8 @@ kind times both ways on the real input and weight, and the faster one is used fr
 - a *kind* is the device, the dtype, the merged weight's shape, the part sizes, whether there is
   a bias, the input's row count rounded up to a power of two (1 = a decode step, 16 and 256 =
   prompts of those lengths) and the weight's tensor class (torch's, or a quantizer's such as
-  torchao's ``Int8Tensor``, whose kernel may scale differently: its int8 weight-only GEMV of one
-  ``896 -> 9728`` projection ran at ~0.7x of two ``896 -> 4864`` ones on a 2-core AVX2 CPU); every
+  torchao's ``Int8Tensor``, whose kernel may scale differently: ``benchmarks/bench_quantized.py``
+  prints the decisions, and its int8 gate/up ran per part where fp32 at one row merged); every
   layer of a model shares its kinds, so a 24-layer model measures each kind once, in its first layer;
 - a measurement is one untimed call of each way and then the best of three interleaved timed
   calls each (synchronised on an accelerator), under ``torch.no_grad``: the work of eight
