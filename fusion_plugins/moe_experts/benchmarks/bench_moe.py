@@ -6,7 +6,8 @@ times both, interleaved round by round (so a noisy machine slows both alike), at
 tokens. Prints the median time per call of each, the ratio plain/fused (>1: fused is faster) with
 its range over rounds, and the largest difference of the outputs. ``--kernels`` also times the
 dispatch kernels the family chose between (``grouped_mm`` vs gathering each row's expert weight
-for one ``bmm``) on the same sorted rows::
+for one ``bmm``), and for bfloat16 the float32 upcast that was measured and not applied (the expert
+weights upcast per call, and copied into float32 buffers kept between calls), on the same sorted rows::
 
     python fusion_plugins/moe_experts/benchmarks/bench_moe.py --rounds 5 --kernels
 """
@@ -71,12 +72,12 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, {args.rounds} rounds")
     header = f"{'tokens':>6} {'plain ms':>9} {'fused ms':>9} {'ratio':>6} {'range':>12} {'max diff':>9}"
     if args.kernels:
-        header += f" {'grouped ms':>10} {'gather ms':>10}"
+        header += f" {'grouped ms':>10} {'gather ms':>10} {'upcast ms':>10} {'kept ms':>10}"
     print(header)
     for tokens in args.tokens:
         x = torch.randn(1, tokens, 2048, generator=torch.Generator().manual_seed(tokens)).to(dtype)
         repeats = max(1, 64 // tokens)
-        plain_times, fused_times, grouped, gathered = [], [], [], []
+        plain_times, fused_times, grouped, gathered, upcast, kept = [], [], [], [], [], []
         with torch.no_grad():
             diff = (plain(x)[0].float() - fused(x)[0].float()).abs().max().item()
             rows = x.view(-1, 2048)
@@ -86,18 +87,23 @@ def main() -> None:
             act = experts[0].act_fn
             grouped_call = functools.partial(expert_outputs, rows, experts.gate_up_proj, experts.down_proj, act, routed)
             gather_call = functools.partial(_gather_bmm, rows, experts, act, routed)
+            buffers = (torch.empty(experts.gate_up_proj.shape), torch.empty(experts.down_proj.shape))
+            upcast_call = functools.partial(_upcast, rows, experts, act, routed, None)
+            kept_call = functools.partial(_upcast, rows, experts, act, routed, buffers)
             for _ in range(args.rounds):
                 plain_times.append(_time(functools.partial(plain, x), repeats))
                 fused_times.append(_time(functools.partial(fused, x), repeats))
                 if args.kernels:
                     grouped.append(_time(grouped_call, repeats))
                     gathered.append(_time(gather_call, repeats))
+                    upcast.append(_time(upcast_call, repeats))
+                    kept.append(_time(kept_call, repeats))
         ratios = [p / f for p, f in zip(plain_times, fused_times, strict=True)]
         plain_ms, fused_ms = statistics.median(plain_times) * 1e3, statistics.median(fused_times) * 1e3
         line = (f"{tokens:>6} {plain_ms:>9.2f} {fused_ms:>9.2f} {statistics.median(ratios):>5.2f}x "
                 f"{min(ratios):>5.2f}-{max(ratios):.2f}x {diff:>9.1e}")
         if args.kernels:
-            line += f" {statistics.median(grouped) * 1e3:>10.2f} {statistics.median(gathered) * 1e3:>10.2f}"
+            line += "".join(f" {statistics.median(times) * 1e3:>10.2f}" for times in (grouped, gathered, upcast, kept))
         print(line)
 
 
@@ -107,6 +113,17 @@ def _gather_bmm(rows: torch.Tensor, experts: torch.nn.Module, act: torch.nn.Modu
     width = hidden.shape[-1] // 2
     inner = act(hidden[:, :width]) * hidden[:, width:]
     return torch.bmm(experts.down_proj[routed.expert], inner.unsqueeze(-1)).squeeze(-1)
+
+
+def _upcast(rows: torch.Tensor, experts: torch.nn.Module, act: torch.nn.Module, routed: Routed,
+            buffers: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """The float32 alternative: expert weights upcast (fresh tensors, or copied into ``buffers`` kept between
+    calls), float32 grouped GEMMs, the result cast back."""
+    if buffers is None:
+        gate_up, down = experts.gate_up_proj.float(), experts.down_proj.float()
+    else:
+        gate_up, down = buffers[0].copy_(experts.gate_up_proj), buffers[1].copy_(experts.down_proj)
+    return expert_outputs(rows.float(), gate_up, down, act, routed).to(rows.dtype)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ alternative, gathering each row's expert weight for one ``bmm``, copies ``N x 2I
 elements per call and was slower at every measured token count; it is kept only for the dtypes
 ``grouped_mm`` refuses (float64), where it is the one loop-free kernel that still computes exactly.
 Upcasting bfloat16 expert weights to float32 for the GEMM (for CPUs without native bf16) was
-measured too and is not applied: slower with fresh tensors at every row count, ~1.3x at 16 rows per
-expert only with a kept 1.6 GB float32 buffer (README "End to end").
+measured too and is not applied: slower with fresh tensors at every row count, 1.4x at 16 rows per
+expert only with kept 1.6 GB float32 buffers, slower at 2 rows (``bench_moe.py --kernels``; README
+"End to end").
 """
 
 from __future__ import annotations
