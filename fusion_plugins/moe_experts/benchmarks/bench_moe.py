@@ -63,7 +63,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128])
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--kernels", action="store_true", help="also time grouped_mm against gather + bmm")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also time grouped_mm against gather + bmm and the fp32 upcasts")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     plain, config = _block(args.arch, dtype)
