@@ -224,10 +224,15 @@ def planned_tensors(module: ModulePlan, fused_layout: bool) -> dict[str, tuple[s
     return planned
 
 
-def check_checkpoint(directory: Path, plan: FusionPlan, fused_layout: bool) -> None:
+def check_checkpoint(directory: Path, plan: FusionPlan, fused_layout: bool, pre_quantized: bool = False) -> None:
     """Check the plan against the checkpoint's headers before transformers reads any data.
 
     Every fused tensor found in the checkpoint must have the planned shape and a floating dtype.
+    A ``pre_quantized`` checkpoint (its config names the quantizer that wrote it) stores quantized
+    layers in the quantizer's own form: integer tensors of other shapes (bitsandbytes packs two
+    4-bit codes per byte) beside tensors of its own (``SCB``, ``weight.absmax``). Those are the
+    quantizer's to check while transformers loads them, and the conversion checks what it gets;
+    here only floating-point tensors are held to the plan's shapes.
     A tensor that is not found under a recognisable name is left to transformers' loading report,
     which the adapter turns into an error all the same: transformers 5.x renames and converts keys
     inside the path for some models (VideoMAE's ``q_bias`` becomes ``query.bias``), so absence
@@ -246,6 +251,8 @@ def check_checkpoint(directory: Path, plan: FusionPlan, fused_layout: bool) -> N
                 continue
             info = tensors[ckpt_key]
             prefixes.add(ckpt_key[: len(ckpt_key) - len(leaf)])
+            if pre_quantized and info.dtype not in FLOAT_DTYPES:
+                continue
             if shape is not None and info.shape != shape:
                 raise CheckpointError(
                     f"{where}: checkpoint tensor {ckpt_key!r} ({info.file}) has shape {list(info.shape)}, "
@@ -256,7 +263,7 @@ def check_checkpoint(directory: Path, plan: FusionPlan, fused_layout: bool) -> N
                     f"{where}: checkpoint tensor {ckpt_key!r} ({info.file}) is stored as {info.dtype}; "
                     "a floating-point dtype is expected"
                 )
-        if all(found.values()):  # names match one to one: anything else under the module is extra
+        if all(found.values()) and not pre_quantized:  # names match one to one: anything else is extra
             _check_extra(tensors.values(), prefixes, {leaf for leaf, _ in planned.values()}, module, directory)
 
 

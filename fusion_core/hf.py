@@ -126,7 +126,8 @@ def from_pretrained(
                   model_class=model_cls, config=config, load_kwargs=MappingProxyType(kwargs),
                   families=fusion.specs())
     if local.is_dir():
-        check_checkpoint(local / kwargs.get("subfolder", ""), discovery.plan, fused_dir)
+        check_checkpoint(local / kwargs.get("subfolder", ""), discovery.plan, fused_dir,
+                         pre_quantized=getattr(config, "quantization_config", None) is not None)
     on_built = convert_to_fused if fused_dir else None
     with LOAD_LOCK, class_patch_scope(discovery.routes, on_built=on_built) as scope, _loading_reports() as reports:
         model = model_cls.from_pretrained(name_or_path, config=config, **kwargs)

@@ -387,9 +387,12 @@ def test_a_bitsandbytes_8bit_load_merges_the_int8_rows_and_scales_exactly(llama:
     assert report.ok and report.tensors > 0, report
     with pytest.raises(fusion_core.FusionError, match=r"its merged 'qkv_proj' was replaced by Linear8bitLt"):
         fusion_core.unfuse(fused)
-    # A checkpoint bitsandbytes pre-quantized holds SCB keys the plan does not know: refused before reading them.
-    with pytest.raises(fusion_core.FusionLoadError, match=r"the load quantizes with .*bitsandbytes.*family 'qkv'"):
-        fusion_core.from_pretrained(AutoModelForCausalLM, tmp_path / "plain", fusion_config=ALL_TEXT)
+    # The checkpoint plain transformers wrote (int8 rows, SCB, its quantization config) loads fused.
+    reloaded = fusion_core.from_pretrained(AutoModelForCausalLM, tmp_path / "plain", fusion_config=ALL_TEXT)
+    reloaded_container = reloaded.model.layers[0].self_attn.qkv_proj
+    assert isinstance(reloaded_container, bnb.nn.Linear8bitLt)
+    assert torch.equal(reloaded_container.weight.data, attention.qkv_proj.weight.data)
+    assert torch.equal(_int8_scales(reloaded_container), _int8_scales(attention.qkv_proj))
     # LoRA on an int8 merged slice (QLoRA-style, on q_proj / v_proj) is refused before training, as for torchao.
     import peft  # the quantizer environments install it (TEST_SPEC)
 
@@ -398,19 +401,89 @@ def test_a_bitsandbytes_8bit_load_merges_the_int8_rows_and_scales_exactly(llama:
         peft.get_peft_model(fused, peft.LoraConfig(target_modules=["q_proj", "v_proj"]))
 
 
-@pytest.mark.parametrize("kwargs", [{"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
-                                    {"load_in_4bit": True, "bnb_4bit_use_double_quant": True}],
-                         ids=["nf4", "qlora-double-quant"])
-def test_a_bitsandbytes_load_is_refused_before_any_weight_is_read(llama: Path, tmp_path: Path,
-                                                                   kwargs: dict[str, Any]) -> None:
-    pytest.importorskip("bitsandbytes")
+def _packed_state(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """A 4-bit layer's packed bytes and block scales."""
+    return {"packed": layer.weight.data, "absmax": layer.weight.quant_state.absmax}
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_a_bitsandbytes_4bit_load_merges_the_packed_blocks_exactly(llama: Path, tmp_path: Path,
+                                                                   quant_type: str) -> None:
+    """4-bit at load: the merged container is a Linear4bit whose packed bytes and block scales are the parts',
+    bit for bit; one 4-bit matmul per merged projection; the save writes the unfused model's keys and bytes; the
+    checkpoint plain transformers wrote loads fused again; LoRA on a 4-bit merged slice (QLoRA) is refused."""
+    import bitsandbytes as bnb
+    import peft
+    from transformers import BitsAndBytesConfig
+
+    from fusion_core.compare import compare_checkpoints
+
+    def config() -> Any:
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type)
+
+    plain = AutoModelForCausalLM.from_pretrained(llama, quantization_config=config())
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT,
+                                        quantization_config=config())
+    plan = fusion_core.get_fusion_plan(fused)
+    assert plan is not None
+    for module_plan in plan.modules:
+        merged = fused.get_submodule(module_plan.path).fused_projection
+        container = merged.owner
+        assert isinstance(container, bnb.nn.Linear4bit)
+        packed = [_packed_state(plain.get_submodule(f"{module_plan.path}.{name}")) for name in merged.originals]
+        for entry in ("packed", "absmax"):
+            assert torch.equal(_packed_state(container)[entry], torch.cat([p[entry] for p in packed])), entry
+
+    def quantized(module: nn.Module) -> bool:
+        return isinstance(module, bnb.nn.Linear4bit)
+
+    def logical_elements(model: nn.Module) -> int:
+        return sum(m.in_features * m.out_features for m in model.modules() if quantized(m))
+
+    assert logical_elements(fused) == logical_elements(plain) > 0
+    with torch.no_grad():
+        logits = [model(_ids()).logits for model in (fused, plain)]
+    assert relative_error(logits[1], logits[0]) <= INT8_TOLERANCE
+    attention = fused.model.layers[0].self_attn
+    assert attention.q_proj.merged.merged_gemms > 0 and attention.q_proj.merged.own_gemms == 0
+    plain.save_pretrained(tmp_path / "plain")
+    fusion_core.save_pretrained(fused, tmp_path / "fused")
+    report = compare_checkpoints(tmp_path / "plain", tmp_path / "fused")
+    assert report.ok and report.tensors > 0, report
+    # The checkpoint plain transformers wrote, with its quantization config, loads fused: the same logits.
+    reloaded = fusion_core.from_pretrained(AutoModelForCausalLM, tmp_path / "plain", fusion_config=ALL_TEXT)
+    assert isinstance(reloaded.model.layers[0].self_attn.qkv_proj, bnb.nn.Linear4bit)
+    with torch.no_grad():
+        assert torch.equal(reloaded(_ids()).logits, logits[0])
+    with pytest.raises(ValueError, match="LoRA on this slice of fusion-core's merged projection is not supported once "
+                                         r"the projection is quantized \(Linear4bit"):
+        peft.get_peft_model(fused, peft.LoraConfig(target_modules=["q_proj", "v_proj"]))
+
+
+def test_bitsandbytes_double_quantization_is_refused_before_any_weight_is_read(llama: Path, tmp_path: Path) -> None:
+    """QLoRA's default (nested scales quantized around the mean of a whole layer's) cannot be merged exactly."""
     from transformers import BitsAndBytesConfig
 
     broken = _broken_copy(llama, tmp_path / "broken")
     with pytest.raises(fusion_core.FusionLoadError, match=r"the load quantizes with BitsAndBytesConfig "
-                       r"\(bitsandbytes\).*family 'qkv', module 'model\.layers\.0\.self_attn'.*" + WAY_OUT):
+                       r"\(bitsandbytes\).*family 'qkv', module 'model\.layers\.0\.self_attn'.*double quantization "
+                       r"\(bnb_4bit_use_double_quant\).*" + WAY_OUT):
         fusion_core.from_pretrained(AutoModelForCausalLM, broken, fusion_config=ALL_TEXT,
-                                    quantization_config=BitsAndBytesConfig(**kwargs))
+                                    quantization_config=BitsAndBytesConfig(load_in_4bit=True,
+                                                                           bnb_4bit_use_double_quant=True))
+
+
+def test_a_4bit_part_that_does_not_fill_whole_blocks_is_refused_before_any_weight_is_read(tmp_path: Path) -> None:
+    from transformers import BitsAndBytesConfig, LlamaConfig
+
+    config = LlamaConfig(vocab_size=64, hidden_size=20, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=10)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "odd")  # q_proj: 400 elements, 6.25 blocks
+    broken = _broken_copy(tmp_path / "odd", tmp_path / "broken")
+    with pytest.raises(fusion_core.FusionLoadError, match=r"family 'qkv', module 'model\.layers\.0\.self_attn'.*"
+                       "does not fill whole 4-bit blocks of 64 elements"):
+        fusion_core.from_pretrained(AutoModelForCausalLM, broken, fusion_config=ALL_TEXT,
+                                    quantization_config=BitsAndBytesConfig(load_in_4bit=True))
 
 
 # -- quanto --------------------------------------------------------------------------------------
@@ -437,14 +510,55 @@ def test_quanto_quantize_after_a_fused_load_quantizes_the_merged_weights(llama: 
         fusion_core.unfuse(fused)
 
 
-def test_a_quanto_load_is_refused_before_any_weight_is_read(llama: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("weights", ["int8", "float8"])
+def test_a_quanto_load_merges_the_quantized_rows_and_scales_exactly(llama: Path, tmp_path: Path, weights: str) -> None:
+    """QuantoConfig at load: the merged container is a frozen QLinear whose rows and per-row scales are the parts',
+    bit for bit; one quantized GEMM per merged projection; the state dict is the unfused model's, key for key and
+    bit for bit; saving refuses as it does for the unfused model (transformers does not serialize quanto)."""
+    quanto = pytest.importorskip("optimum.quanto")
+    from transformers import QuantoConfig
+
+    plain = AutoModelForCausalLM.from_pretrained(llama, quantization_config=QuantoConfig(weights=weights))
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT,
+                                        quantization_config=QuantoConfig(weights=weights))
+    plan = fusion_core.get_fusion_plan(fused)
+    assert plan is not None
+    for module_plan in plan.modules:
+        merged = fused.get_submodule(module_plan.path).fused_projection
+        assert isinstance(merged.owner, quanto.QLinear)
+        parts = [plain.get_submodule(f"{module_plan.path}.{name}").weight for name in merged.originals]
+        for inner in ("_data", "_scale"):
+            assert torch.equal(getattr(merged.weight, inner), torch.cat([getattr(p, inner) for p in parts])), inner
+
+    def quantized(module: nn.Module) -> bool:
+        return isinstance(module, quanto.QModuleMixin)
+
+    assert _quantized_elements(fused, quantized) == _quantized_elements(plain, quantized) > 0
+    with torch.no_grad():
+        logits = [model(_ids()).logits for model in (fused, plain)]
+    assert relative_error(logits[1], logits[0]) <= INT8_TOLERANCE
+    attention = fused.model.layers[0].self_attn
+    assert attention.q_proj.merged.merged_gemms > 0 and attention.q_proj.merged.own_gemms == 0
+    expected, presented = plain.state_dict(), fused.state_dict()
+    assert list(presented) == list(expected)
+    assert all(torch.equal(presented[key], expected[key]) for key in expected)
+    assert _save_both(plain, fused, tmp_path) == [ValueError, ValueError]
+    assert not (tmp_path / "fused").exists()
+
+
+@pytest.mark.parametrize(("kwargs", "reason"), [
+    ({"weights": "int4"}, r"quanto's weights='int4' packs rows in groups fusion-core does not merge"),
+    ({"weights": "int8", "activations": "int8"}, r"quanto quantizes activations too \(activations='int8'\)"),
+], ids=["int4", "int8-activations"])
+def test_a_quanto_load_fusion_core_cannot_merge_is_refused_before_any_weight_is_read(
+        llama: Path, tmp_path: Path, kwargs: dict[str, Any], reason: str) -> None:
     pytest.importorskip("optimum.quanto")
     from transformers import QuantoConfig
 
     broken = _broken_copy(llama, tmp_path / "broken")
-    with pytest.raises(fusion_core.FusionLoadError, match=r"QuantoConfig \(quanto\).*family 'qkv'"):
+    with pytest.raises(fusion_core.FusionLoadError, match=r"QuantoConfig \(quanto\).*family 'qkv'.*" + reason):
         fusion_core.from_pretrained(AutoModelForCausalLM, broken, fusion_config=ALL_TEXT,
-                                    quantization_config=QuantoConfig(weights="int8"))
+                                    quantization_config=QuantoConfig(**kwargs))
 
 
 # -- what the guard must leave alone ------------------------------------------------------------------

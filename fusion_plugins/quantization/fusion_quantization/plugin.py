@@ -26,6 +26,8 @@ from fusion_core.hookspecs import hookimpl
 from fusion_core.integration import Integration
 from fusion_core.integration_needs import load_quantization
 from fusion_core.transforms import Concat, FusionPlan, ModulePlan
+from fusion_quantization.bnb_4bit import BLOCKSIZE, fills_whole_blocks, take_packed
+from fusion_quantization.bnb_4bit import install as install_4bit
 from fusion_quantization.bnb_int8 import collect as collect_int8
 from fusion_quantization.bnb_int8 import install as install_int8
 from fusion_quantization.detect import (
@@ -36,6 +38,9 @@ from fusion_quantization.detect import (
     quantizer_of,
 )
 from fusion_quantization.guard import attach_guard, containers, fused_linears, guard_of, refusal_message
+from fusion_quantization.quanto_bytes import MERGED_WEIGHTS as QUANTO_MERGED_WEIGHTS
+from fusion_quantization.quanto_bytes import install as install_quanto
+from fusion_quantization.quanto_bytes import take_rows
 
 INTEGRATION = Integration(
     "quantization",
@@ -55,12 +60,10 @@ def fusion_load_planned(plan: FusionPlan, config: Any, load_kwargs: Mapping[str,
     if quantization is None or not planned:
         return
     method = quantization_method(quantization)
-    if not merges_at_load(quantization, config):
+    refusal = at_load_refusal(quantization, config)
+    if refusal is not None:
         raise FusionLoadError(refusal_message(
-            fused_linears(planned), f"the load quantizes with {method}", "the fused model",
-            "fused, and this quantizer replaces the original layers in a form fusion-core does not merge; at load "
-            "it merges torchao's tensors (TorchAoConfig, or a checkpoint torchao pre-quantized) and bitsandbytes "
-            "LLM.int8 (BitsAndBytesConfig(load_in_8bit=True) on an unquantized checkpoint) only",
+            fused_linears(planned), f"the load quantizes with {method}", "the fused model", f"fused, and {refusal}",
         ))
     unmerged = [p for p in planned if not concatenates_rows(p)]
     if unmerged:
@@ -68,6 +71,14 @@ def fusion_load_planned(plan: FusionPlan, config: Any, load_kwargs: Mapping[str,
             fused_linears(unmerged), f"the load quantizes with {method}", "the fused model",
             "by ops other than a concatenation of rows, which quantized tensors do not go through",
         ))
+    if _field(quantization, "load_in_4bit") or _field(quantization, "_load_in_4bit"):
+        partial = [p for p in planned if not fills_whole_blocks(p, BLOCKSIZE)]
+        if partial:
+            raise FusionLoadError(refusal_message(
+                fused_linears(partial), f"the load quantizes with {method}", "the fused model",
+                f"fused, and a part does not fill whole 4-bit blocks of {BLOCKSIZE} elements, so the merged layer's "
+                "blocks would span parts",
+            ))
 
 
 def merges_at_load(quantization: Any, config: Any) -> bool:
@@ -77,21 +88,46 @@ def merges_at_load(quantization: Any, config: Any) -> bool:
     torchao keeps each ``nn.Linear`` and swaps its weight for a tensor subclass (transformers rebuilds it from a
     pre-quantized checkpoint's ``_weight_qdata`` / ``_weight_scale`` keys), which the conversion concatenates
     through its inner tensors, exactly or refused (:mod:`fusion_core.wrapped`). bitsandbytes LLM.int8
-    (``load_in_8bit``) quantized by this load: the conversion concatenates the int8 rows and the integration
-    carries the per-row scales into a merged ``Linear8bitLt`` (:mod:`fusion_quantization.bnb_int8`). Not merged:
-    bitsandbytes 4-bit (packed blocks, nested double-quantization scales), quanto, and checkpoints
-    bitsandbytes pre-quantized (their ``SCB`` keys are not the plan's).
+    (``load_in_8bit``): the conversion concatenates the int8 rows and the integration carries the per-row scales
+    into a merged ``Linear8bitLt`` (:mod:`fusion_quantization.bnb_int8`). bitsandbytes 4-bit (nf4, fp4): the
+    integration concatenates the packed blocks and their scales into a merged ``Linear4bit``
+    (:mod:`fusion_quantization.bnb_4bit`). Not merged: 4-bit double quantization (its nested scales span
+    parts) and quanto (:func:`at_load_refusal` says why).
     """
-    method = getattr(quantization, "quant_method", None)
-    if isinstance(quantization, dict):
-        method = quantization.get("quant_method")
+    return at_load_refusal(quantization, config) is None
+
+
+def at_load_refusal(quantization: Any, config: Any) -> str | None:
+    """Why the conversion cannot merge what this load quantizes (see :func:`merges_at_load`), or None."""
+    method = _field(quantization, "quant_method")
     method = getattr(method, "value", method)
     if method == "torchao":
-        return True
-    # LLM.int8 quantized by this load (not a checkpoint bitsandbytes pre-quantized: its SCB keys are not the plan's).
-    pre_quantized = getattr(config, "quantization_config", None) is not None
-    return (method == "bitsandbytes" and getattr(quantization, "load_in_8bit", False) is True
-            and not getattr(quantization, "load_in_4bit", False) and not pre_quantized)
+        return None
+    if method == "quanto":
+        weights, activations = _field(quantization, "weights"), _field(quantization, "activations")
+        if activations is not None:
+            return f"quanto quantizes activations too (activations={activations!r}), with calibrated per-layer scales"
+        if weights not in QUANTO_MERGED_WEIGHTS:
+            return (f"quanto's weights={weights!r} packs rows in groups fusion-core does not merge (merged: "
+                    f"{sorted(QUANTO_MERGED_WEIGHTS)})")
+        return None
+    if method != "bitsandbytes":
+        return ("this quantizer replaces the original layers in a form fusion-core does not merge; at load it merges "
+                "torchao's tensors (TorchAoConfig, or a checkpoint torchao pre-quantized), bitsandbytes "
+                "(BitsAndBytesConfig, or a checkpoint bitsandbytes pre-quantized) and quanto (QuantoConfig) only")
+    four_bit = _field(quantization, "load_in_4bit") or _field(quantization, "_load_in_4bit")
+    if four_bit and _field(quantization, "bnb_4bit_use_double_quant"):
+        return ("bitsandbytes double quantization (bnb_4bit_use_double_quant) quantizes each layer's block scales "
+                "around their mean, so a merged layer's nested scales would span parts; load with "
+                "bnb_4bit_use_double_quant=False")
+    if four_bit or _field(quantization, "load_in_8bit") or _field(quantization, "_load_in_8bit"):
+        return None
+    return "this BitsAndBytesConfig quantizes nothing fusion-core knows (neither load_in_8bit nor load_in_4bit)"
+
+
+def _field(quantization: Any, name: str) -> Any:
+    """A field of a quantization config, whether the load passed the config object or the checkpoint stored a dict."""
+    return quantization.get(name) if isinstance(quantization, dict) else getattr(quantization, name, None)
 
 
 def concatenates_rows(plan: ModulePlan) -> bool:
@@ -104,10 +140,18 @@ def fusion_convert_loaded(
     model: nn.Module, built: MutableSequence[tuple[nn.Module, ModulePlan]]
 ) -> Generator[None, None, None]:
     plans = [plan for _, plan in built]
-    int8 = [(module, collect_int8(module, plan)) for module, plan in built]  # scales the conversion cannot carry
+    # What the conversion cannot carry: LLM.int8's scales, 4-bit packed bytes (not of the plan's shape), quanto's
+    # tensors (they record their own size).
+    int8 = [(module, collect_int8(module, plan)) for module, plan in built]
+    packed = [(module, take_packed(module, plan)) for module, plan in built]
+    rows = [(module, take_rows(module, plan)) for module, plan in built]
     result = yield
     for module, merges in int8:
         install_int8(module, merges)
+    for module, packed_merges in packed:
+        install_4bit(module, packed_merges)
+    for module, rows_merges in rows:
+        install_quanto(module, rows_merges)
     attach_guard(model, plans)
     return result
 
