@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 import fusion_core
 from fusion_core import FusedModule, FusionFamily, Transpose, WeightTransform
-from fusion_core.compare import relative_error
+from fusion_core.compare import TOLERANCES, relative_error
 from fusion_core.testing.tiny_models import TINY_MODELS
 
 for _library in ("torchao", "bitsandbytes", "optimum.quanto"):
@@ -197,15 +197,65 @@ def test_what_a_filter_leaves_out_stays_the_users_choice(llama: Path) -> None:
         assert relative_error(plain(_ids()).logits, fused(_ids()).logits) <= INT8_TOLERANCE
 
 
-def test_lora_on_a_quantized_merged_projection_is_refused_before_training(llama: Path) -> None:
+def test_what_lora_on_a_quantized_merged_slice_cannot_do_exactly_is_refused(llama: Path) -> None:
+    """DoRA and weight-derived initialisations read the base weight in the original layout, before training;
+    merging would dequantize and requantize the merged weight as a whole."""
     peft = pytest.importorskip("peft")
     from torchao.quantization import quantize_
 
     model = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT)
     quantize_(model, _torchao_configs()[0])
-    with pytest.raises(ValueError, match="LoRA on this slice of fusion-core's merged projection is not supported once "
-                                         "the projection is quantized"):
-        peft.get_peft_model(model, peft.LoraConfig(target_modules=["q_proj", "v_proj"]))
+    for refused in ({"use_dora": True}, {"init_lora_weights": "pissa"}):
+        with pytest.raises(ValueError, match=r"on this slice of fusion-core's merged projection is not supported once "
+                                             r"the projection is quantized \(MergedProjection with a Int8Tensor"):
+            peft.get_peft_model(model, peft.LoraConfig(target_modules=["q_proj", "v_proj"], **refused))
+    adapted = peft.get_peft_model(model, peft.LoraConfig(target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match=r"merging a LoRA adapter into a slice of fusion-core's quantized merged "
+                                         r"projection \(MergedProjection with a Int8Tensor weight\) is not supported"):
+        adapted.merge_and_unload()
+
+
+def _adapter(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" in name}
+
+
+def test_qlora_on_a_4bit_fused_model_trains_and_saves_the_unfused_models_adapter(llama: Path, tmp_path: Path) -> None:
+    """QLoRA-style (bitsandbytes 4-bit base, LoRA on q_proj / v_proj): the same adapter at initialisation, the same
+    after a training step and in the adapter files, within the model dtype's tolerance (the merged GEMM's backward
+    blocks differently; transformers 4.57 loads bitsandbytes models in float16)."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+    from transformers import BitsAndBytesConfig
+
+    def config() -> Any:
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+
+    models = [AutoModelForCausalLM.from_pretrained(llama, quantization_config=config()),
+              fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT,
+                                          quantization_config=config())]
+    adapted, initial, trained = [], [], []
+    for model in models:
+        torch.manual_seed(0)
+        lora = peft.get_peft_model(model, peft.LoraConfig(target_modules=["q_proj", "v_proj"], r=4,
+                                                          init_lora_weights="gaussian"))
+        adapted.append(lora)
+        initial.append(_adapter(lora))
+        optimizer = torch.optim.SGD([p for p in lora.parameters() if p.requires_grad], lr=0.5)
+        lora(_ids(), labels=_ids()).loss.backward()
+        optimizer.step()
+        trained.append(_adapter(lora))
+    tolerance = TOLERANCES[models[0].dtype]
+    assert list(initial[1]) == list(initial[0]) and initial[0]
+    assert all(torch.equal(initial[1][name], initial[0][name]) for name in initial[0])
+    for name in trained[0]:
+        steps = [trained[i][name] - initial[i][name] for i in (0, 1)]
+        assert "lora_B" not in name or steps[0].abs().max() > 0, name
+        assert relative_error(steps[0], steps[1]) <= tolerance, name
+    for lora, target in zip(adapted, ("plain", "fused"), strict=True):
+        lora.save_pretrained(tmp_path / target)
+    files = [load_file(tmp_path / target / "adapter_model.safetensors") for target in ("plain", "fused")]
+    assert list(files[1]) == list(files[0])
+    assert all(relative_error(files[0][name], files[1][name]) <= tolerance for name in files[0])
 
 
 @pytest.mark.parametrize("index", [0, 1], ids=["int8-weight-only", "int8-dynamic"])
@@ -393,12 +443,6 @@ def test_a_bitsandbytes_8bit_load_merges_the_int8_rows_and_scales_exactly(llama:
     assert isinstance(reloaded_container, bnb.nn.Linear8bitLt)
     assert torch.equal(reloaded_container.weight.data, attention.qkv_proj.weight.data)
     assert torch.equal(_int8_scales(reloaded_container), _int8_scales(attention.qkv_proj))
-    # LoRA on an int8 merged slice (QLoRA-style, on q_proj / v_proj) is refused before training, as for torchao.
-    import peft  # the quantizer environments install it (TEST_SPEC)
-
-    with pytest.raises(ValueError, match="LoRA on this slice of fusion-core's merged projection is not supported once "
-                                         "the projection is quantized"):
-        peft.get_peft_model(fused, peft.LoraConfig(target_modules=["q_proj", "v_proj"]))
 
 
 def _packed_state(layer: nn.Module) -> dict[str, torch.Tensor]:
@@ -413,7 +457,6 @@ def test_a_bitsandbytes_4bit_load_merges_the_packed_blocks_exactly(llama: Path, 
     bit for bit; one 4-bit matmul per merged projection; the save writes the unfused model's keys and bytes; the
     checkpoint plain transformers wrote loads fused again; LoRA on a 4-bit merged slice (QLoRA) is refused."""
     import bitsandbytes as bnb
-    import peft
     from transformers import BitsAndBytesConfig
 
     from fusion_core.compare import compare_checkpoints
@@ -455,9 +498,6 @@ def test_a_bitsandbytes_4bit_load_merges_the_packed_blocks_exactly(llama: Path, 
     assert isinstance(reloaded.model.layers[0].self_attn.qkv_proj, bnb.nn.Linear4bit)
     with torch.no_grad():
         assert torch.equal(reloaded(_ids()).logits, logits[0])
-    with pytest.raises(ValueError, match="LoRA on this slice of fusion-core's merged projection is not supported once "
-                                         r"the projection is quantized \(Linear4bit"):
-        peft.get_peft_model(fused, peft.LoraConfig(target_modules=["q_proj", "v_proj"]))
 
 
 def test_bitsandbytes_double_quantization_is_refused_before_any_weight_is_read(llama: Path, tmp_path: Path) -> None:

@@ -164,12 +164,14 @@ def _fused_lora_layer(lora_config: Any, adapter_name: str, target: nn.Module, **
     if isinstance(target, BaseTunerLayer) or kwargs.get("parameter_name") is not None:
         return None
     if isinstance(target, MergedSlice):
-        container = target.merged.owner
-        if type(container) is not MergedProjection or not is_torch_tensor(target.merged.weight):
+        quantized = _quantized(target)
+        init = getattr(lora_config, "init_lora_weights", True)
+        if quantized is not None and (getattr(lora_config, "use_dora", False) or init not in (True, False, "gaussian")):
             raise ValueError(
-                f"LoRA on this slice of fusion-core's merged projection is not supported once the projection is "
-                f"quantized ({type(container).__name__} with a {type(target.merged.weight).__name__} weight): attach "
-                "the adapters before quantizing, or quantize and adapt the unfused model"
+                f"LoRA with use_dora={getattr(lora_config, 'use_dora', False)}, init_lora_weights={init!r} on this "
+                f"slice of fusion-core's merged projection is not supported once the projection is quantized "
+                f"({quantized}): it reads the base weight, which the quantized merged layer does not hold in the "
+                "original layout; use plain LoRA (init_lora_weights=True or 'gaussian'), or adapt the unfused model"
             )
         layer_cls: type[nn.Module] = _layer_classes()[nn.Linear]
     elif module_plan(target) is not None:
@@ -194,6 +196,19 @@ def _fused_lora_layer(lora_config: Any, adapter_name: str, target: nn.Module, **
     layer = layer_cls(_stand_in(target, copy_tensors=False), adapter_name, config=lora_config, **kwargs)
     layer.base_layer = target
     return layer
+
+
+def _quantized(target: MergedSlice) -> str | None:
+    """What quantized the merged projection ``target`` is a slice of (for messages), or None when it is plain.
+
+    LoRA trains on such a slice as on the unfused quantized layer (QLoRA): the base output is the quantized merged
+    GEMM's rows and the adapter adds its term; what needs the base weight in the original layout (merging, DoRA,
+    initialisations from the weight) is refused.
+    """
+    container = target.merged.owner
+    if type(container) is MergedProjection and is_torch_tensor(target.merged.weight):
+        return None
+    return f"{type(container).__name__} with a {type(target.merged.weight).__name__} weight"
 
 
 def _layer_class_for(original: type[nn.Module], target: nn.Module) -> type[nn.Module]:
@@ -246,6 +261,13 @@ class _FusedBaseMixin:
             return super().update_layer(*args, **kwargs)  # type: ignore[misc]
 
     def merge(self, *args: Any, **kwargs: Any) -> None:
+        quantized = _quantized(self.base_layer) if isinstance(self.base_layer, MergedSlice) else None
+        if quantized is not None:
+            raise ValueError(
+                f"merging a LoRA adapter into a slice of fusion-core's quantized merged projection ({quantized}) is "
+                "not supported: the merged weight would have to be dequantized and quantized again as a whole; "
+                "save the adapter and merge it into the unquantized model"
+            )
         with _on_stand_in(self, copy_tensors=True):
             super().merge(*args, **kwargs)  # type: ignore[misc]
 
@@ -287,7 +309,14 @@ def _stand_in(module: nn.Module, copy_tensors: bool) -> nn.Module:
         linear = nn.Linear.__new__(nn.Linear)
         nn.Module.__init__(linear)
         linear.in_features, linear.out_features = module.in_features, module.out_features
-        linear.register_parameter("weight", own(module.weight))
+        if _quantized(module) is None:
+            linear.register_parameter("weight", own(module.weight))
+        else:  # PEFT reads only the shape, dtype and device of a quantized base (a zero-stride view of one element)
+            merged = module.merged.weight
+            shape_only = torch.zeros((), dtype=merged.dtype, device=merged.device)
+            linear.register_parameter("weight", nn.Parameter(shape_only.expand(module.out_features, module.in_features),
+                                                             requires_grad=False))
+        linear.register_parameter("bias", own(module.bias))
         linear.register_parameter("bias", own(module.bias))
         return linear
     plan = _plan(module)
