@@ -14,7 +14,11 @@ CI runs this module in its own environment with the quantizers installed (``scri
 
 from __future__ import annotations
 
+import os
 import pickle
+import re
+import subprocess
+import sys
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -219,16 +223,19 @@ def _adapter(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" in name}
 
 
-def test_qlora_on_a_4bit_fused_model_trains_and_saves_the_unfused_models_adapter(llama: Path, tmp_path: Path) -> None:
-    """QLoRA-style (bitsandbytes 4-bit base, LoRA on q_proj / v_proj): the same adapter at initialisation, the same
-    after a training step and in the adapter files, within the model dtype's tolerance (the merged GEMM's backward
-    blocks differently; transformers 4.57 loads bitsandbytes models in float16)."""
+@pytest.mark.parametrize("kwargs", [{"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, {"load_in_8bit": True}],
+                         ids=["qlora-nf4", "llm-int8"])
+def test_lora_on_a_bitsandbytes_fused_model_trains_and_saves_the_unfused_models_adapter(
+        llama: Path, tmp_path: Path, kwargs: dict[str, Any]) -> None:
+    """QLoRA-style (bitsandbytes base, LoRA on q_proj / v_proj): the same adapter at initialisation, the same after
+    a training step and in the adapter files, within the model dtype's tolerance (the merged GEMM's backward blocks
+    differently; transformers 4.57 loads bitsandbytes models in float16), or the int8 tolerance for LLM.int8."""
     peft = pytest.importorskip("peft")
     from safetensors.torch import load_file
     from transformers import BitsAndBytesConfig
 
     def config() -> Any:
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+        return BitsAndBytesConfig(**kwargs)
 
     models = [AutoModelForCausalLM.from_pretrained(llama, quantization_config=config()),
               fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT,
@@ -244,7 +251,7 @@ def test_qlora_on_a_4bit_fused_model_trains_and_saves_the_unfused_models_adapter
         lora(_ids(), labels=_ids()).loss.backward()
         optimizer.step()
         trained.append(_adapter(lora))
-    tolerance = TOLERANCES[models[0].dtype]
+    tolerance = INT8_TOLERANCE if kwargs.get("load_in_8bit") else TOLERANCES[models[0].dtype]
     assert list(initial[1]) == list(initial[0]) and initial[0]
     assert all(torch.equal(initial[1][name], initial[0][name]) for name in initial[0])
     for name in trained[0]:
@@ -498,6 +505,14 @@ def test_a_bitsandbytes_4bit_load_merges_the_packed_blocks_exactly(llama: Path, 
     assert isinstance(reloaded.model.layers[0].self_attn.qkv_proj, bnb.nn.Linear4bit)
     with torch.no_grad():
         assert torch.equal(reloaded(_ids()).logits, logits[0])
+    # Saved again: what saving the unfused pre-quantized model does (transformers 5.x cannot revert its own
+    # bitsandbytes loading ops, NotImplementedError, and the fused save writes nothing), else the same bytes.
+    (tmp_path / "again").mkdir()
+    plain_again = AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
+    if _save_both(plain_again, reloaded, tmp_path / "again") == [None, None]:
+        assert compare_checkpoints(tmp_path / "again" / "plain", tmp_path / "again" / "fused").ok
+    else:
+        assert not (tmp_path / "again" / "fused").exists()
 
 
 def test_bitsandbytes_double_quantization_is_refused_before_any_weight_is_read(llama: Path, tmp_path: Path) -> None:
@@ -648,3 +663,18 @@ def test_the_quantized_benchmark_runs(tmp_path: Path) -> None:
     assert "fused int8 vs plain int8" in done.stdout and "decode ms/token" in done.stdout
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["tokens_equal"]["fused int8"] is True and result["tokens_equal"]["fused fp32"] is True
+
+
+def test_the_quantization_pages_python_runs(tmp_path: Path) -> None:
+    """docs/quantization.md's snippets (one per quantizer, and a refusal) run as they are, here, where the
+    quantizers are installed (tests/test_docs.py runs the other pages in every environment)."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "quantization.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", page, re.S | re.M)
+    assert len(blocks) >= 5, "docs/quantization.md lost its runnable snippets"
+    script = tmp_path / "snippets.py"
+    script.write_text("\n\n".join(blocks))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_CORE_")}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, env=env,
+                            timeout=600)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+

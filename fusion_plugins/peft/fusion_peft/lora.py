@@ -25,9 +25,15 @@ module is already imported, its module factory and its ``target_modules="all-lin
 for) are wrapped now; otherwise a finder wraps them right after PEFT is imported. Nothing is imported early, and the
 wrapper hands every module that fusion did not make to PEFT unchanged.
 
+**Quantized merged projections** (torchao, bitsandbytes, quanto): the slice's base output is the
+quantized merged GEMM's rows, as on the unfused quantized layer (QLoRA); PEFT sizes and places the
+adapter from a stand-in that holds only the shape, dtype and device of the quantized weight.
+
 Not supported, refused with a clear error: DoRA on a fused patch embedding (PEFT's DoRA reads the
-convolution's 5-D weight in its forward), and LoRA targets that are fusion's own merged
-containers (``qkv_proj``, ``gate_up_proj``): target the original projections instead.
+convolution's 5-D weight in its forward); on a quantized merged slice, DoRA, initialisations
+computed from the base weight, and merging the adapter in (they need the base weight in the
+original layout); and LoRA targets that are fusion's own merged containers (``qkv_proj``,
+``gate_up_proj``): target the original projections instead.
 """
 
 from __future__ import annotations

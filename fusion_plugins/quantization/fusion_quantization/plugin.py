@@ -2,14 +2,17 @@
 
 After a fused load, a quantizer that picks ``nn.Linear`` modules (torchao's ``quantize_``, quanto's
 ``quantize``) quantizes a merged projection's container like the parts on the unfused model (see
-:mod:`fusion_core.merged`). What cannot be quantized exactly is refused by name, never left
-unquantized without a word: a load that quantizes when a family would fuse ``nn.Linear`` tensors,
-before any weight is read, unless it is a torchao or bitsandbytes LLM.int8 load whose fused modules
-only concatenate rows (:func:`merges_at_load`: the conversion then merges the quantized parts
-exactly, see :mod:`fusion_core.wrapped` and :mod:`fusion_quantization.bnb_int8`); ``fusion_core.fuse`` of a
-model that is quantized already; a fused tensor a quantizer left alone while it quantized the rest
-of the model because it could not see them (:mod:`fusion_quantization.guard`), on the first forward
-and on save; ``unfuse`` of a
+:mod:`fusion_core.merged`). A load that quantizes (or a checkpoint pre-quantized) is merged exactly
+when :func:`merges_at_load` says so and every fused module only concatenates rows: torchao through
+the conversion's concatenation of tensor subclasses (:mod:`fusion_core.wrapped`); bitsandbytes and
+quanto, whose modules hold state the conversion cannot carry, by taking the parts' state out before
+it and installing the quantizer's module over the merged state after it
+(:mod:`fusion_quantization.bnb_int8`, :mod:`~fusion_quantization.bnb_4bit`,
+:mod:`~fusion_quantization.quanto_bytes`). What cannot be quantized exactly is refused by name,
+never left unquantized without a word: any other quantizing load, before any weight is read
+(:func:`at_load_refusal` says why); ``fusion_core.fuse`` of a model that is quantized already; a
+fused tensor a quantizer left alone while it quantized the rest of the model because it could not
+see them (:mod:`fusion_quantization.guard`), on the first forward and on save; ``unfuse`` of a
 container a quantizer replaced by its own module. Families that move no ``nn.Linear`` tensor
 (``patch_embeddings``: a ``Conv3d``) load, fuse and quantize as the unfused model does.
 """
