@@ -541,6 +541,51 @@ def test_a_4bit_part_that_does_not_fill_whole_blocks_is_refused_before_any_weigh
                                     quantization_config=BitsAndBytesConfig(load_in_4bit=True))
 
 
+def _mixed_configs() -> dict[str, tuple[Any, str]]:
+    """Loads that would quantize q, k and v differently, with the parts' schemes the refusal names."""
+    from torchao.quantization import FqnToConfig, Int8WeightOnlyConfig
+    from transformers import BitsAndBytesConfig, QuantoConfig, TorchAoConfig
+
+    return {
+        "bnb-skip-list": (BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=["v_proj", "lm_head"]),
+                          "v_proj: left unquantized"),
+        "quanto-skip-list": (QuantoConfig(weights="int8", modules_to_not_convert=["k_proj"]),
+                             "k_proj: left unquantized"),
+        "torchao-per-module": (TorchAoConfig(FqnToConfig({r"re:.*\.q_proj": Int8WeightOnlyConfig()})),
+                               r"q_proj: Int8WeightOnlyConfig\(.*k_proj: left unquantized"),
+    }
+
+
+@pytest.mark.parametrize("case", ["bnb-skip-list", "quanto-skip-list", "torchao-per-module"])
+def test_parts_a_load_would_quantize_differently_are_refused_before_any_weight_is_read(
+        llama: Path, tmp_path: Path, case: str) -> None:
+    quantization, schemes = _mixed_configs()[case]
+    broken = _broken_copy(llama, tmp_path / "broken")
+    way_out = r"quantize the unfused model, or leave the families out \(fusion_config=\{'qkv': False\}\)"
+    with pytest.raises(fusion_core.FusionLoadError, match=r"family 'qkv', module 'model\.layers\.0\.self_attn'.*the "
+                       r"load would quantize those parts differently \(.*" + schemes + ".*" + way_out):
+        fusion_core.from_pretrained(AutoModelForCausalLM, broken, fusion_config=ALL_TEXT,
+                                    quantization_config=quantization)
+
+
+def test_a_skip_list_that_leaves_whole_merged_projections_alone_loads_them_plain(llama: Path) -> None:
+    """Skipping q, k and v together is one scheme: qkv_proj stays a plain merged projection, gate/up quantized."""
+    import bitsandbytes as bnb
+    from transformers import BitsAndBytesConfig
+
+    def config() -> Any:
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=["q_proj", "k_proj", "v_proj", "lm_head"])
+
+    plain = AutoModelForCausalLM.from_pretrained(llama, quantization_config=config())
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT,
+                                        quantization_config=config())
+    layer = fused.model.layers[0]
+    assert type(layer.self_attn.qkv_proj.weight) is nn.Parameter
+    assert isinstance(layer.mlp.gate_up_proj, bnb.nn.Linear8bitLt)
+    with torch.no_grad():
+        assert relative_error(plain(_ids()).logits, fused(_ids()).logits) <= INT8_TOLERANCE
+
+
 # -- quanto --------------------------------------------------------------------------------------
 def test_quanto_quantize_after_a_fused_load_quantizes_the_merged_weights(llama: Path) -> None:
     quanto = pytest.importorskip("optimum.quanto")

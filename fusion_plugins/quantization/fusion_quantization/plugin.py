@@ -44,6 +44,7 @@ from fusion_quantization.guard import attach_guard, containers, fused_linears, g
 from fusion_quantization.quanto_bytes import MERGED_WEIGHTS as QUANTO_MERGED_WEIGHTS
 from fusion_quantization.quanto_bytes import install as install_quanto
 from fusion_quantization.quanto_bytes import take_rows
+from fusion_quantization.schemes import config_field, part_schemes
 
 INTEGRATION = Integration(
     "quantization",
@@ -68,13 +69,21 @@ def fusion_load_planned(plan: FusionPlan, config: Any, load_kwargs: Mapping[str,
         raise FusionLoadError(refusal_message(
             fused_linears(planned), f"the load quantizes with {method}", "the fused model", f"fused, and {refusal}",
         ))
+    mixed = [(p, found) for p in planned if (found := mismatched_parts(p, quantization)) is not None]
+    if mixed:
+        described = ", ".join(f"{part}: {scheme}" for part, scheme in mixed[0][1])
+        raise FusionLoadError(refusal_message(
+            fused_linears([p for p, _ in mixed]), f"the load quantizes with {method}", "the fused model",
+            f"fused, and the load would quantize those parts differently ({described}), which one merged layer "
+            "cannot hold",
+        ))
     unmerged = [p for p in planned if not concatenates_rows(p)]
     if unmerged:
         raise FusionLoadError(refusal_message(
             fused_linears(unmerged), f"the load quantizes with {method}", "the fused model",
             "by ops other than a concatenation of rows, which quantized tensors do not go through",
         ))
-    if _field(quantization, "load_in_4bit") or _field(quantization, "_load_in_4bit"):
+    if config_field(quantization, "load_in_4bit") or config_field(quantization, "_load_in_4bit"):
         partial = [p for p in planned if not fills_whole_blocks(p, BLOCKSIZE)]
         if partial:
             raise FusionLoadError(refusal_message(
@@ -102,12 +111,12 @@ def merges_at_load(quantization: Any, config: Any) -> bool:
 
 def at_load_refusal(quantization: Any, config: Any) -> str | None:
     """Why the conversion cannot merge what this load quantizes (see :func:`merges_at_load`), or None."""
-    method = _field(quantization, "quant_method")
+    method = config_field(quantization, "quant_method")
     method = getattr(method, "value", method)
     if method == "torchao":
         return None
     if method == "quanto":
-        weights, activations = _field(quantization, "weights"), _field(quantization, "activations")
+        weights, activations = config_field(quantization, "weights"), config_field(quantization, "activations")
         if activations is not None:
             return f"quanto quantizes activations too (activations={activations!r}), with calibrated per-layer scales"
         if weights not in QUANTO_MERGED_WEIGHTS:
@@ -118,19 +127,25 @@ def at_load_refusal(quantization: Any, config: Any) -> str | None:
         return ("this quantizer replaces the original layers in a form fusion-core does not merge; at load it merges "
                 "torchao's tensors (TorchAoConfig, or a checkpoint torchao pre-quantized), bitsandbytes "
                 "(BitsAndBytesConfig, or a checkpoint bitsandbytes pre-quantized) and quanto (QuantoConfig) only")
-    four_bit = _field(quantization, "load_in_4bit") or _field(quantization, "_load_in_4bit")
-    if four_bit and _field(quantization, "bnb_4bit_use_double_quant"):
+    four_bit = config_field(quantization, "load_in_4bit") or config_field(quantization, "_load_in_4bit")
+    if four_bit and config_field(quantization, "bnb_4bit_use_double_quant"):
         return ("bitsandbytes double quantization (bnb_4bit_use_double_quant) quantizes each layer's block scales "
                 "around their mean, so a merged layer's nested scales would span parts; load with "
                 "bnb_4bit_use_double_quant=False")
-    if four_bit or _field(quantization, "load_in_8bit") or _field(quantization, "_load_in_8bit"):
+    if four_bit or config_field(quantization, "load_in_8bit") or config_field(quantization, "_load_in_8bit"):
         return None
     return "this BitsAndBytesConfig quantizes nothing fusion-core knows (neither load_in_8bit nor load_in_4bit)"
 
 
-def _field(quantization: Any, name: str) -> Any:
-    """A field of a quantization config, whether the load passed the config object or the checkpoint stored a dict."""
-    return quantization.get(name) if isinstance(quantization, dict) else getattr(quantization, name, None)
+def mismatched_parts(plan: ModulePlan, quantization: Any) -> list[tuple[str, str]] | None:
+    """The parts of one of ``plan``'s weight concatenations that the load would quantize differently (a skip list
+    naming some of them, per-module torchao configs), as (part, scheme); None when every concatenation is uniform."""
+    for bound in plan.transforms:
+        parts = [spec.name.rpartition(".")[0] for spec in bound.sources if spec.name.endswith(".weight")]
+        schemes = part_schemes(quantization, [plan.full_key(part) for part in parts])
+        if len(set(schemes)) > 1:
+            return list(zip(parts, schemes, strict=True))
+    return None
 
 
 def concatenates_rows(plan: ModulePlan) -> bool:
