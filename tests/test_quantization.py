@@ -76,8 +76,18 @@ def _ids() -> torch.Tensor:
 
 # -- torchao -----------------------------------------------------------------------------------
 def _torchao_configs() -> list[Any]:
+    """torchao schemes that run on CPU: per-row int8 (weight-only, dynamic activations), group-wise int4 (row groups
+    of 32), float8 weight-only (per row)."""
     quantization = pytest.importorskip("torchao.quantization")
-    return [quantization.Int8WeightOnlyConfig(), quantization.Int8DynamicActivationInt8WeightConfig()]
+    from torchao.quantization.granularity import PerGroup
+
+    return [quantization.Int8WeightOnlyConfig(), quantization.Int8DynamicActivationInt8WeightConfig(),
+            quantization.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)),
+            quantization.Float8WeightOnlyConfig()]
+
+
+TORCHAO_SCHEMES = pytest.mark.parametrize("index", [0, 1, 2, 3], ids=["int8-weight-only", "int8-dynamic",
+                                                                       "int4-group-32", "float8-weight-only"])
 
 
 def _inner(weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -102,7 +112,7 @@ def _assert_parts_are_the_unfused_quantization(fused: nn.Module, plain: nn.Modul
     assert checked
 
 
-@pytest.mark.parametrize("index", [0, 1], ids=["int8-weight-only", "int8-dynamic"])
+@TORCHAO_SCHEMES
 def test_torchao_quantize_after_a_fused_load_quantizes_the_merged_weights_exactly(llama: Path, index: int) -> None:
     from torchao.quantization import quantize_
 
@@ -300,7 +310,7 @@ def test_torchao_quantizes_a_fused_patch_embedding_model_exactly_as_the_unfused_
     assert relative_error(logits[1], logits[0]) <= INT8_TOLERANCE
 
 
-@pytest.mark.parametrize("index", [0, 1], ids=["int8-weight-only", "int8-dynamic"])
+@TORCHAO_SCHEMES
 def test_a_torchao_quantizing_load_merges_the_quantized_parts_exactly(llama: Path, index: int) -> None:
     """``quantization_config=TorchAoConfig(...)``: transformers quantizes q/k/v (gate/up) as it loads them, the
     conversion concatenates their quantized data and scales; the same as the unfused quantizing load, bit for bit."""
