@@ -310,6 +310,48 @@ def test_torchao_quantizes_a_fused_patch_embedding_model_exactly_as_the_unfused_
     assert relative_error(logits[1], logits[0]) <= INT8_TOLERANCE
 
 
+def _at_load_quantizers() -> dict[str, Any]:
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import BitsAndBytesConfig, QuantoConfig, TorchAoConfig
+
+    return {"bnb-int8": BitsAndBytesConfig(load_in_8bit=True),
+            "bnb-nf4": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
+            "quanto-int8": QuantoConfig(weights="int8"), "torchao-int8": TorchAoConfig(Int8WeightOnlyConfig())}
+
+
+@pytest.mark.parametrize("quantizer", ["bnb-int8", "bnb-nf4", "quanto-int8", "torchao-int8"])
+def test_a_quantizing_load_of_a_fused_patch_embedding_model_quantizes_what_the_unfused_load_does(
+        quantizer: str, tiny_checkpoint: Any) -> None:
+    """The fused Conv3d (a flattened matmul) is left unquantized where the unfused Conv3d is; every nn.Linear the
+    unfused load quantizes is quantized the same way; the vision tower computes the same."""
+    directory, _ = tiny_checkpoint("qwen2_vl")
+    plain = AutoModelForImageTextToText.from_pretrained(directory, quantization_config=_at_load_quantizers()[quantizer])
+    fused = fusion_core.from_pretrained(AutoModelForImageTextToText, directory,
+                                        fusion_config={"patch_embeddings": True},
+                                        quantization_config=_at_load_quantizers()[quantizer])
+
+    def quantized(model: nn.Module) -> dict[str, str]:
+        found = {}
+        for name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            owner = type(module) if type(module).__module__.split(".")[0] in ("bitsandbytes", "optimum") else None
+            owner = owner or (type(weight) if type(weight).__module__.startswith("torchao") else None)
+            if owner is not None:
+                found[name] = owner.__qualname__
+        return found
+
+    assert quantized(fused) == quantized(plain) and quantized(plain)
+    plan = fusion_core.get_fusion_plan(fused)
+    assert plan is not None and plan.modules
+    tiny = TINY_MODELS["qwen2_vl"]
+    inputs = tiny.make_vision_input(plain.config, torch.Generator().manual_seed(0))
+    inputs = {key: value.to(plain.dtype) if value.is_floating_point() else value for key, value in inputs.items()}
+    with torch.no_grad():
+        vision = [attrgetter(tiny.vision_path)(model)(**inputs) for model in (fused, plain)]
+    vision = [getattr(v, "last_hidden_state", v) for v in vision]
+    assert relative_error(vision[1], vision[0]) <= INT8_TOLERANCE
+
+
 @TORCHAO_SCHEMES
 def test_a_torchao_quantizing_load_merges_the_quantized_parts_exactly(llama: Path, index: int) -> None:
     """``quantization_config=TorchAoConfig(...)``: transformers quantizes q/k/v (gate/up) as it loads them, the
