@@ -5,9 +5,11 @@ Builds one OLMoE block at OLMoE-1B-7B's widths (hidden 2048, 64 experts of width
 times both, interleaved round by round (so a noisy machine slows both alike), at 1, 16 and 128
 tokens. Prints the median time per call of each, the ratio plain/fused (>1: fused is faster) with
 its range over rounds, and the largest difference of the outputs. ``--kernels`` also times the
-dispatch kernels the family chose between (``grouped_mm`` vs gathering each row's expert weight
-for one ``bmm``), and for bfloat16 the float32 upcast that was measured and not applied (the expert
-weights upcast per call, and copied into float32 buffers kept between calls), on the same sorted rows::
+dispatch kernels the family chooses between on the same sorted rows: ``grouped_mm`` in the block's
+dtype, gathering each row's expert weight for one ``bmm``, and for bfloat16 the float32 upcasts
+(all experts' weights upcast per call into fresh tensors, or into float32 buffers kept between
+calls: measured, not applied; and the applied one, a few experts at a time into buffers reused
+within the call), and prints which one the kernel rule picks (``dispatch.upcasts``)::
 
     python fusion_plugins/moe_experts/benchmarks/bench_moe.py --rounds 5 --kernels
 """
@@ -24,7 +26,7 @@ from collections.abc import Callable
 import torch
 import transformers
 from fusion_moe_experts import MoeExpertsFamily
-from fusion_moe_experts.dispatch import Routed, expert_outputs
+from fusion_moe_experts.dispatch import Routed, grouped_expert_outputs, upcast_expert_outputs, upcasts
 
 from fusion_core.testing import kit
 
@@ -73,12 +75,12 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, {args.rounds} rounds")
     header = f"{'tokens':>6} {'plain ms':>9} {'fused ms':>9} {'ratio':>6} {'range':>12} {'max diff':>9}"
     if args.kernels:
-        header += f" {'grouped ms':>10} {'gather ms':>10} {'upcast ms':>10} {'kept ms':>10}"
+        header += f" {'grouped ms':>10} {'gather ms':>10} {'upcast ms':>10} {'kept ms':>10} {'chunked ms':>10} rule"
     print(header)
     for tokens in args.tokens:
         x = torch.randn(1, tokens, 2048, generator=torch.Generator().manual_seed(tokens)).to(dtype)
         repeats = max(1, 64 // tokens)
-        plain_times, fused_times, grouped, gathered, upcast, kept = [], [], [], [], [], []
+        plain_times, fused_times, grouped, gathered, upcast, kept, chunked = [], [], [], [], [], [], []
         with torch.no_grad():
             diff = (plain(x)[0].float() - fused(x)[0].float()).abs().max().item()
             rows = x.view(-1, 2048)
@@ -86,7 +88,10 @@ def main() -> None:
             routed = Routed(selected, 64)
             experts = fused.experts
             act = experts[0].act_fn
-            grouped_call = functools.partial(expert_outputs, rows, experts.gate_up_proj, experts.down_proj, act, routed)
+            stacked = (rows, experts.gate_up_proj, experts.down_proj, act, routed)
+            grouped_call = functools.partial(grouped_expert_outputs, *stacked)
+            chunked_call = functools.partial(upcast_expert_outputs, *stacked)
+            rule = "upcast" if upcasts(rows, experts.gate_up_proj, routed) else "grouped"
             gather_call = functools.partial(_gather_bmm, rows, experts, act, routed)
             buffers = (torch.empty(experts.gate_up_proj.shape), torch.empty(experts.down_proj.shape))
             upcast_call = functools.partial(_upcast, rows, experts, act, routed, None)
@@ -99,12 +104,14 @@ def main() -> None:
                     gathered.append(_time(gather_call, repeats))
                     upcast.append(_time(upcast_call, repeats))
                     kept.append(_time(kept_call, repeats))
+                    chunked.append(_time(chunked_call, repeats))
         ratios = [p / f for p, f in zip(plain_times, fused_times, strict=True)]
         plain_ms, fused_ms = statistics.median(plain_times) * 1e3, statistics.median(fused_times) * 1e3
         line = (f"{tokens:>6} {plain_ms:>9.2f} {fused_ms:>9.2f} {statistics.median(ratios):>5.2f}x "
                 f"{min(ratios):>5.2f}-{max(ratios):.2f}x {diff:>9.1e}")
         if args.kernels:
-            line += "".join(f" {statistics.median(times) * 1e3:>10.2f}" for times in (grouped, gathered, upcast, kept))
+            line += "".join(f" {statistics.median(times) * 1e3:>10.2f}"
+                            for times in (grouped, gathered, upcast, kept, chunked)) + f" {rule}"
         print(line)
 
 
@@ -124,7 +131,7 @@ def _upcast(rows: torch.Tensor, experts: torch.nn.Module, act: torch.nn.Module, 
         gate_up, down = experts.gate_up_proj.float(), experts.down_proj.float()
     else:
         gate_up, down = buffers[0].copy_(experts.gate_up_proj), buffers[1].copy_(experts.down_proj)
-    return expert_outputs(rows.float(), gate_up, down, act, routed).to(rows.dtype)
+    return grouped_expert_outputs(rows.float(), gate_up, down, act, routed).to(rows.dtype)
 
 
 if __name__ == "__main__":

@@ -6,18 +6,23 @@ delimited by the cumulative row counts) compute all experts at once. Every step 
 by the input (no ``.item()``, no data-dependent size), so it traces under ``torch.compile``.
 
 **Kernel rule** (measured, fusion_plugins/moe_experts/README.md "Speed"): ``torch.nn.functional.grouped_mm``
-for float32, bfloat16 and float16, the dtypes it accepts, at every token count. The measured
-alternative, gathering each row's expert weight for one ``bmm``, copies ``N x 2I x H`` weight
-elements per call and was slower at every measured token count; it is kept only for the dtypes
-``grouped_mm`` refuses (float64), where it is the one loop-free kernel that still computes exactly.
-Upcasting bfloat16 expert weights to float32 for the GEMM (for CPUs without native bf16) was
-measured too and is not applied: slower with fresh tensors at every row count, 1.4x at 16 rows per
-expert only with kept 1.6 GB float32 buffers, slower at 2 rows (``bench_moe.py --kernels``; README
-"End to end").
+for float32, bfloat16 and float16, the dtypes it accepts, at every token count, with one exception
+(:func:`upcasts`): bfloat16 weights on a CPU whose GEMMs have no native bfloat16 (oneDNN reports
+none: no AVX-512-BF16 or AMX), in inference, with at least :data:`UPCAST_ROWS_PER_EXPERT` rows per
+expert. There a bfloat16 GEMM runs several times slower than a float32 one, so from that many rows
+it pays to upcast the expert weights: :func:`upcast_expert_outputs` converts :data:`UPCAST_CHUNK`
+experts at a time into float32 buffers reused across the call (converting all 64 at once
+allocates 1.6 GB and faults it in on every call) and runs float32 grouped GEMMs, rounding to
+bfloat16 where the bfloat16 kernel rounds. Below that many rows the conversion (every expert's
+weights, every call) costs more than it saves. The measured alternative, gathering each row's
+expert weight for one ``bmm``, copies ``N x 2I x H`` weight elements per call and was slower at
+every measured token count; it is kept only for the dtypes ``grouped_mm`` refuses (float64), where
+it is the one loop-free kernel that still computes exactly.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -25,6 +30,12 @@ from torch.nn import functional as F
 
 #: What ``grouped_mm`` accepts (torch 2.13: "Float32, BFloat16 or Float16").
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Sorted rows per expert from which bfloat16 experts are upcast on a CPU without native bfloat16
+#: (``bench_moe.py --kernels`` at OLMoE widths, chunked upcast vs bfloat16 ``grouped_mm``: 0.65x at 8 rows
+#: per expert, 1.04x at 16, 2.18x at 32; the conversion of every expert's weights is paid at any row count).
+UPCAST_ROWS_PER_EXPERT = 16
+#: Experts upcast together: a float32 buffer of 4 OLMoE experts is 100 MB, reused across the call.
+UPCAST_CHUNK = 4
 
 
 class Routed:
@@ -94,9 +105,59 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, routed: Routed) -> 
     return torch.bmm(weight[routed.expert], rows.unsqueeze(-1)).squeeze(-1)
 
 
+@functools.cache
+def native_bf16() -> bool:
+    """Whether this CPU's GEMMs run bfloat16 natively (oneDNN's own check: AVX-512-BF16 or AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN: assume native, keep the default kernel
+        return True
+
+
+def upcasts(x: torch.Tensor, gate_up: torch.Tensor, routed: Routed) -> bool:
+    """The kernel rule's exception (see the module docs): float32 GEMMs on upcast bfloat16 expert weights."""
+    if torch.compiler.is_compiling() or gate_up.dtype is not torch.bfloat16 or gate_up.device.type != "cpu":
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad):
+        return False  # the buffers are reused in place: no autograd through them
+    return routed.token.shape[0] >= UPCAST_ROWS_PER_EXPERT * gate_up.shape[0] and not native_bf16()
+
+
+def upcast_expert_outputs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: torch.nn.Module,
+                          routed: Routed) -> torch.Tensor:
+    """What :func:`expert_outputs` computes, in float32 GEMMs on :data:`UPCAST_CHUNK` experts' weights at a time;
+    the GEMM outputs are rounded to ``x``'s dtype where the bfloat16 GEMMs round them."""
+    rows = x[routed.token]
+    out = rows.new_empty(rows.shape[0], down.shape[1])
+    ends = routed.offsets.tolist()
+    experts, width = gate_up.shape[0], gate_up.shape[1] // 2
+    gate_up_buffer = torch.empty((UPCAST_CHUNK, *gate_up.shape[1:]), dtype=torch.float32, device=x.device)
+    down_buffer = torch.empty((UPCAST_CHUNK, *down.shape[1:]), dtype=torch.float32, device=x.device)
+    for first in range(0, experts, UPCAST_CHUNK):
+        last = min(experts, first + UPCAST_CHUNK)
+        start, stop = (ends[first - 1] if first else 0), ends[last - 1]
+        if stop == start:
+            continue  # no row routed to these experts: nothing to convert
+        count, offsets = last - first, routed.offsets[first:last] - start
+        weight = gate_up_buffer[:count].copy_(gate_up[first:last])
+        hidden = F.grouped_mm(rows[start:stop].float(), weight.transpose(-2, -1), offs=offsets).to(x.dtype)
+        inner = act(hidden[:, :width]) * hidden[:, width:]
+        weight = down_buffer[:count].copy_(down[first:last])
+        out[start:stop] = F.grouped_mm(inner.float(), weight.transpose(-2, -1), offs=offsets)
+    return out
+
+
 def expert_outputs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: torch.nn.Module,
                    routed: Routed) -> torch.Tensor:
     """``down_e(act(gate_e(x)) * up_e(x))`` for every sorted (token, slot) row, unweighted: ``[N, H]``."""
+    if upcasts(x, gate_up, routed):
+        return upcast_expert_outputs(x, gate_up, down, act, routed)
+    return grouped_expert_outputs(x, gate_up, down, act, routed)
+
+
+def grouped_expert_outputs(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: torch.nn.Module,
+                           routed: Routed) -> torch.Tensor:
+    """What :func:`expert_outputs` computes, in two grouped GEMMs of ``x``'s dtype (the default kernel)."""
     hidden = grouped_linear(x[routed.token], gate_up, routed)
     width = hidden.shape[-1] // 2
     return grouped_linear(act(hidden[:, :width]) * hidden[:, width:], down, routed)

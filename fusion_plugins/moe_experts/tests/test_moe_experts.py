@@ -259,6 +259,34 @@ def test_float64_uses_the_gather_kernel_and_matches():
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
+def test_bf16_experts_are_upcast_on_a_cpu_without_native_bf16_only_where_it_pays(monkeypatch):
+    """The kernel rule's exception (dispatch.upcasts), forced on so the test does not depend on the CPU it runs on:
+    from UPCAST_ROWS_PER_EXPERT rows per expert, in inference only; the block computes what the original does."""
+    if not PER_EXPERT:
+        return _per_expert_only()
+    from fusion_core.compare import relative_error
+
+    monkeypatch.setattr(dispatch, "native_bf16", lambda: False)
+    block = _model("olmoe").get_submodule("model.layers.0.mlp").to(torch.bfloat16)
+    fused = kit.fuse_module(copy.deepcopy(block), FAMILY, config=_config("olmoe"))
+    calls = []
+    upcast = dispatch.upcast_expert_outputs
+    monkeypatch.setattr(dispatch, "upcast_expert_outputs", lambda *args: calls.append(1) or upcast(*args))
+    many = torch.randn(1, 48, 32, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)  # 24 rows/expert
+    few = many[:, :8]  # 4 rows per expert: the conversion would cost more than it saves
+    assert 48 * 2 >= dispatch.UPCAST_ROWS_PER_EXPERT * 4 > 8 * 2  # tokens x top-2 vs the threshold for 4 experts
+    with torch.no_grad():
+        for x, upcast_calls in ((few, 0), (many, 1)):
+            assert relative_error(block(x)[0], fused(x)[0]) <= TOLERANCES[torch.bfloat16]
+            assert len(calls) == upcast_calls
+        monkeypatch.setattr(dispatch, "native_bf16", lambda: True)
+        fused(many)  # native bf16 GEMMs: the default kernel
+        monkeypatch.setattr(dispatch, "native_bf16", lambda: False)
+    assert len(calls) == 1
+    fused(many)[0].float().sum().backward()  # autograd through the experts: the default kernel
+    assert len(calls) == 1 and fused.experts.gate_up_proj.grad is not None
+
+
 # -- training ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ARCHS)
 def test_gradients_and_router_loss_equal_the_unfused_model(name):
