@@ -12,6 +12,7 @@ calls: measured, not applied; and the applied one, a few experts at a time into 
 within the call), and prints which one the kernel rule picks (``dispatch.upcasts``)::
 
     python fusion_plugins/moe_experts/benchmarks/bench_moe.py --rounds 5 --kernels
+    python fusion_plugins/moe_experts/benchmarks/bench_moe.py --quick --kernels   # toy widths: the harness runs
 """
 
 from __future__ import annotations
@@ -32,9 +33,14 @@ from fusion_core.testing import kit
 
 WIDTHS = dict(hidden_size=2048, intermediate_size=1024, moe_intermediate_size=1024, num_hidden_layers=1,
               num_attention_heads=16, num_key_value_heads=16, vocab_size=256, num_experts_per_tok=8)
-ARCHS = {"olmoe": ("OlmoeConfig", dict(num_experts=64)),
-         "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=64, norm_topk_prob=False)),
-         "mixtral": ("MixtralConfig", dict(num_local_experts=64))}
+EXPERTS = 64
+#: ``--quick``: the same block at toy widths, to check the harness runs (its timings mean nothing).
+QUICK_WIDTHS = dict(WIDTHS, hidden_size=64, intermediate_size=32, moe_intermediate_size=32, num_attention_heads=4,
+                    num_key_value_heads=4, num_experts_per_tok=2)
+QUICK_EXPERTS = 8
+EXPERT_COUNT = {"olmoe": "num_experts", "qwen3_moe": "num_experts", "mixtral": "num_local_experts"}
+ARCHS = {"olmoe": ("OlmoeConfig", {}), "qwen3_moe": ("Qwen3MoeConfig", dict(norm_topk_prob=False)),
+         "mixtral": ("MixtralConfig", {})}
 BLOCK = {"mixtral": "block_sparse_moe"}
 
 
@@ -46,9 +52,9 @@ def _time(fn: Callable[[], object], repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def _block(arch: str, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
+def _block(arch: str, dtype: torch.dtype, widths: dict[str, int], experts: int) -> tuple[torch.nn.Module, object]:
     class_name, extra = ARCHS[arch]
-    config = getattr(transformers, class_name)(**WIDTHS, **extra)
+    config = getattr(transformers, class_name)(**widths, **extra, **{EXPERT_COUNT[arch]: experts})
     with torch.device("meta"):
         layer_cls = type(transformers.AutoModelForCausalLM.from_config(config).model.layers[0])
     torch.manual_seed(0)
@@ -67,25 +73,29 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--kernels", action="store_true",
                         help="also time grouped_mm against gather + bmm and the fp32 upcasts")
+    parser.add_argument("--quick", action="store_true", help="toy widths and one round: checks the harness runs")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    plain, config = _block(args.arch, dtype)
+    widths, num_experts = (QUICK_WIDTHS, QUICK_EXPERTS) if args.quick else (WIDTHS, EXPERTS)
+    rounds = 1 if args.quick else args.rounds
+    hidden, top_k = widths["hidden_size"], widths["num_experts_per_tok"]
+    plain, config = _block(args.arch, dtype, widths, num_experts)
     fused = kit.fuse_module(copy.deepcopy(plain), MoeExpertsFamily(), config=config)
-    print(f"{args.arch} block, hidden 2048, 64 experts x 1024, top-8, {args.dtype}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {args.rounds} rounds")
+    print(f"{args.arch} block, hidden {hidden}, {num_experts} experts x {widths['intermediate_size']}, top-{top_k}, "
+          f"{args.dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads, {rounds} rounds")
     header = f"{'tokens':>6} {'plain ms':>9} {'fused ms':>9} {'ratio':>6} {'range':>12} {'max diff':>9}"
     if args.kernels:
         header += f" {'grouped ms':>10} {'gather ms':>10} {'upcast ms':>10} {'kept ms':>10} {'chunked ms':>10} rule"
     print(header)
     for tokens in args.tokens:
-        x = torch.randn(1, tokens, 2048, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+        x = torch.randn(1, tokens, hidden, generator=torch.Generator().manual_seed(tokens)).to(dtype)
         repeats = max(1, 64 // tokens)
         plain_times, fused_times, grouped, gathered, upcast, kept, chunked = [], [], [], [], [], [], []
         with torch.no_grad():
             diff = (plain(x)[0].float() - fused(x)[0].float()).abs().max().item()
-            rows = x.view(-1, 2048)
-            _, selected = torch.topk(fused.gate(rows).float().softmax(-1), 8, dim=-1)
-            routed = Routed(selected, 64)
+            rows = x.view(-1, hidden)
+            _, selected = torch.topk(fused.gate(rows).float().softmax(-1), top_k, dim=-1)
+            routed = Routed(selected, num_experts)
             experts = fused.experts
             act = experts[0].act_fn
             stacked = (rows, experts.gate_up_proj, experts.down_proj, act, routed)
@@ -96,7 +106,7 @@ def main() -> None:
             buffers = (torch.empty(experts.gate_up_proj.shape), torch.empty(experts.down_proj.shape))
             upcast_call = functools.partial(_upcast, rows, experts, act, routed, None)
             kept_call = functools.partial(_upcast, rows, experts, act, routed, buffers)
-            for _ in range(args.rounds):
+            for _ in range(rounds):
                 plain_times.append(_time(functools.partial(plain, x), repeats))
                 fused_times.append(_time(functools.partial(fused, x), repeats))
                 if args.kernels:

@@ -615,3 +615,25 @@ def test_end_to_end_benchmark_quick_prints_the_table_and_fused_tokens_equal_plai
         assert "| fused vs 5.x anchor |" in result.stdout
         assert measured["anchor"]["info"]["experts"] != "ModuleList"  # 5.x's own stacked experts ran
         assert len(measured["anchor"]["anchor"]) == 2
+
+
+def test_block_benchmark_quick_prints_every_kernel_and_the_rules_choice():
+    """``bench_moe.py --quick --kernels`` in a subprocess (toy widths, one round): a row per token count with the
+    plain/fused ratio, every kernel's time and the kernel rule's pick for this CPU; no timing is asserted."""
+    if not PER_EXPERT:
+        return _per_expert_only()
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "bench_moe.py"
+    result = subprocess.run([sys.executable, str(script), "--quick", "--kernels"], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = result.stdout.splitlines()
+    assert all(column in lines[1] for column in ("grouped ms", "gather ms", "upcast ms", "kept ms", "chunked ms"))
+    assert lines[1].endswith("rule")
+    rows = [line.split() for line in lines[2:]]
+    assert [row[0] for row in rows] == ["1", "16", "128"]
+    expected = "grouped" if dispatch.native_bf16() else "upcast"
+    assert [row[-1] for row in rows] == ["grouped", "grouped", expected]  # 128 tokens x top-2 / 8 experts = 32 rows
