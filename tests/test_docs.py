@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
 import subprocess
 import sys
@@ -18,24 +16,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import compat  # noqa: E402  (repository tooling: scripts/compat.py)
 import gen_api  # noqa: E402  (repository tooling: scripts/gen_api.py)
+from doc_snippets import python_blocks, run_python_blocks  # noqa: E402  (tests/doc_snippets.py)
 
 DOCS = ROOT / "docs"
-FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-
-
-def python_blocks(page: str) -> list[str]:
-    return FENCE.findall((DOCS / page).read_text())
 
 
 @pytest.mark.parametrize("page", ["index.md", "writing-a-family.md", "recipes.md", "tiny-models.md", "interop.md"])
 def test_python_snippets_run(page, tmp_path):
-    blocks = python_blocks(page)
-    assert blocks, f"{page} has no python block"
-    script = tmp_path / "snippets.py"
-    script.write_text("\n\n".join(blocks))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_CORE_")}
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, env=env,
-                            timeout=600)
+    assert python_blocks(page), f"{page} has no python block"
+    result = run_python_blocks(page, tmp_path)
     assert result.returncode == 0, f"{page}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import re
 import subprocess
 import sys
 from operator import attrgetter
@@ -458,6 +457,25 @@ def _int8_scales(layer: nn.Module) -> torch.Tensor:
     return scales if scales is not None else layer.state.SCB
 
 
+def _runs_merged_and_saves_what_the_unfused_model_saves(fused: nn.Module, plain: nn.Module, tmp_path: Path
+                                                       ) -> torch.Tensor:
+    """The fused model's logits are the unfused model's within the int8 tolerance, its merged projections ran one
+    quantized GEMM each, and it saves the keys and bytes the unfused model saves (to ``tmp_path / "plain"`` and
+    ``"fused"``); returns the fused logits."""
+    from fusion_core.compare import compare_checkpoints
+
+    with torch.no_grad():
+        logits = [model(_ids()).logits for model in (fused, plain)]
+    assert relative_error(logits[1], logits[0]) <= INT8_TOLERANCE
+    merged = fused.model.layers[0].self_attn.q_proj.merged
+    assert merged.merged_gemms > 0 and merged.own_gemms == 0
+    plain.save_pretrained(tmp_path / "plain")
+    fusion_core.save_pretrained(fused, tmp_path / "fused")
+    report = compare_checkpoints(tmp_path / "plain", tmp_path / "fused")
+    assert report.ok and report.tensors > 0, report
+    return logits[0]
+
+
 def test_a_bitsandbytes_8bit_load_merges_the_int8_rows_and_scales_exactly(llama: Path, tmp_path: Path) -> None:
     """LLM.int8 at load: the merged container is a Linear8bitLt of the parts' int8 rows and per-row scales, bit for
     bit; one int8 matmul per merged projection; saving writes the unfused model's keys (SCB, weight_format) and
@@ -465,7 +483,6 @@ def test_a_bitsandbytes_8bit_load_merges_the_int8_rows_and_scales_exactly(llama:
     import bitsandbytes as bnb  # the module is skipped as a whole where it is missing
     from transformers import BitsAndBytesConfig
 
-    from fusion_core.compare import compare_checkpoints
 
     plain = AutoModelForCausalLM.from_pretrained(llama, quantization_config=BitsAndBytesConfig(load_in_8bit=True))
     fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT,
@@ -485,15 +502,8 @@ def test_a_bitsandbytes_8bit_load_merges_the_int8_rows_and_scales_exactly(llama:
         return isinstance(module, bnb.nn.Linear8bitLt)
 
     assert _quantized_elements(fused, quantized) == _quantized_elements(plain, quantized) > 0
-    with torch.no_grad():
-        logits = [model(_ids()).logits for model in (fused, plain)]
-    assert relative_error(logits[1], logits[0]) <= INT8_TOLERANCE
+    _runs_merged_and_saves_what_the_unfused_model_saves(fused, plain, tmp_path)
     attention = fused.model.layers[0].self_attn
-    assert attention.q_proj.merged.merged_gemms > 0 and attention.q_proj.merged.own_gemms == 0
-    plain.save_pretrained(tmp_path / "plain")
-    fusion_core.save_pretrained(fused, tmp_path / "fused")
-    report = compare_checkpoints(tmp_path / "plain", tmp_path / "fused")
-    assert report.ok and report.tensors > 0, report
     with pytest.raises(fusion_core.FusionError, match=r"its merged 'qkv_proj' was replaced by Linear8bitLt"):
         fusion_core.unfuse(fused)
     # The checkpoint plain transformers wrote (int8 rows, SCB, its quantization config) loads fused.
@@ -543,20 +553,12 @@ def test_a_bitsandbytes_4bit_load_merges_the_packed_blocks_exactly(llama: Path, 
         return sum(m.in_features * m.out_features for m in model.modules() if quantized(m))
 
     assert logical_elements(fused) == logical_elements(plain) > 0
-    with torch.no_grad():
-        logits = [model(_ids()).logits for model in (fused, plain)]
-    assert relative_error(logits[1], logits[0]) <= INT8_TOLERANCE
-    attention = fused.model.layers[0].self_attn
-    assert attention.q_proj.merged.merged_gemms > 0 and attention.q_proj.merged.own_gemms == 0
-    plain.save_pretrained(tmp_path / "plain")
-    fusion_core.save_pretrained(fused, tmp_path / "fused")
-    report = compare_checkpoints(tmp_path / "plain", tmp_path / "fused")
-    assert report.ok and report.tensors > 0, report
+    logits = _runs_merged_and_saves_what_the_unfused_model_saves(fused, plain, tmp_path)
     # The checkpoint plain transformers wrote, with its quantization config, loads fused: the same logits.
     reloaded = fusion_core.from_pretrained(AutoModelForCausalLM, tmp_path / "plain", fusion_config=ALL_TEXT)
     assert isinstance(reloaded.model.layers[0].self_attn.qkv_proj, bnb.nn.Linear4bit)
     with torch.no_grad():
-        assert torch.equal(reloaded(_ids()).logits, logits[0])
+        assert torch.equal(reloaded(_ids()).logits, logits)
     # Saved again: what saving the unfused pre-quantized model does (transformers 5.x cannot revert its own
     # bitsandbytes loading ops, NotImplementedError, and the fused save writes nothing), else the same bytes.
     (tmp_path / "again").mkdir()
@@ -748,9 +750,6 @@ def test_saving_a_quantized_fused_model_does_what_saving_the_unfused_one_does(ll
 def test_the_quantized_benchmark_runs(tmp_path: Path) -> None:
     """benchmarks/bench_quantized.py --quick prints its tables and the fused int8 tokens equal the unfused ones."""
     import json
-    import os
-    import subprocess
-    import sys
 
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_quantized.py"), "--quick", "--json",
@@ -765,13 +764,9 @@ def test_the_quantized_benchmark_runs(tmp_path: Path) -> None:
 def test_the_quantization_pages_python_runs(tmp_path: Path) -> None:
     """docs/quantization.md's snippets (one per quantizer, and a refusal) run as they are, here, where the
     quantizers are installed (tests/test_docs.py runs the other pages in every environment)."""
-    page = (Path(__file__).resolve().parents[1] / "docs" / "quantization.md").read_text()
-    blocks = re.findall(r"^```python\n(.*?)^```", page, re.S | re.M)
-    assert len(blocks) >= 5, "docs/quantization.md lost its runnable snippets"
-    script = tmp_path / "snippets.py"
-    script.write_text("\n\n".join(blocks))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_CORE_")}
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, env=env,
-                            timeout=600)
+    from doc_snippets import python_blocks, run_python_blocks  # tests/doc_snippets.py, beside this module
+
+    assert len(python_blocks("quantization.md")) >= 5, "docs/quantization.md lost its runnable snippets"
+    result = run_python_blocks("quantization.md", tmp_path)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
 

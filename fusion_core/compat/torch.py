@@ -10,15 +10,28 @@ from the code.
 
 Beyond that, fusion-core reads and writes ``nn.Module._parameters`` / ``_buffers`` / ``_modules``
 directly, as torch's own ``__setattr__``, accelerate and PEFT do: the storage every module has
-had since torch 1.0. The one other private name is below.
+had since torch 1.0. The two other private names are below.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
+
+
+@functools.cache
+def native_bf16_gemms() -> bool:
+    """Whether this CPU's GEMMs run bfloat16 natively: oneDNN's own check (AVX-512-BF16 or AMX),
+    ``torch.ops.mkldnn._is_mkldnn_bf16_supported`` (no public equivalent in torch 2.13). True where it
+    cannot be asked (a build without oneDNN), so callers keep their default kernels."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True
 
 
 def remove_layout_hooks(module: nn.Module, state_dict_post: Callable[..., Any], load_pre: Callable[..., Any]) -> None:

@@ -22,11 +22,12 @@ it is the one loop-free kernel that still computes exactly.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 from torch.nn import functional as F
+
+from fusion_core.compat.torch import native_bf16_gemms
 
 #: What ``grouped_mm`` accepts (torch 2.13: "Float32, BFloat16 or Float16").
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -105,13 +106,9 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, routed: Routed) -> 
     return torch.bmm(weight[routed.expert], rows.unsqueeze(-1)).squeeze(-1)
 
 
-@functools.cache
 def native_bf16() -> bool:
-    """Whether this CPU's GEMMs run bfloat16 natively (oneDNN's own check: AVX-512-BF16 or AMX)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a build without oneDNN: assume native, keep the default kernel
-        return True
+    """Whether this CPU's GEMMs run bfloat16 natively (:func:`fusion_core.compat.torch.native_bf16_gemms`)."""
+    return native_bf16_gemms()
 
 
 def upcasts(x: torch.Tensor, gate_up: torch.Tensor, routed: Routed) -> bool:

@@ -31,6 +31,7 @@ from torch import nn
 from fusion_core.errors import FusionLoadError
 from fusion_core.transforms import ModulePlan
 from fusion_quantization.detect import package_of
+from fusion_quantization.replaced import leave_stand_ins, quantized_parts, replace_container
 
 #: The block size bitsandbytes' ``Params4bit`` quantizes with when none is given (transformers gives none).
 BLOCKSIZE = 64
@@ -74,34 +75,24 @@ def take_packed(module: nn.Module, plan: ModulePlan) -> list[PackedMerge]:
     """Before the conversion: take the packed weights out of each weight concatenation of ``plan`` whose parts are
     4-bit layers, leaving a stand-in of the plan's shape in each part."""
     merges = []
-    for bound in plan.transforms:
-        names = [spec.name for spec in bound.sources]
-        if not names or not all(name.endswith(".weight") for name in names):
-            continue
-        parts = tuple(name.rpartition(".")[0] for name in names)
-        layers: list[Any] = [module.get_submodule(part) for part in parts]
-        if not any(is_4bit_linear(layer) for layer in layers):
-            continue
-        where = f"family {plan.family!r}, module {plan.path!r}"
+    for parts in quantized_parts(module, plan, is_4bit_linear):
+        layers = parts.layers
         states: list[Any] = [getattr(layer.weight, "quant_state", None) if is_4bit_linear(layer) else None
                              for layer in layers]
         if any(state is None for state in states):
-            raise FusionLoadError(f"{where}: {list(parts)} are not all 4-bit-quantized bitsandbytes layers; they "
-                                  "cannot share one merged 4-bit weight")
-        refusal = _unmergeable(states, [spec.shape for spec in bound.sources], layers)
+            raise FusionLoadError(f"{parts.where}: {list(parts.names)} are not all 4-bit-quantized bitsandbytes "
+                                  "layers; they cannot share one merged 4-bit weight")
+        refusal = _unmergeable(states, [spec.shape for spec in parts.bound.sources], layers)
         if refusal is not None:
-            raise FusionLoadError(f"{where}: {list(parts)} cannot be merged exactly: {refusal}; load without "
-                                  "quantization_config and quantize after, or leave the family out")
-        packed = torch.cat([layer.weight.data for layer in layers])
-        absmax = torch.cat([state.absmax for state in states])
+            raise FusionLoadError(f"{parts.where}: {list(parts.names)} cannot be merged exactly: {refusal}; load "
+                                  "without quantization_config and quantize after, or leave the family out")
         first, layer = states[0], layers[0]
         merges.append(PackedMerge(
-            bound.targets[0].name.rpartition(".")[0], parts, tuple(int(s.shape[0]) for s in bound.sources),
-            int(bound.sources[0].shape[1]), packed, absmax, first.code, int(first.blocksize), str(first.quant_type),
-            first.dtype, layer.weight.quant_storage, layer.compute_dtype))
-        for part_layer, spec in zip(layers, bound.sources, strict=True):
-            stand_in = torch.zeros((), dtype=torch.uint8, device=part_layer.weight.device).expand(spec.shape)
-            part_layer._parameters["weight"] = nn.Parameter(stand_in, requires_grad=False)
+            parts.container, parts.names, parts.rows, int(parts.bound.sources[0].shape[1]),
+            torch.cat([layer.weight.data for layer in layers]), torch.cat([state.absmax for state in states]),
+            first.code, int(first.blocksize), str(first.quant_type), first.dtype, layer.weight.quant_storage,
+            layer.compute_dtype))
+        leave_stand_ins(parts)
     return merges
 
 
@@ -135,23 +126,21 @@ def install(module: nn.Module, merges: Sequence[PackedMerge]) -> None:
     from bitsandbytes.nn import Linear4bit, Params4bit
 
     for merge in merges:
-        parent_path, _, name = merge.container.rpartition(".")
-        parent = module.get_submodule(parent_path) if parent_path else module
-        old: Any = parent._modules[name]
-        out_features = sum(merge.rows)
-        new = Linear4bit(merge.in_features, out_features, bias=old.bias is not None, compute_dtype=merge.compute_dtype,
-                         compress_statistics=False, quant_type=merge.quant_type, quant_storage=merge.quant_storage,
-                         device=merge.packed.device)
-        state = QuantState(merge.absmax, shape=torch.Size((out_features, merge.in_features)), code=merge.code,
-                           blocksize=merge.blocksize, quant_type=merge.quant_type, dtype=merge.dtype)
-        new.weight = Params4bit(merge.packed, requires_grad=False, quant_state=state, blocksize=merge.blocksize,
-                                compress_statistics=False, quant_type=merge.quant_type,
-                                quant_storage=merge.quant_storage, module=new, bnb_quantized=True)
-        new.quant_state = state
-        if old.bias is not None:
-            new.bias = old.bias
-        new.register_state_dict_post_hook(functools.partial(present_parts, merge))
-        parent._modules[name] = new
+        def build(old: Any, merge: PackedMerge = merge) -> Any:
+            out_features = sum(merge.rows)
+            new = Linear4bit(merge.in_features, out_features, bias=old.bias is not None,
+                             compute_dtype=merge.compute_dtype, compress_statistics=False, quant_type=merge.quant_type,
+                             quant_storage=merge.quant_storage, device=merge.packed.device)
+            state = QuantState(merge.absmax, shape=torch.Size((out_features, merge.in_features)), code=merge.code,
+                               blocksize=merge.blocksize, quant_type=merge.quant_type, dtype=merge.dtype)
+            new.weight = Params4bit(merge.packed, requires_grad=False, quant_state=state, blocksize=merge.blocksize,
+                                    compress_statistics=False, quant_type=merge.quant_type,
+                                    quant_storage=merge.quant_storage, module=new, bnb_quantized=True)
+            new.quant_state = state
+            new.register_state_dict_post_hook(functools.partial(present_parts, merge))
+            return new
+
+        replace_container(module, merge.container, build)
 
 
 def present_parts(merge: PackedMerge, module: nn.Module, state_dict: dict[str, Any], prefix: str,

@@ -27,6 +27,7 @@ from torch import nn
 from fusion_core.errors import FusionLoadError
 from fusion_core.transforms import ModulePlan
 from fusion_quantization.detect import package_of
+from fusion_quantization.replaced import quantized_parts, replace_container
 
 
 def is_int8_linear(module: nn.Module) -> bool:
@@ -53,24 +54,17 @@ def _scale(layer: nn.Module) -> torch.Tensor | None:
 def collect(module: nn.Module, plan: ModulePlan) -> list[Int8Merge]:
     """Before the conversion: each weight concatenation of ``plan`` whose parts are LLM.int8 layers."""
     merges = []
-    for bound in plan.transforms:
-        names = [spec.name for spec in bound.sources]
-        if not names or not all(name.endswith(".weight") for name in names):
-            continue
-        parts = tuple(name.rpartition(".")[0] for name in names)
-        layers: list[Any] = [module.get_submodule(part) for part in parts]
-        if not any(is_int8_linear(layer) for layer in layers):
-            continue
-        where = f"family {plan.family!r}, module {plan.path!r}"
+    for parts in quantized_parts(module, plan, is_int8_linear):
+        layers = parts.layers
         scales = [_scale(layer) if is_int8_linear(layer) else None for layer in layers]
         if any(scale is None for scale in scales) or any(layer.state.has_fp16_weights for layer in layers):
-            raise FusionLoadError(f"{where}: {list(parts)} are not all int8-quantized bitsandbytes layers; they cannot "
-                                  "share one merged int8 weight")
+            raise FusionLoadError(f"{parts.where}: {list(parts.names)} are not all int8-quantized bitsandbytes "
+                                  "layers; they cannot share one merged int8 weight")
         thresholds = {float(layer.state.threshold) for layer in layers}
         if len(thresholds) != 1:
-            raise FusionLoadError(f"{where}: {list(parts)} use different outlier thresholds {sorted(thresholds)}")
-        merges.append(Int8Merge(bound.targets[0].name.rpartition(".")[0], parts,
-                                tuple(int(layer.out_features) for layer in layers),
+            raise FusionLoadError(f"{parts.where}: {list(parts.names)} use different outlier thresholds "
+                                  f"{sorted(thresholds)}")
+        merges.append(Int8Merge(parts.container, parts.names, tuple(int(layer.out_features) for layer in layers),
                                 torch.cat([s.detach().clone() for s in scales if s is not None]), thresholds.pop()))
     return merges
 
@@ -82,17 +76,15 @@ def install(module: nn.Module, merges: Sequence[Int8Merge]) -> None:
     from bitsandbytes.nn import Int8Params, Linear8bitLt
 
     for merge in merges:
-        parent_path, _, name = merge.container.rpartition(".")
-        parent = module.get_submodule(parent_path) if parent_path else module
-        old: Any = parent._modules[name]
-        rows = old.weight.data
-        new = Linear8bitLt(rows.shape[1], rows.shape[0], bias=old.bias is not None, has_fp16_weights=False,
-                           threshold=merge.threshold, device=rows.device)
-        new.weight = Int8Params(rows, requires_grad=False, has_fp16_weights=False, CB=rows,
-                                SCB=merge.scales.to(rows.device))
-        if old.bias is not None:
-            new.bias = old.bias
-        parent._modules[name] = new
+        def build(old: Any, merge: Int8Merge = merge) -> Any:
+            rows = old.weight.data
+            new = Linear8bitLt(rows.shape[1], rows.shape[0], bias=old.bias is not None, has_fp16_weights=False,
+                               threshold=merge.threshold, device=rows.device)
+            new.weight = Int8Params(rows, requires_grad=False, has_fp16_weights=False, CB=rows,
+                                    SCB=merge.scales.to(rows.device))
+            return new
+
+        replace_container(module, merge.container, build)
     module.register_state_dict_post_hook(  # type: ignore[no-untyped-call]
         functools.partial(present_part_scales, tuple(merges)))
 

@@ -27,6 +27,7 @@ from torch import nn
 from fusion_core.errors import FusionLoadError
 from fusion_core.transforms import ModulePlan
 from fusion_quantization.detect import package_of
+from fusion_quantization.replaced import leave_stand_ins, quantized_parts, replace_container
 
 #: The ``QuantoConfig.weights`` values whose weights are per-row scaled bytes, merged exactly.
 MERGED_WEIGHTS = frozenset({"int8", "float8"})
@@ -58,30 +59,19 @@ def take_rows(module: nn.Module, plan: ModulePlan) -> list[RowsMerge]:
     """Before the conversion: take the quantized rows and scales out of each weight concatenation of ``plan``
     whose parts are frozen quanto layers, leaving a stand-in of the plan's shape in each part."""
     merges = []
-    for bound in plan.transforms:
-        names = [spec.name for spec in bound.sources]
-        if not names or not all(name.endswith(".weight") for name in names):
-            continue
-        parts = tuple(name.rpartition(".")[0] for name in names)
-        layers: list[Any] = [module.get_submodule(part) for part in parts]
-        if not any(is_quanto_linear(layer) for layer in layers):
-            continue
-        where = f"family {plan.family!r}, module {plan.path!r}"
+    for parts in quantized_parts(module, plan, is_quanto_linear):
+        layers = parts.layers
         weights: list[Any] = [_bytes_weight(layer) if is_quanto_linear(layer) else None for layer in layers]
         if any(weight is None for weight in weights):
-            raise FusionLoadError(f"{where}: {list(parts)} are not all quanto layers with 8-bit per-row weights; they "
-                                  "cannot share one merged quantized weight")
+            raise FusionLoadError(f"{parts.where}: {list(parts.names)} are not all quanto layers with 8-bit per-row "
+                                  "weights; they cannot share one merged quantized weight")
         refusal = _unmergeable(weights, layers)
         if refusal is not None:
-            raise FusionLoadError(f"{where}: {list(parts)} cannot be merged exactly: {refusal}; load without "
-                                  "quantization_config and quantize after, or leave the family out")
-        merges.append(RowsMerge(bound.targets[0].name.rpartition(".")[0], parts,
-                                tuple(int(spec.shape[0]) for spec in bound.sources),
-                                torch.cat([w._data for w in weights]), torch.cat([w._scale for w in weights]),
-                                weights[0].qtype))
-        for part_layer, spec in zip(layers, bound.sources, strict=True):
-            stand_in = torch.zeros((), dtype=torch.uint8, device=part_layer.weight.device).expand(spec.shape)
-            part_layer._parameters["weight"] = nn.Parameter(stand_in, requires_grad=False)
+            raise FusionLoadError(f"{parts.where}: {list(parts.names)} cannot be merged exactly: {refusal}; load "
+                                  "without quantization_config and quantize after, or leave the family out")
+        merges.append(RowsMerge(parts.container, parts.names, parts.rows, torch.cat([w._data for w in weights]),
+                                torch.cat([w._scale for w in weights]), weights[0].qtype))
+        leave_stand_ins(parts)
     return merges
 
 
@@ -104,18 +94,16 @@ def install(module: nn.Module, merges: Sequence[RowsMerge]) -> None:
     from optimum.quanto.tensor.weights.qbytes import WeightQBytesTensor
 
     for merge in merges:
-        parent_path, _, name = merge.container.rpartition(".")
-        parent = module.get_submodule(parent_path) if parent_path else module
-        old: Any = parent._modules[name]
-        size = merge.data.shape
-        new = QLinear(size[1], size[0], bias=old.bias is not None, device=merge.data.device, dtype=merge.scale.dtype,
-                      weights=merge.qtype)
-        weight = WeightQBytesTensor(merge.qtype, 0, size, (size[1], 1), merge.data, merge.scale, None)
-        new.weight = nn.Parameter(weight, requires_grad=False)
-        if old.bias is not None:
-            new.bias = old.bias
-        new.register_state_dict_post_hook(functools.partial(present_parts, merge))
-        parent._modules[name] = new
+        def build(old: Any, merge: RowsMerge = merge) -> Any:
+            size = merge.data.shape
+            new = QLinear(size[1], size[0], bias=old.bias is not None, device=merge.data.device,
+                          dtype=merge.scale.dtype, weights=merge.qtype)
+            weight = WeightQBytesTensor(merge.qtype, 0, size, (size[1], 1), merge.data, merge.scale, None)
+            new.weight = nn.Parameter(weight, requires_grad=False)
+            new.register_state_dict_post_hook(functools.partial(present_parts, merge))
+            return new
+
+        replace_container(module, merge.container, build)
 
 
 def present_parts(merge: RowsMerge, module: nn.Module, state_dict: dict[str, Any], prefix: str,
