@@ -339,7 +339,7 @@ def test_missing_fused_tensor_reported_by_transformers_is_an_error(source, spy, 
     """With the header check bypassed, transformers' own report still stops the load (no random weights)."""
     directory = _copy(source, tmp_path)
     _rewrite(directory, _drop_fused)
-    monkeypatch.setattr("fusion_core.hf.check_checkpoint", lambda *args: None)
+    monkeypatch.setattr("fusion_core.hf.check_checkpoint", lambda *args, **kwargs: None)
     message = _expect(fusion_core.FusionLoadError, "transformers reported missing key", directory, spy,
                       before_transformers=False)
     assert "family 'patch_embeddings'" in message and "model.visual.patch_embed.proj" in message
