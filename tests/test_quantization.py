@@ -318,6 +318,25 @@ def _at_load_quantizers() -> dict[str, Any]:
             "quanto-int8": QuantoConfig(weights="int8"), "torchao-int8": TorchAoConfig(Int8WeightOnlyConfig())}
 
 
+@pytest.mark.parametrize("quantizer", ["bnb-int8", "bnb-nf4", "quanto-int8"])
+def test_the_save_hooks_of_merged_quantized_layers_hold_no_tensors(llama: Path, quantizer: str) -> None:
+    """The hooks that write each part's entries back bind only where the parts are; the tensors are read from the
+    module at save time (a load-time copy kept by a hook would outlive a move to another device)."""
+    import dataclasses
+    import functools
+
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT,
+                                        quantization_config=_at_load_quantizers()[quantizer])
+    bound = [argument for module in fused.modules() for hook in module._state_dict_hooks.values()
+             if isinstance(hook, functools.partial) and hook.func.__module__.startswith("fusion_quantization")
+             for argument in hook.args]
+    assert bound
+    values = [getattr(item, field.name) for argument in bound
+              for item in (argument if isinstance(argument, tuple) else (argument,))
+              for field in dataclasses.fields(item)]
+    assert values and not any(isinstance(value, torch.Tensor) for value in values)
+
+
 @pytest.mark.parametrize("quantizer", ["bnb-int8", "bnb-nf4", "quanto-int8", "torchao-int8"])
 def test_a_quantizing_load_of_a_fused_patch_embedding_model_quantizes_what_the_unfused_load_does(
         quantizer: str, tiny_checkpoint: Any) -> None:

@@ -31,16 +31,21 @@ from torch import nn
 from fusion_core.errors import FusionLoadError
 from fusion_core.transforms import ModulePlan
 from fusion_quantization.detect import package_of
-from fusion_quantization.replaced import leave_stand_ins, quantized_parts, replace_container
+from fusion_quantization.replaced import PartsLayout, QuantizedParts, leave_stand_ins, replace_container
 
 #: The block size bitsandbytes' ``Params4bit`` quantizes with when none is given (transformers gives none).
 BLOCKSIZE = 64
 
 
+def whole_blocks(shape: tuple[int, ...], blocksize: int) -> bool:
+    """Whether a weight of ``shape`` fills whole 4-bit blocks: its flattening then ends where a block ends."""
+    return shape[0] * shape[1] % blocksize == 0
+
+
 def fills_whole_blocks(plan: ModulePlan, blocksize: int) -> bool:
-    """Whether every weight ``plan`` concatenates has a multiple of ``blocksize`` elements (checked from the plan,
-    before any weight is read)."""
-    return all(spec.shape[0] * spec.shape[1] % blocksize == 0 for bound in plan.transforms for spec in bound.sources
+    """Whether every weight ``plan`` concatenates fills whole blocks (checked from the plan, before any weight is
+    read)."""
+    return all(whole_blocks(spec.shape, blocksize) for bound in plan.transforms for spec in bound.sources
                if spec.name.endswith(".weight") and len(spec.shape) == 2)
 
 
@@ -51,11 +56,9 @@ def is_4bit_linear(module: nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class PackedMerge:
-    """One merged container of 4-bit parts: their names and sizes in concatenation order, and the merged state."""
+    """One merged container of 4-bit parts: where its parts are, and the merged state."""
 
-    container: str
-    parts: tuple[str, ...]
-    rows: tuple[int, ...]
+    layout: PartsLayout
     in_features: int
     packed: torch.Tensor
     absmax: torch.Tensor
@@ -71,11 +74,11 @@ def _same(values: Sequence[object]) -> bool:
     return all(value == values[0] for value in values[1:])
 
 
-def take_packed(module: nn.Module, plan: ModulePlan) -> list[PackedMerge]:
-    """Before the conversion: take the packed weights out of each weight concatenation of ``plan`` whose parts are
-    4-bit layers, leaving a stand-in of the plan's shape in each part."""
+def take_packed(found: Sequence[QuantizedParts]) -> list[PackedMerge]:
+    """Before the conversion: take the packed weights out of each weight concatenation whose parts are 4-bit
+    layers, leaving a stand-in of the plan's shape in each part."""
     merges = []
-    for parts in quantized_parts(module, plan, is_4bit_linear):
+    for parts in (p for p in found if p.of(is_4bit_linear)):
         layers = parts.layers
         states: list[Any] = [getattr(layer.weight, "quant_state", None) if is_4bit_linear(layer) else None
                              for layer in layers]
@@ -88,7 +91,7 @@ def take_packed(module: nn.Module, plan: ModulePlan) -> list[PackedMerge]:
                                   "without quantization_config and quantize after, or leave the family out")
         first, layer = states[0], layers[0]
         merges.append(PackedMerge(
-            parts.container, parts.names, parts.rows, int(parts.bound.sources[0].shape[1]),
+            parts.layout, int(parts.bound.sources[0].shape[1]),
             torch.cat([layer.weight.data for layer in layers]), torch.cat([state.absmax for state in states]),
             first.code, int(first.blocksize), str(first.quant_type), first.dtype, layer.weight.quant_storage,
             layer.compute_dtype))
@@ -111,7 +114,7 @@ def _unmergeable(states: Sequence[Any], shapes: Sequence[tuple[int, ...]], layer
             return f"they use different {what} {values}"
     if not all(torch.equal(state.code, states[0].code) for state in states):
         return "they use different code books"
-    partial = [shape for shape in shapes if (shape[0] * shape[1]) % int(states[0].blocksize)]
+    partial = [shape for shape in shapes if not whole_blocks(shape, int(states[0].blocksize))]
     if partial:
         return (f"a part of shape {partial[0]} does not fill whole blocks of {states[0].blocksize} elements, so the "
                 "merged layer's blocks would span parts")
@@ -127,7 +130,7 @@ def install(module: nn.Module, merges: Sequence[PackedMerge]) -> None:
 
     for merge in merges:
         def build(old: Any, merge: PackedMerge = merge) -> Any:
-            out_features = sum(merge.rows)
+            out_features = sum(merge.layout.rows)
             new = Linear4bit(merge.in_features, out_features, bias=old.bias is not None,
                              compute_dtype=merge.compute_dtype, compress_statistics=False, quant_type=merge.quant_type,
                              quant_storage=merge.quant_storage, device=merge.packed.device)
@@ -137,36 +140,37 @@ def install(module: nn.Module, merges: Sequence[PackedMerge]) -> None:
                                     compress_statistics=False, quant_type=merge.quant_type,
                                     quant_storage=merge.quant_storage, module=new, bnb_quantized=True)
             new.quant_state = state
-            new.register_state_dict_post_hook(functools.partial(present_parts, merge))
+            new.register_state_dict_post_hook(functools.partial(present_parts, merge.layout))
             return new
 
-        replace_container(module, merge.container, build)
+        replace_container(module, merge.layout.container, build)
 
 
-def present_parts(merge: PackedMerge, module: nn.Module, state_dict: dict[str, Any], prefix: str,
+def present_parts(layout: PartsLayout, module: nn.Module, state_dict: dict[str, Any], prefix: str,
                   local_metadata: Mapping[str, Any]) -> None:
     """The merged ``Linear4bit``'s weight entries written as each part's, as the unfused layers save them (a
-    module-level function with its data bound, so a model with the hook still pickles).
+    module-level function with its layout bound, so a model with the hook still pickles).
 
-    It reads what bitsandbytes just wrote (its ``_save_to_state_dict`` undoes the CPU kernel's repacking first).
+    It reads what bitsandbytes just wrote and the layer's quantization state (its ``_save_to_state_dict``
+    undoes the CPU kernel's repacking first).
     """
     from bitsandbytes.functional import QuantState
 
     key = f"{prefix}weight"
-    packed, absmax = state_dict.pop(key), state_dict[f"{key}.absmax"]
+    packed, absmax, code = state_dict.pop(key), state_dict[f"{key}.absmax"], state_dict[f"{key}.quant_map"]
     for entry in [k for k in state_dict if k.startswith(f"{key}.")]:
         state_dict.pop(entry)
-    owner = prefix[: len(prefix) - len(merge.container) - 1]
-    total = sum(merge.rows) * merge.in_features
-    element, block = 0, 0
-    for part, rows in zip(merge.parts, merge.rows, strict=True):
-        elements = rows * merge.in_features
-        start, stop = element * packed.shape[0] // total, (element + elements) * packed.shape[0] // total
-        blocks = elements // merge.blocksize
-        state = QuantState(absmax[block:block + blocks].clone(), shape=torch.Size((rows, merge.in_features)),
-                           code=merge.code.clone(), blocksize=merge.blocksize, quant_type=merge.quant_type,
-                           dtype=merge.dtype)
-        state_dict[f"{owner}{part}.weight"] = packed[start:stop].clone()
+    layer: Any = module
+    merged = layer.weight.quant_state
+    in_features, total = int(merged.shape[1]), int(merged.shape[0]) * int(merged.shape[1])
+    owner = layout.owner_prefix(prefix)
+    for part, start, stop in layout.ranges():
+        # Every part fills whole blocks (checked at load), so its elements start and end on a byte and a block.
+        first, end = start * in_features, stop * in_features
+        state = QuantState(absmax[first // merged.blocksize:end // merged.blocksize].clone(),
+                           shape=torch.Size((stop - start, in_features)), code=code.clone(),
+                           blocksize=merged.blocksize, quant_type=merged.quant_type, dtype=merged.dtype)
+        state_dict[f"{owner}{part}.weight"] = packed[first * packed.shape[0] // total:end * packed.shape[0] // total
+                                                     ].clone()
         for name, value in state.as_dict(packed=True).items():
             state_dict[f"{owner}{part}.weight.{name}"] = value
-        element, block = element + elements, block + blocks

@@ -25,9 +25,8 @@ import torch
 from torch import nn
 
 from fusion_core.errors import FusionLoadError
-from fusion_core.transforms import ModulePlan
 from fusion_quantization.detect import package_of
-from fusion_quantization.replaced import quantized_parts, replace_container
+from fusion_quantization.replaced import PartsLayout, QuantizedParts, replace_container
 
 
 def is_int8_linear(module: nn.Module) -> bool:
@@ -37,11 +36,9 @@ def is_int8_linear(module: nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class Int8Merge:
-    """One merged container of LLM.int8 parts: their names in concatenation order, scales and threshold."""
+    """One merged container of LLM.int8 parts: where its parts are, their scales concatenated, the threshold."""
 
-    container: str
-    parts: tuple[str, ...]
-    sizes: tuple[int, ...]
+    layout: PartsLayout
     scales: torch.Tensor
     threshold: float
 
@@ -51,10 +48,10 @@ def _scale(layer: nn.Module) -> torch.Tensor | None:
     return weight_scale if weight_scale is not None else getattr(layer.state, "SCB", None)
 
 
-def collect(module: nn.Module, plan: ModulePlan) -> list[Int8Merge]:
-    """Before the conversion: each weight concatenation of ``plan`` whose parts are LLM.int8 layers."""
+def collect(found: Sequence[QuantizedParts]) -> list[Int8Merge]:
+    """Before the conversion: the scales of each weight concatenation whose parts are LLM.int8 layers."""
     merges = []
-    for parts in quantized_parts(module, plan, is_int8_linear):
+    for parts in (p for p in found if p.of(is_int8_linear)):
         layers = parts.layers
         scales = [_scale(layer) if is_int8_linear(layer) else None for layer in layers]
         if any(scale is None for scale in scales) or any(layer.state.has_fp16_weights for layer in layers):
@@ -64,8 +61,8 @@ def collect(module: nn.Module, plan: ModulePlan) -> list[Int8Merge]:
         if len(thresholds) != 1:
             raise FusionLoadError(f"{parts.where}: {list(parts.names)} use different outlier thresholds "
                                   f"{sorted(thresholds)}")
-        merges.append(Int8Merge(parts.container, parts.names, tuple(int(layer.out_features) for layer in layers),
-                                torch.cat([s.detach().clone() for s in scales if s is not None]), thresholds.pop()))
+        merges.append(Int8Merge(parts.layout, torch.cat([s.detach().clone() for s in scales if s is not None]),
+                                thresholds.pop()))
     return merges
 
 
@@ -84,24 +81,22 @@ def install(module: nn.Module, merges: Sequence[Int8Merge]) -> None:
                                     SCB=merge.scales.to(rows.device))
             return new
 
-        replace_container(module, merge.container, build)
+        replace_container(module, merge.layout.container, build)
     module.register_state_dict_post_hook(  # type: ignore[no-untyped-call]
-        functools.partial(present_part_scales, tuple(merges)))
+        functools.partial(present_part_scales, tuple(merge.layout for merge in merges)))
 
 
-def present_part_scales(merges: tuple[Int8Merge, ...], module: nn.Module, state_dict: dict[str, Any], prefix: str,
-                        local_metadata: Mapping[str, Any]) -> None:
+def present_part_scales(layouts: tuple[PartsLayout, ...], module: nn.Module, state_dict: dict[str, Any],
+                        prefix: str, local_metadata: Mapping[str, Any]) -> None:
     """The merged container's ``SCB`` / ``weight_format`` entries written as each part's, as the unfused layers
-    save them (a module-level function with its data bound, so a model with the hook still pickles)."""
-    for merge in merges:
-        key = f"{prefix}{merge.container}"
+    save them (a module-level function with its layout bound, so a model with the hook still pickles)."""
+    for layout in layouts:
+        key = f"{prefix}{layout.container}"
         state_dict.pop(f"{key}.SCB", None)
         state_dict.pop(f"{key}.weight_format", None)
-        scales = _scale(module.get_submodule(merge.container))
+        scales = _scale(module.get_submodule(layout.container))
         if scales is None:
             continue
-        start = 0
-        for part, size in zip(merge.parts, merge.sizes, strict=True):
-            state_dict[f"{prefix}{part}.SCB"] = scales[start:start + size].clone()
+        for part, start, stop in layout.ranges():
+            state_dict[f"{prefix}{part}.SCB"] = scales[start:stop].clone()
             state_dict[f"{prefix}{part}.weight_format"] = torch.tensor(0, dtype=torch.uint8)
-            start += size

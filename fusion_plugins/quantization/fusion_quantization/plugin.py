@@ -3,7 +3,7 @@
 After a fused load, a quantizer that picks ``nn.Linear`` modules (torchao's ``quantize_``, quanto's
 ``quantize``) quantizes a merged projection's container like the parts on the unfused model (see
 :mod:`fusion_core.merged`). A load that quantizes (or a checkpoint pre-quantized) is merged exactly
-when :func:`merges_at_load` says so and every fused module only concatenates rows: torchao through
+unless :func:`at_load_refusal` says why not, and when every fused module only concatenates rows: torchao through
 the conversion's concatenation of tensor subclasses (:mod:`fusion_core.wrapped`); bitsandbytes and
 quanto, whose modules hold state the conversion cannot carry, by taking the parts' state out before
 it and installing the quantizer's module over the merged state after it
@@ -19,8 +19,8 @@ container a quantizer replaced by its own module. Families that move no ``nn.Lin
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping, MutableMapping, MutableSequence
-from typing import Any
+from collections.abc import Callable, Generator, Mapping, MutableMapping, MutableSequence, Sequence
+from typing import Any, NoReturn
 
 from torch import nn
 
@@ -44,6 +44,7 @@ from fusion_quantization.guard import attach_guard, containers, fused_linears, g
 from fusion_quantization.quanto_bytes import MERGED_WEIGHTS as QUANTO_MERGED_WEIGHTS
 from fusion_quantization.quanto_bytes import install as install_quanto
 from fusion_quantization.quanto_bytes import take_rows
+from fusion_quantization.replaced import quantized_parts
 from fusion_quantization.schemes import config_field, part_schemes
 
 INTEGRATION = Integration(
@@ -63,54 +64,41 @@ def fusion_load_planned(plan: FusionPlan, config: Any, load_kwargs: Mapping[str,
     planned = [p for p in plan.modules if p.moved_linears]
     if quantization is None or not planned:
         return
-    method = quantization_method(quantization)
-    refusal = at_load_refusal(quantization, config)
+
+    def refuse(modules: Sequence[ModulePlan], reason: str) -> NoReturn:
+        raise FusionLoadError(refusal_message(fused_linears(modules), f"the load quantizes with "
+                                              f"{quantization_method(quantization)}", "the fused model", reason))
+
+    refusal = at_load_refusal(quantization)
     if refusal is not None:
-        raise FusionLoadError(refusal_message(
-            fused_linears(planned), f"the load quantizes with {method}", "the fused model", f"fused, and {refusal}",
-        ))
+        refuse(planned, f"fused, and {refusal}")
     mixed = [(p, found) for p in planned if (found := mismatched_parts(p, quantization)) is not None]
     if mixed:
         described = ", ".join(f"{part}: {scheme}" for part, scheme in mixed[0][1])
-        raise FusionLoadError(refusal_message(
-            fused_linears([p for p, _ in mixed]), f"the load quantizes with {method}", "the fused model",
-            f"fused, and the load would quantize those parts differently ({described}), which one merged layer "
-            "cannot hold",
-        ))
+        refuse([p for p, _ in mixed], f"fused, and the load would quantize those parts differently ({described}), "
+                                      "which one merged layer cannot hold")
     unmerged = [p for p in planned if not concatenates_rows(p)]
     if unmerged:
-        raise FusionLoadError(refusal_message(
-            fused_linears(unmerged), f"the load quantizes with {method}", "the fused model",
-            "by ops other than a concatenation of rows, which quantized tensors do not go through",
-        ))
-    if config_field(quantization, "load_in_4bit") or config_field(quantization, "_load_in_4bit"):
-        partial = [p for p in planned if not fills_whole_blocks(p, BLOCKSIZE)]
-        if partial:
-            raise FusionLoadError(refusal_message(
-                fused_linears(partial), f"the load quantizes with {method}", "the fused model",
-                f"fused, and a part does not fill whole 4-bit blocks of {BLOCKSIZE} elements, so the merged layer's "
-                "blocks would span parts",
-            ))
+        refuse(unmerged, "by ops other than a concatenation of rows, which quantized tensors do not go through")
+    partial = [p for p in planned if not fills_whole_blocks(p, BLOCKSIZE)] if _loads_4bit(quantization) else []
+    if partial:
+        refuse(partial, f"fused, and a part does not fill whole 4-bit blocks of {BLOCKSIZE} elements, so the merged "
+                        "layer's blocks would span parts")
 
 
-def merges_at_load(quantization: Any, config: Any) -> bool:
-    """A load whose quantized weights fusion-core's conversion merges: torchao's tensor subclasses, whether this
-    load quantizes (``quantization_config=TorchAoConfig(...)``) or the checkpoint is pre-quantized by torchao.
+def _loads_4bit(quantization: Any) -> bool:
+    return bool(config_field(quantization, "load_in_4bit") or config_field(quantization, "_load_in_4bit"))
 
-    torchao keeps each ``nn.Linear`` and swaps its weight for a tensor subclass (transformers rebuilds it from a
-    pre-quantized checkpoint's ``_weight_qdata`` / ``_weight_scale`` keys), which the conversion concatenates
-    through its inner tensors, exactly or refused (:mod:`fusion_core.wrapped`). bitsandbytes LLM.int8
-    (``load_in_8bit``): the conversion concatenates the int8 rows and the integration carries the per-row scales
-    into a merged ``Linear8bitLt`` (:mod:`fusion_quantization.bnb_int8`). bitsandbytes 4-bit (nf4, fp4): the
-    integration concatenates the packed blocks and their scales into a merged ``Linear4bit``
-    (:mod:`fusion_quantization.bnb_4bit`). Not merged: 4-bit double quantization (its nested scales span
-    parts) and quanto (:func:`at_load_refusal` says why).
+
+def at_load_refusal(quantization: Any) -> str | None:
+    """Why the conversion cannot merge what this load quantizes (or a checkpoint holds pre-quantized), or None.
+
+    Merged: torchao's tensor subclasses, concatenated through their inner tensors by the conversion, exactly or
+    refused (:mod:`fusion_core.wrapped`); bitsandbytes LLM.int8 and 4-bit (nf4, fp4) and quanto's 8-bit weights,
+    whose modules hold state the conversion cannot carry, merged by this integration
+    (:mod:`fusion_quantization.bnb_int8`, :mod:`~fusion_quantization.bnb_4bit`,
+    :mod:`~fusion_quantization.quanto_bytes`). Refused: what they cannot merge exactly, and other quantizers.
     """
-    return at_load_refusal(quantization, config) is None
-
-
-def at_load_refusal(quantization: Any, config: Any) -> str | None:
-    """Why the conversion cannot merge what this load quantizes (see :func:`merges_at_load`), or None."""
     method = config_field(quantization, "quant_method")
     method = getattr(method, "value", method)
     if method == "torchao":
@@ -127,12 +115,12 @@ def at_load_refusal(quantization: Any, config: Any) -> str | None:
         return ("this quantizer replaces the original layers in a form fusion-core does not merge; at load it merges "
                 "torchao's tensors (TorchAoConfig, or a checkpoint torchao pre-quantized), bitsandbytes "
                 "(BitsAndBytesConfig, or a checkpoint bitsandbytes pre-quantized) and quanto (QuantoConfig) only")
-    four_bit = config_field(quantization, "load_in_4bit") or config_field(quantization, "_load_in_4bit")
-    if four_bit and config_field(quantization, "bnb_4bit_use_double_quant"):
+    if _loads_4bit(quantization) and config_field(quantization, "bnb_4bit_use_double_quant"):
         return ("bitsandbytes double quantization (bnb_4bit_use_double_quant) quantizes each layer's block scales "
                 "around their mean, so a merged layer's nested scales would span parts; load with "
                 "bnb_4bit_use_double_quant=False")
-    if four_bit or config_field(quantization, "load_in_8bit") or config_field(quantization, "_load_in_8bit"):
+    if _loads_4bit(quantization) or config_field(quantization, "load_in_8bit") or config_field(quantization,
+                                                                                                "_load_in_8bit"):
         return None
     return "this BitsAndBytesConfig quantizes nothing fusion-core knows (neither load_in_8bit nor load_in_4bit)"
 
@@ -160,16 +148,16 @@ def fusion_convert_loaded(
     plans = [plan for _, plan in built]
     # What the conversion cannot carry: LLM.int8's scales, 4-bit packed bytes (not of the plan's shape), quanto's
     # tensors (they record their own size).
-    int8 = [(module, collect_int8(module, plan)) for module, plan in built]
-    packed = [(module, take_packed(module, plan)) for module, plan in built]
-    rows = [(module, take_rows(module, plan)) for module, plan in built]
+    taken = []
+    for module, plan in built:
+        found = quantized_parts(module, plan)
+        if found:
+            taken.append((module, collect_int8(found), take_packed(found), take_rows(found)))
     result = yield
-    for module, merges in int8:
-        install_int8(module, merges)
-    for module, packed_merges in packed:
-        install_4bit(module, packed_merges)
-    for module, rows_merges in rows:
-        install_quanto(module, rows_merges)
+    for module, int8, packed, rows in taken:
+        install_int8(module, int8)
+        install_4bit(module, packed)
+        install_quanto(module, rows)
     attach_guard(model, plans)
     return result
 

@@ -25,9 +25,8 @@ import torch
 from torch import nn
 
 from fusion_core.errors import FusionLoadError
-from fusion_core.transforms import ModulePlan
 from fusion_quantization.detect import package_of
-from fusion_quantization.replaced import leave_stand_ins, quantized_parts, replace_container
+from fusion_quantization.replaced import PartsLayout, QuantizedParts, leave_stand_ins, replace_container
 
 #: The ``QuantoConfig.weights`` values whose weights are per-row scaled bytes, merged exactly.
 MERGED_WEIGHTS = frozenset({"int8", "float8"})
@@ -40,11 +39,9 @@ def is_quanto_linear(module: nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class RowsMerge:
-    """One merged container of quanto parts: their names and row counts, and the merged rows and scales."""
+    """One merged container of quanto parts: where its parts are, and the merged rows and scales."""
 
-    container: str
-    parts: tuple[str, ...]
-    rows: tuple[int, ...]
+    layout: PartsLayout
     data: torch.Tensor
     scale: torch.Tensor
     qtype: Any
@@ -55,11 +52,11 @@ def _bytes_weight(layer: Any) -> Any:
     return weight if type(weight).__name__ == "WeightQBytesTensor" else None
 
 
-def take_rows(module: nn.Module, plan: ModulePlan) -> list[RowsMerge]:
-    """Before the conversion: take the quantized rows and scales out of each weight concatenation of ``plan``
-    whose parts are frozen quanto layers, leaving a stand-in of the plan's shape in each part."""
+def take_rows(found: Sequence[QuantizedParts]) -> list[RowsMerge]:
+    """Before the conversion: take the quantized rows and scales out of each weight concatenation whose parts are
+    frozen quanto layers, leaving a stand-in of the plan's shape in each part."""
     merges = []
-    for parts in quantized_parts(module, plan, is_quanto_linear):
+    for parts in (p for p in found if p.of(is_quanto_linear)):
         layers = parts.layers
         weights: list[Any] = [_bytes_weight(layer) if is_quanto_linear(layer) else None for layer in layers]
         if any(weight is None for weight in weights):
@@ -69,7 +66,7 @@ def take_rows(module: nn.Module, plan: ModulePlan) -> list[RowsMerge]:
         if refusal is not None:
             raise FusionLoadError(f"{parts.where}: {list(parts.names)} cannot be merged exactly: {refusal}; load "
                                   "without quantization_config and quantize after, or leave the family out")
-        merges.append(RowsMerge(parts.container, parts.names, parts.rows, torch.cat([w._data for w in weights]),
+        merges.append(RowsMerge(parts.layout, torch.cat([w._data for w in weights]),
                                 torch.cat([w._scale for w in weights]), weights[0].qtype))
         leave_stand_ins(parts)
     return merges
@@ -100,24 +97,22 @@ def install(module: nn.Module, merges: Sequence[RowsMerge]) -> None:
                           dtype=merge.scale.dtype, weights=merge.qtype)
             weight = WeightQBytesTensor(merge.qtype, 0, size, (size[1], 1), merge.data, merge.scale, None)
             new.weight = nn.Parameter(weight, requires_grad=False)
-            new.register_state_dict_post_hook(functools.partial(present_parts, merge))
+            new.register_state_dict_post_hook(functools.partial(present_parts, merge.layout))
             return new
 
-        replace_container(module, merge.container, build)
+        replace_container(module, merge.layout.container, build)
 
 
-def present_parts(merge: RowsMerge, module: nn.Module, state_dict: dict[str, Any], prefix: str,
+def present_parts(layout: PartsLayout, module: nn.Module, state_dict: dict[str, Any], prefix: str,
                   local_metadata: Mapping[str, Any]) -> None:
     """The merged ``QLinear``'s weight and scale entries written as each part's (a module-level function with its
-    data bound, so a model with the hook still pickles)."""
+    layout bound, so a model with the hook still pickles)."""
     data, scale = state_dict.pop(f"{prefix}weight._data"), state_dict.pop(f"{prefix}weight._scale")
     extra = {name: state_dict.pop(f"{prefix}{name}") for name in ("input_scale", "output_scale")
              if f"{prefix}{name}" in state_dict}
-    owner = prefix[: len(prefix) - len(merge.container) - 1]
-    start = 0
-    for part, rows in zip(merge.parts, merge.rows, strict=True):
-        state_dict[f"{owner}{part}.weight._data"] = data[start:start + rows].clone()
-        state_dict[f"{owner}{part}.weight._scale"] = scale[start:start + rows].clone()
+    owner = layout.owner_prefix(prefix)
+    for part, start, stop in layout.ranges():
+        state_dict[f"{owner}{part}.weight._data"] = data[start:stop].clone()
+        state_dict[f"{owner}{part}.weight._scale"] = scale[start:stop].clone()
         for name, value in extra.items():
             state_dict[f"{owner}{part}.{name}"] = value.clone()
-        start += rows

@@ -3,9 +3,12 @@
 
 transformers replaces q, k and v by the quantizer's own layers while the checkpoint is read; each
 of those modules finds the plan's weight concatenations over such layers (:func:`quantized_parts`)
-before the conversion, takes out what the conversion cannot carry (a shape-only stand-in takes the
-weight's place where it must, :func:`leave_stand_ins`), and after the conversion replaces the merged
-container by the quantizer's layer over the merged state (:func:`replace_container`).
+once, before the conversion; each of those modules takes out what the conversion cannot carry from
+its own (a shape-only stand-in takes the weight's place where it must, :func:`leave_stand_ins`), and
+after the conversion replaces the merged container by the quantizer's layer over the merged state
+(:func:`replace_container`). The save hooks that write each part's entries back bind only the
+tensor-free :class:`PartsLayout` and read the tensors from the module they run on, so a model moved to
+another device does not keep its load-time tensors alive through them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,31 @@ import torch
 from torch import nn
 
 from fusion_core.transforms import BoundTransform, ModulePlan
+from fusion_quantization.detect import package_of
+
+#: Packages whose layers replace ``nn.Linear`` at load (bitsandbytes' ``Linear8bitLt`` / ``Linear4bit``, quanto's
+#: ``QLinear``, from ``optimum``).
+REPLACING_PACKAGES = frozenset({"bitsandbytes", "optimum"})
+
+
+@dataclass(frozen=True)
+class PartsLayout:
+    """Where a merged container's parts are: the container's path, the parts' names and row counts, in order."""
+
+    container: str
+    parts: tuple[str, ...]
+    rows: tuple[int, ...]
+
+    def ranges(self) -> Iterator[tuple[str, int, int]]:
+        """``(part, first row, end row)`` of each part in the merged container."""
+        start = 0
+        for part, rows in zip(self.parts, self.rows, strict=True):
+            yield part, start, start + rows
+            start += rows
+
+    def owner_prefix(self, container_prefix: str) -> str:
+        """The fused module's ``state_dict`` prefix, from the container's (``...self_attn.qkv_proj.``)."""
+        return container_prefix[: len(container_prefix) - len(self.container) - 1]
 
 
 @dataclass(frozen=True)
@@ -30,26 +58,27 @@ class QuantizedParts:
     where: str
 
     @property
-    def container(self) -> str:
-        """The merged container's path in the fused module (``qkv_proj``)."""
-        return self.bound.targets[0].name.rpartition(".")[0]
+    def layout(self) -> PartsLayout:
+        return PartsLayout(self.bound.targets[0].name.rpartition(".")[0], self.names,
+                           tuple(int(spec.shape[0]) for spec in self.bound.sources))
 
-    @property
-    def rows(self) -> tuple[int, ...]:
-        return tuple(int(spec.shape[0]) for spec in self.bound.sources)
+    def of(self, is_layer: Callable[[nn.Module], bool]) -> bool:
+        """Whether one of the parts is a layer ``is_layer`` recognises."""
+        return any(is_layer(layer) for layer in self.layers)
 
 
-def quantized_parts(module: nn.Module, plan: ModulePlan, is_layer: Callable[[nn.Module], bool]
-                    ) -> Iterator[QuantizedParts]:
-    """Each weight concatenation of ``plan`` one of whose parts ``is_layer`` recognises."""
+def quantized_parts(module: nn.Module, plan: ModulePlan) -> list[QuantizedParts]:
+    """Each weight concatenation of ``plan`` one of whose parts is a replacing quantizer's layer."""
+    found = []
     for bound in plan.transforms:
         leaves = [spec.name for spec in bound.sources]
         if not leaves or not all(leaf.endswith(".weight") for leaf in leaves):
             continue
         names = tuple(leaf.rpartition(".")[0] for leaf in leaves)
         layers: list[Any] = [module.get_submodule(name) for name in names]
-        if any(is_layer(layer) for layer in layers):
-            yield QuantizedParts(bound, names, layers, f"family {plan.family!r}, module {plan.path!r}")
+        if any(package_of(type(layer)) in REPLACING_PACKAGES for layer in layers):
+            found.append(QuantizedParts(bound, names, layers, f"family {plan.family!r}, module {plan.path!r}"))
+    return found
 
 
 def leave_stand_ins(parts: QuantizedParts) -> None:
