@@ -226,6 +226,10 @@ def test_what_lora_on_a_quantized_merged_slice_cannot_do_exactly_is_refused(llam
     with pytest.raises(ValueError, match=r"merging a LoRA adapter into a slice of fusion-core's quantized merged "
                                          r"projection \(MergedProjection with a Int8Tensor weight\) is not supported"):
         adapted.merge_and_unload()
+    with torch.no_grad():
+        before = adapted(_ids()).logits
+        adapted.unmerge_adapter()  # nothing was merged: PEFT only warns, and the quantized weight stays as it was
+        assert torch.equal(adapted(_ids()).logits, before)
 
 
 def _adapter(model: nn.Module) -> dict[str, torch.Tensor]:

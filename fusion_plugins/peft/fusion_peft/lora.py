@@ -278,6 +278,10 @@ class _FusedBaseMixin:
             super().merge(*args, **kwargs)  # type: ignore[misc]
 
     def unmerge(self, *args: Any, **kwargs: Any) -> None:
+        if isinstance(self.base_layer, MergedSlice) and _quantized(self.base_layer) is not None:
+            # Never merged (merge refuses): PEFT's unmerge only warns; nothing may be written back into the slice.
+            super().unmerge(*args, **kwargs)  # type: ignore[misc]
+            return
         with _on_stand_in(self, copy_tensors=True):
             super().unmerge(*args, **kwargs)  # type: ignore[misc]
 
