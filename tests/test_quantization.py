@@ -95,20 +95,20 @@ def _inner(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     return {name: getattr(weight, name) for name in names}
 
 
+def _merged_projections(fused: nn.Module) -> list[tuple[str, Any]]:
+    """``(module path, merged projection)`` of every fused module; asserts there is one."""
+    plan = fusion_core.get_fusion_plan(fused)
+    assert plan is not None and plan.modules
+    return [(module_plan.path, fused.get_submodule(module_plan.path).fused_projection) for module_plan in plan.modules]
+
+
 def _assert_parts_are_the_unfused_quantization(fused: nn.Module, plain: nn.Module) -> None:
     """Each part's rows of every merged quantized tensor are bit-equal to the unfused model's quantized part."""
-    plan = fusion_core.get_fusion_plan(fused)
-    assert plan is not None
-    checked = 0
-    for module_plan in plan.modules:
-        module = fused.get_submodule(module_plan.path)
-        merged = module.fused_projection
+    for path, merged in _merged_projections(fused):
         for name, (start, stop) in zip(merged.originals, merged.bounds, strict=True):
-            part = plain.get_submodule(f"{module_plan.path}.{name}").weight
+            part = plain.get_submodule(f"{path}.{name}").weight
             for inner, tensor in _inner(merged.weight).items():
-                assert torch.equal(tensor[start:stop], _inner(part)[inner]), (module_plan.path, name, inner)
-            checked += 1
-    assert checked
+                assert torch.equal(tensor[start:stop], _inner(part)[inner]), (path, name, inner)
 
 
 @TORCHAO_SCHEMES
@@ -510,16 +510,13 @@ def test_a_bitsandbytes_8bit_load_merges_the_int8_rows_and_scales_exactly(llama:
     plain = AutoModelForCausalLM.from_pretrained(llama, quantization_config=BitsAndBytesConfig(load_in_8bit=True))
     fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT,
                                         quantization_config=BitsAndBytesConfig(load_in_8bit=True))
-    plan = fusion_core.get_fusion_plan(fused)
-    assert plan is not None
-    for module_plan in plan.modules:
-        merged = fused.get_submodule(module_plan.path).fused_projection
+    for path, merged in _merged_projections(fused):
         container = merged.owner
         assert isinstance(container, bnb.nn.Linear8bitLt)
         for name, (start, stop) in zip(merged.originals, merged.bounds, strict=True):
-            part = plain.get_submodule(f"{module_plan.path}.{name}")
-            assert torch.equal(container.weight.data[start:stop], part.weight.data), (module_plan.path, name)
-            assert torch.equal(_int8_scales(container)[start:stop], _int8_scales(part)), (module_plan.path, name)
+            part = plain.get_submodule(f"{path}.{name}")
+            assert torch.equal(container.weight.data[start:stop], part.weight.data), (path, name)
+            assert torch.equal(_int8_scales(container)[start:stop], _int8_scales(part)), (path, name)
 
     def quantized(module: nn.Module) -> bool:
         return isinstance(module, bnb.nn.Linear8bitLt)
@@ -559,13 +556,10 @@ def test_a_bitsandbytes_4bit_load_merges_the_packed_blocks_exactly(llama: Path, 
     plain = AutoModelForCausalLM.from_pretrained(llama, quantization_config=config())
     fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT,
                                         quantization_config=config())
-    plan = fusion_core.get_fusion_plan(fused)
-    assert plan is not None
-    for module_plan in plan.modules:
-        merged = fused.get_submodule(module_plan.path).fused_projection
+    for path, merged in _merged_projections(fused):
         container = merged.owner
         assert isinstance(container, bnb.nn.Linear4bit)
-        packed = [_packed_state(plain.get_submodule(f"{module_plan.path}.{name}")) for name in merged.originals]
+        packed = [_packed_state(plain.get_submodule(f"{path}.{name}")) for name in merged.originals]
         for entry in ("packed", "absmax"):
             assert torch.equal(_packed_state(container)[entry], torch.cat([p[entry] for p in packed])), entry
 
@@ -698,12 +692,9 @@ def test_a_quanto_load_merges_the_quantized_rows_and_scales_exactly(llama: Path,
     plain = AutoModelForCausalLM.from_pretrained(llama, quantization_config=QuantoConfig(weights=weights))
     fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT,
                                         quantization_config=QuantoConfig(weights=weights))
-    plan = fusion_core.get_fusion_plan(fused)
-    assert plan is not None
-    for module_plan in plan.modules:
-        merged = fused.get_submodule(module_plan.path).fused_projection
+    for path, merged in _merged_projections(fused):
         assert isinstance(merged.owner, quanto.QLinear)
-        parts = [plain.get_submodule(f"{module_plan.path}.{name}").weight for name in merged.originals]
+        parts = [plain.get_submodule(f"{path}.{name}").weight for name in merged.originals]
         for inner in ("_data", "_scale"):
             assert torch.equal(getattr(merged.weight, inner), torch.cat([getattr(p, inner) for p in parts])), inner
 
