@@ -37,6 +37,15 @@ switches it off (as a context manager: off inside the block only). So::
             ...                 # on
         ...                     # still on: the outer block holds it
     ...                         # off again
+
+**Across threads** each handle undoes its own change, never another's: an activation is a token
+that leaving its block takes back, and routing is on while any token is in force, so one thread
+leaving its block never switches routing off under another thread's block. Switching off is
+process-wide too: ``integrate_transformers(False)`` takes back every token in force at that
+moment, in every thread (without a block, for good; that is how a plain call switches off however
+often it was switched on); leaving its block gives back those of them whose blocks are still open.
+It does not forbid what comes after it: an activation made later, in any thread, switches routing
+on again, also inside the ``False`` block.
 """
 
 from __future__ import annotations
@@ -50,16 +59,21 @@ from typing import Any
 __all__ = ["TransformersIntegration", "integrate_transformers", "is_integrated"]
 
 _lock = threading.Lock()
-_depth = 0  # how many activations are in force; the methods are replaced while it is above 0
+_active: set[TransformersIntegration] = set()  # the activations in force; routed while there is one
 _original: Any = None  # PreTrainedModel's own from_pretrained classmethod object, while replaced
 _ROUTED: contextvars.ContextVar[bool] = contextvars.ContextVar("fusion_core_routed", default=False)
 
 
 class TransformersIntegration:
-    """The handle :func:`integrate_transformers` returns; leaving it as a context manager restores the state before."""
+    """The handle :func:`integrate_transformers` returns; leaving it as a context manager undoes that call's change.
 
-    def __init__(self, previous_depth: int) -> None:
-        self._previous = previous_depth
+    An activation handle is itself the token that keeps routing on; a switch-off handle remembers
+    the activations it took back. Leaving a handle a second time changes nothing.
+    """
+
+    def __init__(self, taken_back: set[TransformersIntegration] | None) -> None:
+        self._taken_back = taken_back  # None for an activation; else the activations this switch-off took back
+        self._left = False
 
     def __enter__(self) -> TransformersIntegration:
         return self
@@ -68,7 +82,14 @@ class TransformersIntegration:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         with _lock:
-            _apply(self._previous)
+            if self._left:
+                return
+            self._left = True
+            if self._taken_back is None:
+                _active.discard(self)
+            else:  # give back what this switch-off took, except activations whose own blocks have ended since
+                _active.update(handle for handle in self._taken_back if not handle._left)
+            _install(bool(_active))
 
 
 def integrate_transformers(enable: bool = True) -> TransformersIntegration:
@@ -82,31 +103,36 @@ def integrate_transformers(enable: bool = True) -> TransformersIntegration:
     ...     pipe = pipeline("text-generation", model=path, model_kwargs={"fusion_config": {"qkv": True}})
     """
     with _lock:
-        previous = _depth
-        _apply(previous + 1 if enable else 0)
-    return TransformersIntegration(previous)
+        if enable:
+            handle = TransformersIntegration(None)
+            _active.add(handle)
+        else:
+            handle = TransformersIntegration(set(_active))
+            _active.clear()
+        _install(bool(_active))
+    return handle
 
 
 def is_integrated() -> bool:
     """Whether transformers' ``from_pretrained`` currently routes fused loads to fusion-core."""
-    return _depth > 0
+    return bool(_active)
 
 
 def reset_integration() -> None:
     """Switch the integration off whatever the nesting: transformers' own ``from_pretrained`` is back."""
     with _lock:
-        _apply(0)
+        _active.clear()
+        _install(False)
 
 
-def _apply(depth: int) -> None:
-    """Set the activation depth and install or remove the routed method to match (callers hold ``_lock``)."""
-    global _depth, _original
-    _depth = depth
-    if (depth > 0) == (_original is not None):
+def _install(routed: bool) -> None:
+    """Install or remove the routed method to match ``routed`` (callers hold ``_lock``)."""
+    global _original
+    if routed == (_original is not None):
         return  # already as asked (switching off never imports transformers)
     from transformers import PreTrainedModel
 
-    if depth > 0:
+    if routed:
         _original = PreTrainedModel.__dict__["from_pretrained"]
         PreTrainedModel.from_pretrained = classmethod(_routed(_original.__func__))
     else:

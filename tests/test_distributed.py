@@ -14,6 +14,7 @@ import json
 import re
 import subprocess
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -126,6 +127,74 @@ def test_the_documented_torchrun_script_runs_and_saves_the_original_layout(tmp_p
     assert result.stdout.count("qkv_proj (64, 32), local (32, 32)") == 2, result.stdout
     original, saved = load_file(checkpoint / "model.safetensors"), load_file(out / "model.safetensors")
     assert original.keys() == saved.keys() and all(torch.equal(original[k], saved[k]) for k in original)
+
+
+# -- saving from a process group: every rank leaves, all or nothing --------------------------------------
+SAVE_RANK = textwrap.dedent("""
+    # One rank of a two-process gloo group: four saves through rank_zero_directory, each outcome reported.
+    import json, shutil, sys
+    from pathlib import Path
+    import torch.distributed as dist
+    from fusion_core.parallel.saving import rank_zero_directory
+
+    rank, port, root = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    outcomes = {}
+    for case, failing, how in json.loads(sys.argv[4]):
+        try:
+            with rank_zero_directory(root / case) as staging:
+                (staging / "weights").write_text(f"new, from rank {rank}")
+                if rank == failing and how == "raises":
+                    raise ValueError(f"boom on rank {rank}")
+                if rank == failing and how == "vanishes":  # the block succeeds; putting it in place cannot
+                    shutil.rmtree(staging)
+            outcomes[case] = "returned"
+        except Exception as exc:
+            outcomes[case] = f"{type(exc).__name__}: {exc}"
+    (root / f"rank{rank}.json").write_text(json.dumps(outcomes))
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def test_a_save_that_fails_on_one_rank_raises_on_every_rank_and_writes_nothing(tmp_path: Path) -> None:
+    """Rank 0 (the writer) or rank 1 raising in the block, or rank 0 unable to put the directory in place: no rank
+    waits forever, the failing rank raises its own error, the other names it, and the old directory stays."""
+    from fusion_core.testing.distributed import free_port
+
+    cases = [("rank0-raises", 0, "raises"), ("rank1-raises", 1, "raises"), ("rank0-vanishes", 0, "vanishes"),
+             ("none-fails", None, "")]
+    for case, _, _ in cases:
+        (tmp_path / case).mkdir()
+        (tmp_path / case / "weights").write_text("old")
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", SAVE_RANK, str(rank), port, str(tmp_path), json.dumps(cases)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    try:
+        logs = [process.communicate(timeout=90)[0] for process in ranks]
+    except subprocess.TimeoutExpired:
+        for process in ranks:
+            process.kill()
+        pytest.fail("a rank still waits 90 s after the saves began: "
+                    + " / ".join(f"rank {rank} {process.communicate()[0][-1500:]!r}" for rank, process in
+                                 enumerate(ranks)))
+    assert all(process.returncode == 0 for process in ranks), logs
+    outcomes = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    named = "SaveError: saving {} failed on rank(s) [{}] while {} (rank {}: {}"
+    assert outcomes[0]["rank0-raises"] == "ValueError: boom on rank 0"
+    assert outcomes[1]["rank0-raises"].startswith(
+        named.format(tmp_path / "rank0-raises", 0, "writing", 0, "ValueError: boom on rank 0)"))
+    assert outcomes[1]["rank1-raises"] == "ValueError: boom on rank 1"
+    assert outcomes[0]["rank1-raises"].startswith(
+        named.format(tmp_path / "rank1-raises", 1, "writing", 1, "ValueError: boom on rank 1)"))
+    assert outcomes[0]["rank0-vanishes"].startswith("FileNotFoundError")
+    assert outcomes[1]["rank0-vanishes"].startswith(
+        named.format(tmp_path / "rank0-vanishes", 0, "putting the directory in place", 0, "FileNotFoundError"))
+    assert outcomes[0]["none-fails"] == outcomes[1]["none-fails"] == "returned"
+    written = {case: (tmp_path / case / "weights").read_text() for case, _, _ in cases}
+    assert written == {"rank0-raises": "old", "rank1-raises": "old", "rank0-vanishes": "old",
+                       "none-fails": "new, from rank 0"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*written, "rank0.json", "rank1.json"])
 
 
 # -- the rules, in-process ----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import fusion_core
-from fusion_core.routing import is_integrated
+from fusion_core.routing import TransformersIntegration, is_integrated
 
 QKV = {"qkv": True, "gate_up": True}
 TF5 = int(transformers.__version__.split(".")[0]) >= 5
@@ -103,6 +104,80 @@ def test_nesting_and_switching_off(llama):
     fusion_core.integrate_transformers()
     fusion_core.integrate_transformers(False)  # off, however often it was switched on
     assert not is_integrated() and transformers.PreTrainedModel.__dict__["from_pretrained"] is original
+
+
+def _in_turns(*steps: tuple[int, Callable[[], None]]) -> None:
+    """Run each ``(thread, step)`` in the order given, thread 0 or 1 doing its own steps; re-raise a failed step."""
+    turn = [threading.Event() for _ in steps] + [threading.Event()]
+    errors: list[BaseException] = []
+
+    def play(thread: int) -> None:
+        for i, (who, step) in enumerate(steps):
+            if who != thread:
+                continue
+            if not turn[i].wait(timeout=10):
+                errors.append(TimeoutError(f"thread {thread}: step {i} never came"))
+                return
+            try:
+                step()
+            except BaseException as exc:  # re-raised in the test's thread
+                errors.append(exc)
+            finally:
+                turn[i + 1].set()
+
+    threads = [threading.Thread(target=play, args=(n,)) for n in (0, 1)]
+    for thread in threads:
+        thread.start()
+    turn[0].set()
+    for thread in threads:
+        thread.join(timeout=20)
+    if errors:
+        raise errors[0]
+
+
+def test_a_thread_leaving_its_block_never_switches_off_another_threads_block():
+    """Thread 0 enters, thread 1 enters, thread 0 leaves: thread 1 is still inside its block, so routing stays on."""
+    original = transformers.PreTrainedModel.__dict__["from_pretrained"]
+    blocks: dict[int, TransformersIntegration] = {}
+    seen: list[bool] = []
+
+    def enter(thread: int) -> Callable[[], None]:
+        return lambda: blocks.__setitem__(thread, fusion_core.integrate_transformers().__enter__())
+
+    def leave(thread: int) -> Callable[[], None]:
+        return lambda: blocks[thread].__exit__(None, None, None)
+
+    def look() -> None:
+        seen.append(is_integrated() and transformers.PreTrainedModel.__dict__["from_pretrained"] is not original)
+
+    _in_turns((0, enter(0)), (1, enter(1)), (0, leave(0)), (1, look), (1, leave(1)))
+    assert seen == [True], "thread 0 leaving its block switched routing off inside thread 1's block"
+    assert not is_integrated() and transformers.PreTrainedModel.__dict__["from_pretrained"] is original
+
+
+def test_a_switch_off_block_gives_back_only_the_activations_still_held():
+    """Thread 1 switches off inside thread 0's block; thread 0 leaves first; leaving the off block turns nothing on.
+
+    And the other way round: an off block left while the activation it took back is still held gives it back.
+    """
+    blocks: dict[str, TransformersIntegration] = {}
+    seen: dict[str, bool] = {}
+
+    def enter(name: str, enable: bool) -> Callable[[], None]:
+        return lambda: blocks.__setitem__(name, fusion_core.integrate_transformers(enable).__enter__())
+
+    def leave(name: str) -> Callable[[], None]:
+        return lambda: blocks[name].__exit__(None, None, None)
+
+    def look(name: str) -> Callable[[], None]:
+        return lambda: seen.__setitem__(name, is_integrated())
+
+    _in_turns((0, enter("on", True)), (1, enter("off", False)), (0, look("inside off")), (0, leave("on")),
+              (1, leave("off")), (1, look("after both")))
+    _in_turns((0, enter("on", True)), (1, enter("off", False)), (1, leave("off")), (0, look("off left")),
+              (0, leave("on")))
+    assert seen == {"inside off": False, "after both": False, "off left": True}
+    assert not is_integrated()
 
 
 def test_fusion_core_from_pretrained_while_integrated_does_not_recurse(llama):
