@@ -111,6 +111,13 @@ def fusion_convert_loaded(
     plan)`` for every fused module; a wrapper may replace an entry's plan before the conversion
     (tensor parallelism converts each rank's shard with a rank-local plan). Raise
     :class:`fusion_core.errors.FusionLoadError` to fail the load.
+
+    Wrappers nest by what they declare, never by plugin names or load order: a wrapper that
+    replaces plans in ``built`` declares ``tryfirst=True`` (it is the outermost, so every other
+    wrapper sees the plans that will be converted and finishes before it); one that completes the
+    conversion itself (a quantizer's state the conversion cannot carry) declares ``trylast=True``
+    (the innermost, so every other wrapper's after-code sees the model as it will be returned).
+    Wrappers that declare neither run between them, in no promised order.
     """
 
 

@@ -2,8 +2,8 @@
 
 Every family, the shipped ones included, arrives the same way: a plugin module named by an
 entry point in the ``fusion_core`` group implements :func:`~fusion_core.hookspecs.register_fusion_families`.
-A plugin that fails (its import, its hook, what it registers) is recorded as a
-:class:`PluginFailure` naming its distribution and version; the others keep working.
+A plugin that fails (its import, its hook, what it registers, a hook name no hookspec declares) is
+recorded as a :class:`PluginFailure` naming its distribution and version; the others keep working.
 
 The core knows no family by name. One rule settles name clashes, whatever the load order: a
 family name claimed by two plugins is usable from neither, and each claimant is reported naming
@@ -250,6 +250,12 @@ class FamilyRegistry:
             self._fail(source, f"invalid hook implementation: {exc}")
             return []
         self._plugins[source] = plugin
+        unknown = self._unknown_hooks(plugin)
+        if unknown:
+            self._drop(source)
+            self._fail(source, f"implements hooks fusion_core does not define: {', '.join(unknown)}; none of its hooks "
+                               "run")
+            return []
         if not self._pm.get_hookcallers(plugin):
             self._drop(source)
             self._fail(source, "implements no fusion_core hook")
@@ -263,6 +269,26 @@ class FamilyRegistry:
         if failed:
             self._drop(source)
         return added
+
+    def _unknown_hooks(self, plugin: object) -> list[str]:
+        """The hooks ``plugin`` implements that no hookspec declares (a misspelling), each with the likely name.
+
+        pluggy registers such an implementation and never calls it; :meth:`pluggy.PluginManager.check_pending`
+        finds it. Every plugin registered before passed this check, so what it finds belongs to ``plugin``.
+        """
+        try:
+            self._pm.check_pending()
+        except pluggy.PluginValidationError:
+            pass
+        else:
+            return []
+        specs = [name for name, caller in vars(self._pm.hook).items() if caller.has_spec()]
+        found = []
+        for caller in self._pm.get_hookcallers(plugin) or []:
+            if not caller.has_spec() and any(i.plugin is plugin and not i.optionalhook for i in caller.get_hookimpls()):
+                close = difflib.get_close_matches(caller.name, specs, n=1)
+                found.append(f"{caller.name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        return found
 
     def _drop(self, source: PluginSource) -> None:
         """Take a failed plugin's hooks out: its lifecycle hooks must not run without what it registers."""

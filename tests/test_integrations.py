@@ -127,6 +127,43 @@ def test_fuse_and_unfuse_ask_the_plugins_first(llama: Path) -> None:
     assert fusion_core.get_fusion_plan(model) is not None  # nothing was unfused
 
 
+@pytest.mark.parametrize("reverse", [False, True], ids=["name-order", "reverse-name-order"])
+def test_conversion_wrappers_nest_as_declared_whatever_the_registration_order(
+    monkeypatch: pytest.MonkeyPatch, reverse: bool
+) -> None:
+    from fusion_quantization import plugin as quantization
+    from fusion_tensor_parallel import plugin as tensor_parallel
+
+    calls: list[str] = []
+
+    def record(event: str, result: Any = None) -> Any:
+        return lambda *args: calls.append(event) or result
+
+    # The real wrappers run; only their work is replaced by a note of when it ran.
+    monkeypatch.setattr(tensor_parallel, "localize_built", record("tensor_parallel before", [(None, None, None)]))
+    monkeypatch.setattr(tensor_parallel, "finish", record("tensor_parallel after"))
+    monkeypatch.setattr(quantization, "quantized_parts", record("quantization before"))
+    monkeypatch.setattr(quantization, "attach_guard", record("quantization after"))
+
+    class Undeclared:
+        @hookimpl(wrapper=True)
+        def fusion_convert_loaded(self) -> Generator[None, None, None]:
+            calls.append("undeclared before")
+            result = yield
+            calls.append("undeclared after")
+            return result
+
+    shipped = [(quantization, "quantization"), (tensor_parallel, "tensor_parallel")]  # entry points load by name
+    registry = FamilyRegistry()
+    for plugin, name in [*(reversed(shipped) if reverse else shipped), (Undeclared(), "undeclared")]:
+        registry.register_plugin(plugin, source=PluginSource(name))
+    assert not registry.failures
+    registry.hook.fusion_convert_loaded(model=torch.nn.Module(), built=[(torch.nn.Linear(2, 2), None)], families={})
+    # tensor parallelism replaces plans (outermost); quantization completes the conversion (innermost)
+    assert calls == ["tensor_parallel before", "undeclared before", "quantization before",
+                     "quantization after", "undeclared after", "tensor_parallel after"]
+
+
 def test_the_shipped_integrations_are_plugins_found_through_entry_points() -> None:
     found = {entry.name: entry.source.distribution for entry in get_registry().integrations()}
     assert found == {"peft": "fusion-peft", "quantization": "fusion-quantization",

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
+import peft
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -18,6 +20,7 @@ from safetensors.torch import load_file
 from transformers import AutoModel, AutoModelForCausalLM
 
 import fusion_core
+from fusion_core.compat.peft import LORA_MODULE
 from fusion_core.merged import MergedSlice
 
 BOTH = {"qkv": True, "gate_up": True}
@@ -191,3 +194,68 @@ print(type(lora.base_model.model.model.layers[0].self_attn.q_proj).__name__)
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "FusedLinear", result.stderr[-3000:]
+
+
+
+# A PEFT release whose LoraModel has no _create_new_module of its own (it inherits the factory from BaseTuner, so
+# PEFT's LoRA still works): its LoRA module runs, then the name moves, before the integration's import hook wraps it.
+_RELEASE_WITHOUT_THE_FACTORY = """
+import importlib.machinery
+find_spec = importlib.machinery.PathFinder.find_spec
+
+def without_the_factory(fullname, path=None, target=None):
+    spec = find_spec(fullname, path, target)
+    if fullname == "peft.tuners.lora.model" and spec is not None:
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            module.BaseTuner._create_new_module = module.LoraModel.__dict__["_create_new_module"]
+            del module.LoraModel._create_new_module
+
+        spec.loader.exec_module = exec_module
+    return spec
+
+importlib.machinery.PathFinder.find_spec = without_the_factory
+"""
+
+
+def test_a_peft_release_without_the_factory_imports_and_refuses_only_lora_on_a_fused_model(llama):
+    script = _RELEASE_WITHOUT_THE_FACTORY + f"""
+import fusion_core
+from transformers import AutoModelForCausalLM
+fused = fusion_core.from_pretrained(AutoModelForCausalLM, {str(llama)!r}, fusion_config={BOTH!r})
+import peft
+from peft import LoraConfig, get_peft_model
+assert "_create_new_module" not in peft.tuners.lora.model.LoraModel.__dict__
+config = LoraConfig(r=2, target_modules=["q_proj"])
+plain = get_peft_model(AutoModelForCausalLM.from_pretrained({str(llama)!r}), config)
+assert type(plain.base_model.model.model.layers[0].self_attn.q_proj).__name__ == "Linear"
+try:
+    get_peft_model(fused, config)
+except ImportError as exc:
+    print(exc)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    message = result.stdout.strip()
+    assert f"peft {peft.__version__} has no LoraModel._create_new_module" in message, message
+    assert "needs fusion-peft" in message and "'model.layers.0.self_attn'" in message, message
+
+
+def test_a_fused_load_next_to_such_a_peft_loads_and_refuses_lora_there(llama, monkeypatch):
+    from fusion_peft import lora
+
+    class LoraModel:  # the release's LoRA tuner, without the private factory
+        def __init__(self, model: Any, peft_config: Any, adapter_name: str) -> None:
+            self.model = model
+
+    release = types.ModuleType(LORA_MODULE)
+    release.LoraModel = LoraModel  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, LORA_MODULE, release)  # imported before the fused load
+    monkeypatch.setattr(lora, "_state", {"installed": False, "finder": False})  # as in a fresh process
+    fused = _fused(llama)
+    assert LoraModel(_plain(llama), None, "default").model is not None
+    with pytest.raises(ImportError, match=rf"needs fusion-peft.*peft {peft.__version__} has no LoraModel\."
+                                          r"_create_new_module.*'model\.layers\.0\.self_attn'"):
+        LoraModel(model=fused, peft_config=None, adapter_name="default")

@@ -128,6 +128,9 @@ REGISTRATION_FAULTS: list[tuple[str, str, str]] = [
     ("no-hook", "import fusion_core\nX = 1\n", "implements no fusion_core hook"),
     ("wrong-hook-signature", "import fusion_core\n@fusion_core.hookimpl\ndef register_fusion_families(registry):\n"
                              "    pass\n", "invalid hook implementation"),
+    ("misspelled-hook", _GOOD_FAMILY + _HOOK + "    register(Family())\n\n@fusion_core.hookimpl\n"
+                        "def fusion_modul_fused(module, plan):\n    pass\n",
+     "implements hooks fusion_core does not define: 'fusion_modul_fused' (did you mean 'fusion_module_fused'?)"),
     ("hook-raises", "import fusion_core" + _HOOK + "    raise RuntimeError('boom in hook')\n", "boom in hook"),
     ("hook-exits", "import fusion_core, sys" + _HOOK + "    sys.exit(1)\n", "SystemExit"),
     ("hook-returns-specs", _GOOD_FAMILY + _HOOK + "    return [Family()]\n",

@@ -23,7 +23,9 @@ fuses a module on a real device (not discovery's rehearsal on the meta device). 
 module is already imported, its module factory and its ``target_modules="all-linear"`` expansion
 (:func:`fusion_core.compat.peft.wrap_lora_factories`) (which must count a slice as the ``nn.Linear`` it stands
 for) are wrapped now; otherwise a finder wraps them right after PEFT is imported. Nothing is imported early, and the
-wrapper hands every module that fusion did not make to PEFT unchanged.
+wrapper hands every module that fusion did not make to PEFT unchanged. On a PEFT release without those private names,
+``import peft`` and LoRA on unfused models still work; LoRA on a model holding fused modules is refused with an
+ImportError naming the release, the missing name and this distribution.
 
 **Quantized merged projections** (torchao, bitsandbytes, quanto): the slice's base output is the
 quantized merged GEMM's rows, as on the unfused quantized layer (QLoRA); PEFT sizes and places the
@@ -113,8 +115,37 @@ class _InstallingLoader(importlib.abc.Loader):
 def _install(lora_model_module: ModuleType) -> None:
     if _state["installed"]:
         return
-    compat.wrap_lora_factories(lora_model_module, _create_new_module, _all_linear)
+    try:
+        compat.wrap_lora_factories(lora_model_module, _create_new_module, _all_linear)
+    except ImportError as exc:
+        _refuse_lora_on_fused_models(lora_model_module, exc)
     _state["installed"] = True
+
+
+def _refuse_lora_on_fused_models(lora_model_module: ModuleType, missing: ImportError) -> None:
+    """On a PEFT release without the names LoRA on fused modules wraps, refuse exactly that, when it is asked for.
+
+    This runs inside ``import peft`` (or a fused load), which must not fail for it: LoRA on the unfused model needs
+    nothing of this integration. So ``LoraModel`` (the tuner every LoRA entry point of PEFT builds:
+    ``get_peft_model``, ``PeftModel.from_pretrained``, ``inject_adapter_in_model``) refuses a model holding fused
+    modules, naming the release, the missing name and this distribution. A release without ``LoraModel`` has no
+    tuner this integration knows to guard, and is left alone.
+    """
+    lora_model = getattr(lora_model_module, "LoraModel", None)
+    if lora_model is None:
+        return
+    reason = (f"LoRA on a fused model needs fusion-peft (fusion-core's PEFT integration), which cannot serve the "
+              f"installed PEFT: {missing}")
+    init = lora_model.__init__
+
+    def __init__(self: Any, model: nn.Module, *args: Any, **kwargs: Any) -> None:
+        fused = next((name for name, module in model.named_modules() if module_plan(module) is not None), None)
+        if fused is not None:
+            raise ImportError(f"{reason} (fused: {fused!r})")
+        init(self, model, *args, **kwargs)
+
+    __init__.__wrapped__ = init  # type: ignore[attr-defined]
+    lora_model.__init__ = __init__
 
 
 def _create_new_module(original: Any) -> Any:

@@ -29,7 +29,7 @@ def register_fusion_integrations(register: Callable[[Integration], None]) -> Non
     register(INTEGRATION)
 
 
-@hookimpl(wrapper=True)
+@hookimpl(wrapper=True, tryfirst=True)  # it replaces plans in `built`: the outermost wrapper (see the hookspec)
 def fusion_convert_loaded(
     model: nn.Module, built: MutableSequence[tuple[nn.Module, ModulePlan]], families: Mapping[str, Any]
 ) -> Generator[None, None, None]:
