@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from fusion_core.spec import Inputs, spec_member
+from fusion_core.transforms import class_name
 
 __all__ = [
     "TOLERANCES", "Comparison", "Inputs", "ModuleReport", "RoundTripReport", "WholeModelReport",
@@ -380,7 +381,7 @@ def compare_models(
         original = plain.get_submodule(module_plan.path)
         replacement = fused.get_submodule(module_plan.path)
         report = ModuleReport(
-            module_plan.family, module_plan.path, _name(type(original)), _name(type(replacement)),
+            module_plan.family, module_plan.path, class_name(type(original)), class_name(type(replacement)),
             tolerance=tolerance,
         )
         sets = captured.get(module_plan.path, []) + synthetic_inputs(
@@ -419,10 +420,6 @@ def compare_models(
     else:
         ratio, timed = None, "nothing"
     return Comparison(reports, whole, ratio, timed)
-
-
-def _name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 # -- round trip --------------------------------------------------------------------------------

@@ -13,13 +13,16 @@ Both check every instance before changing any, and refuse what they cannot do ex
 discovery planned, tensors on the meta device, and whatever a plugin refuses through the
 :func:`~fusion_core.hookspecs.fusion_fuse_refusal` / :func:`~fusion_core.hookspecs.fusion_unfuse_refusal`
 hooks (the PEFT integration: a model that already carries adapters; attach adapters after fusing,
-and merge or unload them before unfusing).
+and merge or unload them before unfusing). What only fails on real data (a family's op or
+``fusion_finalize``, a plugin's hook) fails ``fuse`` as a whole: the model is put back as it was
+before the call, so a caller never holds a half-fused model.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import sys
 from typing import Any, TypeVar
 
 from torch import nn
@@ -52,7 +55,10 @@ def fuse(model: ModelT, fusion_config: Any) -> ModelT:
     Raises ``pydantic.ValidationError`` for a bad ``fusion_config``, the discovery errors a fused
     load raises, and :class:`~fusion_core.errors.FusionError` (before changing anything) for a
     model that is already fused or carries adapters, or whose planned modules are not what the
-    plan expects.
+    plan expects. All or nothing past those checks: when converting fails (a
+    :class:`~fusion_core.errors.FusionLoadError` naming the family and module, from the family's
+    own error) or a plugin's hook raises, the model gets back its classes, tensors, hooks and
+    config attributes as they were before the call, and the error propagates with a note saying so.
     """
     fusion = parse_fusion_config(fusion_config, get_registry())
     if not fusion.enabled_names():
@@ -72,23 +78,63 @@ def fuse(model: ModelT, fusion_config: Any) -> ModelT:
     sources = fusion.sources()
 
     def convert() -> None:
-        done: list[nn.Module] = []
         for module, plan in targets:
             try:
                 fuse_instance(module, plan, verified)
             except Exception as exc:  # the family's op or fusion_finalize, on real data (discovery rehearsed the rest)
-                for fused in reversed(done):
-                    unfuse_instance(fused)
                 raise FusionLoadError(
                     f"family {plan.family!r} ({sources[plan.family]}), module {plan.path!r}: fusing the "
-                    f"{plan.original_class.__qualname__} failed: {type(exc).__name__}: {exc} (the modules fused "
-                    "before it were unfused again; this one is left as the failure left it)"
+                    f"{plan.original_class.__qualname__} failed: {type(exc).__name__}: {exc}"
                 ) from exc
-            done.append(module)
 
-    convert_with_hooks(model, targets, fusion, convert)  # under the load lock, as on a load
-    mark_fused(model, fusion, discovery.plan)
+    snapshot = _Snapshot(model)
+    try:
+        convert_with_hooks(model, targets, fusion, convert)  # under the load lock, as on a load
+        mark_fused(model, fusion, discovery.plan)
+    except BaseException as exc:  # KeyboardInterrupt too: never hand back a half-fused model
+        snapshot.restore()
+        _add_note(exc, f"fusion_core.fuse: {type(model).__name__} was restored to its state before the call "
+                       "(classes, tensors, hooks and config as they were; nothing is fused)")
+        raise
     return model
+
+
+class _Snapshot:
+    """What :func:`fuse` may change on a model, taken before it changes anything, to put back on failure.
+
+    Fusing rebinds attributes and edits containers; it does not write into the original tensors
+    (a transform's op returns new tensors or views, and the originals are popped, not modified). So
+    the snapshot holds, for every module and the model's config, the class, the attribute dict,
+    and a copy of each dict-valued attribute (``_parameters``, ``_buffers``, ``_modules``, every
+    hook table, ...): restoring rebinds the original objects and refills those dicts in place, so
+    the same parameter and buffer objects are back and hook handles taken before still remove
+    their hooks. Sub-modules fusion created are dropped with the containers that held them.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._objects = [
+            (obj, type(obj), dict(vars(obj)), {name: dict(v) for name, v in vars(obj).items() if isinstance(v, dict)})
+            for obj in (*model.modules(), model.config)
+        ]
+
+    def restore(self) -> None:
+        for obj, cls, attributes, contents in self._objects:
+            if type(obj) is not cls:
+                obj.__class__ = cls
+            state = vars(obj)
+            state.clear()
+            state.update(attributes)
+            for name, content in contents.items():
+                attributes[name].clear()
+                attributes[name].update(content)
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``; on Python 3.10 the note is kept in ``__notes__`` (tools read it, tracebacks do not)."""
+    if sys.version_info >= (3, 11):
+        exc.add_note(note)
+    else:
+        vars(exc).setdefault("__notes__", []).append(note)
 
 
 def _config_without_record(config: Any) -> Any:

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
 from fusion_core.patterns import compile_pattern
-from fusion_core.transforms import WeightTransform
+from fusion_core.transforms import DISPLAY_NAME_ATTRIBUTE, WeightTransform
 
 if TYPE_CHECKING:  # transformers is imported by the pipeline, not by the protocol
     import torch
@@ -249,7 +249,9 @@ def fused_subclass(mixin: type, original_cls: type[nn.Module]) -> type[nn.Module
     Its ``__qualname__`` (``fused_class[<mixin>,<original>]``, both written ``module:qualname``
     with ``/`` for dots) names the pair, and ``__module__`` is this module: pickle stores the
     class by that reference, and unpickling in a fresh process rebuilds it from the pair, so
-    ``torch.save(model)``, ``pickle`` and ``copy.deepcopy`` of a fused model work.
+    ``torch.save(model)``, ``pickle`` and ``copy.deepcopy`` of a fused model work. That
+    reference is for pickle; plans and the CLI show ``<mixin module.qualname>[<original qualname>]``
+    (``fusion_patch_embeddings.family.PatchLinearMixin[Conv3d]``, see :func:`fusion_core.transforms.class_name`).
     """
     key = (mixin, original_cls)
     with _subclasses_lock:
@@ -262,6 +264,7 @@ def fused_subclass(mixin: type, original_cls: type[nn.Module]) -> type[nn.Module
             {
                 "__module__": __name__,
                 "__qualname__": f"{_FUSED_PREFIX}[{_reference(mixin)},{_reference(original_cls)}]",
+                DISPLAY_NAME_ATTRIBUTE: f"{mixin.__module__}.{mixin.__qualname__}[{original_cls.__qualname__}]",
             },
         )
         _subclasses[key] = fused

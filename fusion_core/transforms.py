@@ -376,8 +376,8 @@ class FusionPlan:
                     {
                         "family": module.family,
                         "module": module.path,
-                        "original_class": _qualname(module.original_class),
-                        "fused_class": _qualname(module.fused_class),
+                        "original_class": class_name(module.original_class),
+                        "fused_class": class_name(module.fused_class),
                         "op": repr(bound.op),
                         "original": {module.full_key(s.name): list(s.shape) for s in bound.sources},
                         "fused": {module.full_key(s.name): list(s.shape) for s in bound.targets},
@@ -392,8 +392,20 @@ def declined(refused: Iterable[tuple[str, str, str]], family: str) -> list[str]:
     return [f"{path or '(the model)'}: {reason}" for name, path, reason in refused if name == family]
 
 
-def _qualname(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
+#: The class attribute holding the name :func:`class_name` shows for a class whose ``__qualname__`` is there for
+#: pickle to find it, not for people to read (the fused classes of :func:`fusion_core.spec.fused_subclass`).
+DISPLAY_NAME_ATTRIBUTE = "__fusion_display_name__"
+
+
+def class_name(cls: type) -> str:
+    """How plans, the CLI and reports name ``cls``: ``module.qualname``, or the readable name it carries.
+
+    A fused class made by :func:`fusion_core.spec.fused_subclass` is shown as its mixin applied to
+    its original class (``fusion_qkv.family.QkvMixin[LlamaAttention]``). Only the class's own
+    attribute counts: a subclass of a fused class is shown by its own qualified name.
+    """
+    shown = vars(cls).get(DISPLAY_NAME_ATTRIBUTE)
+    return shown if isinstance(shown, str) else f"{cls.__module__}.{cls.__qualname__}"
 
 
 def check_conflicts(modules: Iterable[ModulePlan]) -> None:

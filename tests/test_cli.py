@@ -84,6 +84,22 @@ def test_plan_human_output_is_a_table(tiny_checkpoint):
     assert header.index("FUSED KEY") == line.index("visual.patch_embed.proj.weight", 5)  # aligned columns
 
 
+def test_plan_names_fused_classes_readably(tiny_checkpoint, capsys):
+    """A fused class's ``__qualname__`` is for pickle (``fused_class[...]``); plans show its mixin and original."""
+    directory, _ = tiny_checkpoint("qwen2_vl")
+    readable = f"{PatchLinearMixin.__module__}.{PatchLinearMixin.__qualname__}[Conv3d]"
+    assert cli.main(["plan", str(directory), "-f", PATCH, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert [m["fused_class"] for m in plan["modules"]] == [readable]
+    assert {row["fused_class"] for row in plan["transforms"]} == {readable}
+    assert cli.main(["plan", str(directory), "-f", PATCH]) == 0
+    out = capsys.readouterr().out
+    path = plan["modules"][0]["module"]
+    assert next(li.split() for li in out.splitlines() if li.startswith(f"{path} ")) == [
+        path, PATCH, "torch.nn.modules.conv.Conv3d", readable]
+    assert "fused_class[" not in out
+
+
 def test_plan_says_why_nothing_matches(llama_dir, capsys):
     result = fusion("plan", llama_dir, "-f", PATCH, check=False)
     assert result.returncode == 1

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
+import re
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +16,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 import fusion_core
-from fusion_core import inplace
+from fusion_core import hookimpl
 from fusion_core.layout import module_plan
+from fusion_core.plugins import PluginSource, get_registry
 from fusion_core.spec import FusedModule
 from fusion_core.testing.tiny_models import TINY_MODELS
 from fusion_core.transforms import attach_plan
@@ -135,20 +139,55 @@ def test_unfuse_refuses_a_fused_class_that_cannot_undo_its_setup(llama_and_refer
     assert module_plan(model.model.layers[1].self_attn) is not None
 
 
-def test_a_failure_on_real_data_unfuses_what_was_already_fused(llama_and_reference, monkeypatch):
+class FailsOnTheFirstGateUp:
+    """Raises inside the conversion of the second module (the second family's first): it is switched, converted and
+    finalized, and the module before it (the first family's) is fused, when it fails."""
+
+    @hookimpl
+    def fusion_module_fused(self, module: nn.Module, plan: Any) -> None:
+        if plan.family == "gate_up" and not any(p.is_meta for p in module.parameters()):
+            raise RuntimeError("broken on real data")
+
+
+class FailsAfterTheConversion:
+    """Raises once every module is fused, before fuse() marks the model fused."""
+
+    @hookimpl(wrapper=True)
+    def fusion_convert_loaded(self) -> Generator[None, None, None]:
+        yield
+        raise RuntimeError("broken after the conversion")
+
+
+@pytest.mark.parametrize(("plugin", "error", "message"), [
+    (FailsOnTheFirstGateUp, fusion_core.FusionLoadError,
+     r"family 'gate_up' .*module 'model\.layers\.0\.mlp': .*RuntimeError: broken on real data"),
+    (FailsAfterTheConversion, RuntimeError, r"^broken after the conversion$"),  # the plugin's own error, as it was
+])
+def test_a_failure_part_way_gives_the_model_back_as_it_was(llama_and_reference, plugin, error, message):
     directory, reference = llama_and_reference
     model = AutoModelForCausalLM.from_pretrained(directory)
-    real = inplace.fuse_instance
-    calls = []
+    attention = model.model.layers[0].self_attn
+    handle = attention.register_forward_hook(lambda module, args, output: None)
+    attention.register_state_dict_post_hook(lambda module, state_dict, prefix, local_metadata: None)
+    before = copy.deepcopy(model)
+    tensors = dict([*model.named_parameters(), *model.named_buffers()])
+    hooks = {name: (dict(m._forward_hooks), dict(m._state_dict_hooks), dict(m._load_state_dict_pre_hooks))
+             for name, m in model.named_modules()}
+    config = dict(vars(model.config))
+    get_registry().register_plugin(plugin(), source=PluginSource("failing"))
 
-    def fails_on_the_third(module: nn.Module, plan: Any, verified: Any = None) -> None:
-        calls.append(plan.path)
-        if len(calls) == 3:
-            raise RuntimeError("broken op")
-        real(module, plan, verified)
-
-    monkeypatch.setattr(inplace, "fuse_instance", fails_on_the_third)
-    with pytest.raises(fusion_core.FusionLoadError, match=r"broken op .*fused before it were unfused again"):
+    with pytest.raises(error) as failure:
         fusion_core.fuse(model, ALL_TEXT)
-    assert not any(module_plan(m) is not None for m in model.modules())
-    _assert_bit_identical(model, reference)
+
+    assert [(n, type(m)) for n, m in model.named_modules()] == [(n, type(m)) for n, m in before.named_modules()]
+    _assert_bit_identical(model, before)
+    after = dict([*model.named_parameters(), *model.named_buffers()])
+    assert list(after) == list(tensors) and all(after[name] is tensor for name, tensor in tensors.items())
+    assert {name: (dict(m._forward_hooks), dict(m._state_dict_hooks), dict(m._load_state_dict_pre_hooks))
+            for name, m in model.named_modules()} == hooks
+    assert vars(model.config) == config and fusion_core.get_fusion_plan(model) is None
+    torch.testing.assert_close(_logits(model), _logits(reference), rtol=0, atol=0)
+    handle.remove()  # a handle taken before the call still finds its hook
+    assert not attention._forward_hooks
+    assert type(failure.value) is error and re.search(message, str(failure.value))
+    assert [note for note in getattr(failure.value, "__notes__", []) if "was restored to its state before" in note]
