@@ -1,11 +1,17 @@
-"""Private names of transformers, PEFT, accelerate and torch are reached only from ``fusion_core/compat/``.
+"""Private names of transformers, PEFT, accelerate, torch and the quantizers are reached only from the compat
+modules: ``fusion_core/compat/`` and a plugin's ``compat.py`` (``fusion_quantization/compat.py``: bitsandbytes,
+optimum-quanto, torchao).
 
 Walks the AST of the core and of every shipped plugin package. Flagged outside the compat modules:
 
-- an import of a ``_``-prefixed name or module of one of those libraries;
+- an import of a ``_``-prefixed name or module of one of those libraries, or of a quantizer's internal class
+  (``QuantState``, ``Params4bit``, ``WeightQBytesTensor``, ...);
 - an attribute chain rooted at one of them that reaches a ``_``-prefixed name (``torch._dynamo``);
 - a known private attribute of their objects (``model._tp_size``, ``PreTrainedModel._from_config``,
-  a module's hook dictionaries, ...), as an attribute or as a ``getattr``/``hasattr``/``setattr`` string.
+  a module's hook dictionaries, quanto's ``_data`` / ``_scale``, a ``BitsAndBytesConfig``'s
+  ``_load_in_4bit``, ...) or a quantizer's internal (bitsandbytes' ``SCB``, ``quant_state``, ...), as an
+  attribute or as a string argument of a call (``getattr(weight, "SCB", None)``,
+  ``config_field(config, "_load_in_4bit")``).
 
 ``nn.Module``'s ``_parameters`` / ``_buffers`` / ``_modules`` dictionaries are allowed: the storage
 every module has, which torch's own ``__setattr__``, accelerate and PEFT write (``compat/torch.py``).
@@ -14,7 +20,9 @@ every module has, which torch's own ``__setattr__``, accelerate and PEFT write (
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -32,13 +40,24 @@ KNOWN_PRIVATE = {
     "_forward_pre_hooks", "_backward_hooks", "_state_dict_pre_hooks", "_non_persistent_buffers_set",
     # PEFT
     "_create_new_module", "_maybe_include_all_linear_layers",
+    # transformers' BitsAndBytesConfig, optimum-quanto's tensors, bitsandbytes
+    "_load_in_4bit", "_load_in_8bit", "_data", "_scale", "_qtype", "_axis", "_convert_weight_packed_for_cpu",
 }
+QUANTIZER_INTERNALS = {
+    # bitsandbytes: LLM.int8 scales and state, the 4-bit quantization state and its CPU repacking
+    "SCB", "MatmulLtState", "has_fp16_weights", "Int8Params", "Params4bit", "QuantState", "quant_state",
+    "packing_format_for_cpu",
+    # optimum-quanto
+    "WeightQBytesTensor", "activation_qtype",
+}
+"""Internal names of the quantizers without a ``_`` prefix: flagged wherever they appear outside a compat module."""
 SOURCES = sorted(
     path
     for package in [ROOT / "fusion_core", *sorted((ROOT / "fusion_plugins").glob("*/fusion_*"))]
     for path in package.rglob("*.py")
-    if "compat" not in path.relative_to(ROOT).parts
+    if "compat" not in path.relative_to(ROOT).parts and path.name != "compat.py"
 )
+FLAGGED = KNOWN_PRIVATE | QUANTIZER_INTERNALS
 
 
 def _root_name(node: ast.expr) -> str | None:
@@ -63,18 +82,20 @@ def violations(source: str, path: str = "<string>") -> list[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in LIBRARIES:
             parts = node.module.split(".")
             for alias in node.names:
-                if alias.name.startswith("_") or any(part.startswith("_") for part in parts):
+                if (alias.name.startswith("_") or alias.name in QUANTIZER_INTERNALS
+                        or any(part.startswith("_") for part in parts)):
                     found.append(f"{path}:{node.lineno}: from {node.module} import {alias.name}")
                 aliases[alias.asname or alias.name] = parts[0]
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+        if isinstance(node, ast.Attribute) and node.attr in QUANTIZER_INTERNALS:
+            found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
             if node.attr in MODULE_STORAGE:
                 continue
             if node.attr in KNOWN_PRIVATE or _root_name(node) in aliases:
                 found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id in {"getattr", "hasattr", "setattr", "delattr"} and len(node.args) >= 2
-              and isinstance(node.args[1], ast.Constant) and node.args[1].value in KNOWN_PRIVATE):
+        elif isinstance(node, ast.Call) and any(isinstance(argument, ast.Constant) and argument.value in FLAGGED
+                                                for argument in node.args[1:]):
             found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
     return found
 
@@ -82,7 +103,13 @@ def violations(source: str, path: str = "<string>") -> list[str]:
 def test_no_private_name_outside_the_compat_modules():
     assert SOURCES, "no source found to check"
     found = [v for path in SOURCES for v in violations(path.read_text(), str(path.relative_to(ROOT)))]
-    assert not found, "private names outside fusion_core/compat/:\n" + "\n".join(found)
+    assert not found, "private names outside the compat modules:\n" + "\n".join(found)
+
+
+def test_the_plugins_compat_modules_are_exempt_and_walked_otherwise():
+    compat = ROOT / "fusion_plugins" / "quantization" / "fusion_quantization" / "compat.py"
+    assert compat not in SOURCES and compat.parent / "bnb_4bit.py" in SOURCES
+    assert violations(compat.read_text()), "the quantizers' compat module no longer reads what the rules flag"
 
 
 @pytest.mark.parametrize("source", [
@@ -94,6 +121,12 @@ def test_no_private_name_outside_the_compat_modules():
     "size = model._tp_size",
     "size = getattr(model, '_tp_size', None)",
     "module._state_dict_hooks.clear()",
+    "scales = getattr(layer.weight, 'SCB', None)",
+    "state = layer.weight.quant_state",
+    "from bitsandbytes.functional import QuantState",
+    "rows, scales = weight._data, weight._scale",
+    "config_field(quantization, '_load_in_4bit')",
+    "from optimum.quanto.tensor.weights.qbytes import WeightQBytesTensor",
 ])
 def test_each_rule_flags_what_it_names(source):
     assert violations(source), source
@@ -101,3 +134,27 @@ def test_each_rule_flags_what_it_names(source):
 
 def test_module_storage_and_own_names_pass():
     assert not violations("module._parameters['weight'] = w\nself._cache = None\nowner._modules.get('q_proj')")
+
+
+def _without(class_name: str, **attributes: object) -> object:
+    """An instance of a class named like a quantizer's, lacking every attribute but ``attributes``."""
+    return type(class_name, (), attributes)()
+
+
+@pytest.mark.parametrize(("library", "name", "read"), [
+    ("bitsandbytes", "Params4bit.quant_state",
+     lambda compat: compat.read_4bit(SimpleNamespace(weight=_without("Params4bit")))),
+    ("bitsandbytes", "MatmulLtState.threshold",
+     lambda compat: compat.int8_settings(SimpleNamespace(state=_without("MatmulLtState")))),
+    ("optimum-quanto", "WeightQBytesTensor._data", lambda compat: compat.read_quanto(
+        SimpleNamespace(_parameters={"weight": _without("WeightQBytesTensor", qtype=SimpleNamespace(name="qint8"))}))),
+])
+def test_a_quantizer_release_without_a_name_fusion_quantization_reads_is_named(library, name, read):
+    """On a release that lacks an internal name, the error names the library, its release, the name and the
+    releases checked, instead of an AttributeError deep in a load or a save."""
+    from fusion_quantization import compat
+
+    checked = re.escape(", ".join(compat.CHECKED_RELEASES[library]))
+    with pytest.raises(ImportError, match=rf"^{library} {re.escape(compat.release(library))} has no {re.escape(name)},"
+                                          rf" .*checked on {library} {checked}: install that release"):
+        read(compat)

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 import fusion_core
 from fusion_core import FusedModule, FusionFamily, Transpose, WeightTransform
 from fusion_core.compare import TOLERANCES, relative_error
-from fusion_core.testing.tiny_models import TINY_MODELS
+from fusion_core.testing.tiny_models import TINY_MODELS, TinyModel, TinyTextModel, save_tiny_model
 
 for _library in ("torchao", "bitsandbytes", "optimum.quanto"):
     pytest.importorskip(_library, reason=f"{_library} is not installed here: scripts/test.sh runs this module in the "
@@ -40,6 +40,78 @@ ALL_TEXT = {"qkv": True, "gate_up": True}
 INT8_TOLERANCE = 1e-2
 """Relative error (:func:`fusion_core.compare.relative_error`) allowed between two int8-quantized models."""
 WAY_OUT = r"quantize the unfused model, or leave the families out \(fusion_config=\{'gate_up': False, 'qkv': False\}\)"
+
+# bitsandbytes 4-bit on CPU. Where bitsandbytes reports avx512-bf16 (``bitsandbytes.functional.has_avx512bf16()``:
+# Intel Xeons with AVX-512 BF16 / AMX, AMD Zen 4), ``Linear4bit.forward`` repacks its weight for that kernel
+# (bitsandbytes 0.50.2 ``nn/modules.py``: ``_convert_weight_packed_for_cpu``) at the first forward whose input is on
+# the CPU and needs no gradient, in eval mode (inference, and QLoRA's frozen base layers). The repacking asserts
+# ``out_features % 32 == 0`` and reshapes the block scales to ``(out_features, in_features // 64)``, so it fails
+# unless ``in_features`` is a whole number of 64-element blocks: ``RuntimeError: shape '[32, 0]' is invalid for
+# input of size 16`` at ``in_features`` 32, the unfused model as the fused one. Every model a 4-bit test quantizes is
+# therefore at least that wide (``TEXT_4BIT``: hidden size 64, MLP 128, q/k/v/o 64 wide, k/v 32 rows; its
+# Qwen2-VL: vision width 64, patches of 3 x 2 x 8 x 8 = 384 inputs), and ``_assert_bnb_4bit_kernel_widths`` checks
+# every ``Linear4bit`` the test loads, on every CPU, so a narrower model fails everywhere, not only on those CPUs.
+BNB_4BIT_BLOCK = 64
+"""The 4-bit block size (elements per ``absmax`` scale): bitsandbytes' default, which transformers uses."""
+BNB_CPU_ROW_BLOCK = 32
+"""The rows bitsandbytes' avx512-bf16 CPU kernel packs together (``block_n``): out_features must be a multiple."""
+TEXT_4BIT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256, bos_token_id=1,
+                 eos_token_id=2, pad_token_id=0)
+
+
+def _llama_4bit_config() -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**TEXT_4BIT)
+
+
+def _qwen2_vl_4bit_config() -> Any:
+    from transformers import Qwen2VLConfig
+
+    return Qwen2VLConfig(
+        text_config=dict(TEXT_4BIT, rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]}),
+        vision_config=dict(depth=2, embed_dim=64, hidden_size=64, num_heads=4, mlp_ratio=2, in_channels=3,
+                           patch_size=8, temporal_patch_size=2, spatial_merge_size=2),
+        vision_start_token_id=3, vision_end_token_id=4, image_token_id=5, video_token_id=6)
+
+
+QWEN2_VL_4BIT = TinyModel("qwen2_vl", "AutoModelForImageTextToText", _qwen2_vl_4bit_config,
+                          TINY_MODELS["qwen2_vl"].make_vision_input, "model.visual")
+
+
+@pytest.fixture(scope="session")
+def llama_4bit(checkpoint_root: Path) -> Path:
+    """A tiny Llama as wide as bitsandbytes' 4-bit CPU kernel needs (``TEXT_4BIT``); built once."""
+    directory = checkpoint_root / "llama-4bit"
+    if not directory.exists():
+        save_tiny_model(TinyTextModel("llama", "AutoModelForCausalLM", _llama_4bit_config), directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_4bit(checkpoint_root: Path) -> Path:
+    """A tiny Qwen2-VL as wide as bitsandbytes' 4-bit CPU kernel needs (:data:`QWEN2_VL_4BIT`); built once."""
+    directory = checkpoint_root / "qwen2-vl-4bit"
+    if not directory.exists():
+        save_tiny_model(QWEN2_VL_4BIT, directory)
+    return directory
+
+
+def _assert_bnb_4bit_kernel_widths(*models: nn.Module) -> None:
+    """Every bitsandbytes ``Linear4bit`` in ``models`` can be repacked for the avx512-bf16 CPU kernel: in_features a
+    positive multiple of the 64-element block, out_features a multiple of 32 (asserts there is one)."""
+    import bitsandbytes as bnb
+
+    layers = [(name, module) for model in models for name, module in model.named_modules()
+              if isinstance(module, bnb.nn.Linear4bit)]
+    assert layers, "no bitsandbytes 4-bit layer to check"
+    narrow = [(name, module.in_features, module.out_features) for name, module in layers
+              if module.in_features < BNB_4BIT_BLOCK or module.in_features % BNB_4BIT_BLOCK
+              or module.out_features % BNB_CPU_ROW_BLOCK]
+    assert not narrow, (f"4-bit layers (name, in_features, out_features) bitsandbytes' avx512-bf16 CPU kernel cannot "
+                        f"repack (in_features: a multiple of {BNB_4BIT_BLOCK}, out_features: of {BNB_CPU_ROW_BLOCK}; "
+                        f"see the comment at the top of this module): {narrow}")
 
 
 def _broken_copy(source: Path, target: Path) -> Path:
@@ -239,7 +311,7 @@ def _adapter(model: nn.Module) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("kwargs", [{"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}, {"load_in_8bit": True}],
                          ids=["qlora-nf4", "llm-int8"])
 def test_lora_on_a_bitsandbytes_fused_model_trains_and_saves_the_unfused_models_adapter(
-        llama: Path, tmp_path: Path, kwargs: dict[str, Any]) -> None:
+        llama_4bit: Path, tmp_path: Path, kwargs: dict[str, Any]) -> None:
     """QLoRA-style (bitsandbytes base, LoRA on q_proj / v_proj): the same adapter at initialisation, the same after
     a training step and in the adapter files, within the model dtype's tolerance (the merged GEMM's backward blocks
     differently; transformers 4.57 loads bitsandbytes models in float16), or the int8 tolerance for LLM.int8."""
@@ -250,9 +322,11 @@ def test_lora_on_a_bitsandbytes_fused_model_trains_and_saves_the_unfused_models_
     def config() -> Any:
         return BitsAndBytesConfig(**kwargs)
 
-    models = [AutoModelForCausalLM.from_pretrained(llama, quantization_config=config()),
-              fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT,
+    models = [AutoModelForCausalLM.from_pretrained(llama_4bit, quantization_config=config()),
+              fusion_core.from_pretrained(AutoModelForCausalLM, llama_4bit, fusion_config=ALL_TEXT,
                                           quantization_config=config())]
+    if kwargs.get("load_in_4bit"):
+        _assert_bnb_4bit_kernel_widths(*models)
     adapted, initial, trained = [], [], []
     for model in models:
         torch.manual_seed(0)
@@ -323,14 +397,16 @@ def _at_load_quantizers() -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("quantizer", ["bnb-int8", "bnb-nf4", "quanto-int8"])
-def test_the_save_hooks_of_merged_quantized_layers_hold_no_tensors(llama: Path, quantizer: str) -> None:
+def test_the_save_hooks_of_merged_quantized_layers_hold_no_tensors(llama_4bit: Path, quantizer: str) -> None:
     """The hooks that write each part's entries back bind only where the parts are; the tensors are read from the
     module at save time (a load-time copy kept by a hook would outlive a move to another device)."""
     import dataclasses
     import functools
 
-    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT,
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama_4bit, fusion_config=ALL_TEXT,
                                         quantization_config=_at_load_quantizers()[quantizer])
+    if quantizer == "bnb-nf4":
+        _assert_bnb_4bit_kernel_widths(fused)
     bound = [argument for module in fused.modules() for hook in module._state_dict_hooks.values()
              if isinstance(hook, functools.partial) and hook.func.__module__.startswith("fusion_quantization")
              for argument in hook.args]
@@ -343,14 +419,16 @@ def test_the_save_hooks_of_merged_quantized_layers_hold_no_tensors(llama: Path, 
 
 @pytest.mark.parametrize("quantizer", ["bnb-int8", "bnb-nf4", "quanto-int8", "torchao-int8"])
 def test_a_quantizing_load_of_a_fused_patch_embedding_model_quantizes_what_the_unfused_load_does(
-        quantizer: str, tiny_checkpoint: Any) -> None:
+        quantizer: str, qwen2_vl_4bit: Path) -> None:
     """The fused Conv3d (a flattened matmul) is left unquantized where the unfused Conv3d is; every nn.Linear the
     unfused load quantizes is quantized the same way; the vision tower computes the same."""
-    directory, _ = tiny_checkpoint("qwen2_vl")
-    plain = AutoModelForImageTextToText.from_pretrained(directory, quantization_config=_at_load_quantizers()[quantizer])
-    fused = fusion_core.from_pretrained(AutoModelForImageTextToText, directory,
+    plain = AutoModelForImageTextToText.from_pretrained(qwen2_vl_4bit,
+                                                        quantization_config=_at_load_quantizers()[quantizer])
+    fused = fusion_core.from_pretrained(AutoModelForImageTextToText, qwen2_vl_4bit,
                                         fusion_config={"patch_embeddings": True},
                                         quantization_config=_at_load_quantizers()[quantizer])
+    if quantizer == "bnb-nf4":
+        _assert_bnb_4bit_kernel_widths(plain, fused)
 
     def quantized(model: nn.Module) -> dict[str, str]:
         found = {}
@@ -365,7 +443,7 @@ def test_a_quantizing_load_of_a_fused_patch_embedding_model_quantizes_what_the_u
     assert quantized(fused) == quantized(plain) and quantized(plain)
     plan = fusion_core.get_fusion_plan(fused)
     assert plan is not None and plan.modules
-    tiny = TINY_MODELS["qwen2_vl"]
+    tiny = QWEN2_VL_4BIT
     inputs = tiny.make_vision_input(plain.config, torch.Generator().manual_seed(0))
     inputs = {key: value.to(plain.dtype) if value.is_floating_point() else value for key, value in inputs.items()}
     with torch.no_grad():
@@ -540,7 +618,7 @@ def _packed_state(layer: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
-def test_a_bitsandbytes_4bit_load_merges_the_packed_blocks_exactly(llama: Path, tmp_path: Path,
+def test_a_bitsandbytes_4bit_load_merges_the_packed_blocks_exactly(llama_4bit: Path, tmp_path: Path,
                                                                    quant_type: str) -> None:
     """4-bit at load: the merged container is a Linear4bit whose packed bytes and block scales are the parts',
     bit for bit; one 4-bit matmul per merged projection; the save writes the unfused model's keys and bytes; the
@@ -553,9 +631,10 @@ def test_a_bitsandbytes_4bit_load_merges_the_packed_blocks_exactly(llama: Path, 
     def config() -> Any:
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type)
 
-    plain = AutoModelForCausalLM.from_pretrained(llama, quantization_config=config())
-    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT,
+    plain = AutoModelForCausalLM.from_pretrained(llama_4bit, quantization_config=config())
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama_4bit, fusion_config=ALL_TEXT,
                                         quantization_config=config())
+    _assert_bnb_4bit_kernel_widths(plain, fused)
     for path, merged in _merged_projections(fused):
         container = merged.owner
         assert isinstance(container, bnb.nn.Linear4bit)
@@ -570,27 +649,55 @@ def test_a_bitsandbytes_4bit_load_merges_the_packed_blocks_exactly(llama: Path, 
         return sum(m.in_features * m.out_features for m in model.modules() if quantized(m))
 
     assert logical_elements(fused) == logical_elements(plain) > 0
+    # Saved before any forward: after one, on a CPU with avx512-bf16 the layers are saved in the layout of
+    # bitsandbytes' CPU kernel (block scales transposed, in bfloat16), which the fused save mirrors (checked below)
+    # but a load does not read back as it was.
+    AutoModelForCausalLM.from_pretrained(llama_4bit, quantization_config=config()).save_pretrained(tmp_path / "saved")
     logits = _runs_merged_and_saves_what_the_unfused_model_saves(fused, plain, tmp_path)
     # The checkpoint plain transformers wrote, with its quantization config, loads fused: the same logits.
-    reloaded = fusion_core.from_pretrained(AutoModelForCausalLM, tmp_path / "plain", fusion_config=ALL_TEXT)
+    reloaded = fusion_core.from_pretrained(AutoModelForCausalLM, tmp_path / "saved", fusion_config=ALL_TEXT)
     assert isinstance(reloaded.model.layers[0].self_attn.qkv_proj, bnb.nn.Linear4bit)
+    _assert_bnb_4bit_kernel_widths(reloaded)
+    plain_again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     with torch.no_grad():
         assert torch.equal(reloaded(_ids()).logits, logits)
+        plain_again(_ids())  # both ran (and were repacked where the CPU has avx512-bf16) before they are saved
     # Saved again: what saving the unfused pre-quantized model does (transformers 5.x cannot revert its own
     # bitsandbytes loading ops, NotImplementedError, and the fused save writes nothing), else the same bytes.
     (tmp_path / "again").mkdir()
-    plain_again = AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
     if _save_both(plain_again, reloaded, tmp_path / "again") == [None, None]:
         assert compare_checkpoints(tmp_path / "again" / "plain", tmp_path / "again" / "fused").ok
     else:
         assert not (tmp_path / "again" / "fused").exists()
 
 
-def test_bitsandbytes_double_quantization_is_refused_before_any_weight_is_read(llama: Path, tmp_path: Path) -> None:
+def test_a_4bit_checkpoint_saved_in_the_cpu_kernels_layout_is_refused_by_name(llama_4bit: Path, tmp_path: Path
+                                                                             ) -> None:
+    """After its avx512-bf16 CPU kernel ran, bitsandbytes 0.50.2 saves a layer's block scales as a (blocks per row,
+    rows) bfloat16 table: such parts are refused by name (not a tensor-size error), on every CPU."""
+    from safetensors.torch import load_file, save_file
+    from transformers import BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4")
+    AutoModelForCausalLM.from_pretrained(llama_4bit, quantization_config=config).save_pretrained(tmp_path / "saved")
+    weights = tmp_path / "saved" / "model.safetensors"
+    tensors = load_file(weights)
+    merged_parts = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.")  # hidden_size inputs each
+    for key in [k for k in tensors if k.endswith(".weight.absmax") and any(p in k for p in merged_parts)]:
+        rows = tensors[key.removesuffix(".absmax")].numel() * 2 // TEXT_4BIT["hidden_size"]  # 2 codes a byte
+        tensors[key] = tensors[key].reshape(rows, -1).T.to(torch.bfloat16).contiguous()
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(fusion_core.FusionLoadError, match=r"family '(qkv|gate_up)'.*cannot be merged exactly: their "
+                       r"block scales are in the \(blocks per row, rows\) bfloat16 layout"):
+        fusion_core.from_pretrained(AutoModelForCausalLM, tmp_path / "saved", fusion_config=ALL_TEXT)
+
+
+def test_bitsandbytes_double_quantization_is_refused_before_any_weight_is_read(llama_4bit: Path, tmp_path: Path
+                                                                               ) -> None:
     """QLoRA's default (nested scales quantized around the mean of a whole layer's) cannot be merged exactly."""
     from transformers import BitsAndBytesConfig
 
-    broken = _broken_copy(llama, tmp_path / "broken")
+    broken = _broken_copy(llama_4bit, tmp_path / "broken")
     with pytest.raises(fusion_core.FusionLoadError, match=r"the load quantizes with BitsAndBytesConfig "
                        r"\(bitsandbytes\).*family 'qkv', module 'model\.layers\.0\.self_attn'.*double quantization "
                        r"\(bnb_4bit_use_double_quant\).*" + WAY_OUT):
@@ -655,6 +762,89 @@ def test_a_skip_list_that_leaves_whole_merged_projections_alone_loads_them_plain
     assert isinstance(layer.mlp.gate_up_proj, bnb.nn.Linear8bitLt)
     with torch.no_grad():
         assert relative_error(plain(_ids()).logits, fused(_ids()).logits) <= INT8_TOLERANCE
+
+
+def test_parts_are_matched_against_a_configs_patterns_in_linear_time() -> None:
+    """Skip lists and torchao's ``re:`` keys come from a downloaded config: ``(.*.*)*X`` backtracks for minutes in
+    Python's re on a module path. The planning runs in a subprocess under a timeout (a bound, not a measurement)."""
+    script = (
+        "from types import SimpleNamespace\n"
+        "from fusion_quantization.schemes import part_schemes\n"
+        "paths = ['model.layers.0.self_attn.q_proj', 'model.layers.0.self_attn.k_proj']\n"
+        "print(part_schemes({'llm_int8_skip_modules': ['(.*.*)*X']}, paths))\n"
+        "print(part_schemes({'quant_type': SimpleNamespace(fqn_to_config={'re:(.*.*)*X': None, '_default': 8})},"
+        " paths))\n"
+    )
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("matching '(.*.*)*X' against the parts' paths did not finish within 60 s")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["['quantized', 'quantized']", "['8', '8']"]
+
+
+@pytest.mark.parametrize(("pattern", "path", "skipped"), [
+    (r"model\.layers\.1", "model.layers.1.mlp", True), (r"model\.layers\.1", "model.layers.11.mlp", False),
+    (r"model\.layers\.\d+\.self_attn", "model.layers.3.self_attn.q_proj", True), (r"mlp\.gate", "mlp.gate_proj", False),
+    (r"model\.", "model.layers.0", True), (r"model\.$", "model.layers.0", False), (r"model\b", "model.layers", True),
+    ("fc1", "model.decoder.layers.23.fc1", True), ("q_proj|v_proj", "q_proj.base_layer", True),
+    ("(?<=x)q", "model.q", False),
+])
+def test_skip_lists_match_as_transformers_matches_them(pattern: str, path: str, skipped: bool) -> None:
+    """RE2 with transformers' boundary rule gives what its ``re.match(rf"(?:{key})" + boundary)`` gives (a pattern
+    RE2 cannot run, lookaround, matches nothing); the suffix and substring rules apply as well."""
+    import re
+
+    from fusion_quantization.schemes import skipped as is_skipped
+
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    transformers_rule = bool(re.match(rf"(?:{pattern}){boundary}", path)) or path.endswith(pattern) or pattern in path
+    assert is_skipped(path, [pattern]) is skipped
+    assert transformers_rule is skipped or pattern.startswith("(?<=")
+
+
+def test_the_quantizers_internal_names_exist_on_the_installed_releases_which_are_checked() -> None:
+    """Every internal name fusion_quantization.compat reads, calls or writes, on real layers of the installed
+    bitsandbytes, optimum-quanto and torchao, which must be releases the module was checked on."""
+    import bitsandbytes as bnb
+    from fusion_quantization import compat
+    from optimum.quanto import freeze, qint8, quantize
+    from torchao.quantization import FqnToConfig, Int8WeightOnlyConfig
+    from transformers import BitsAndBytesConfig
+
+    for library, checked in compat.CHECKED_RELEASES.items():
+        assert compat.release(library) in checked, f"{library} {compat.release(library)}: check compat.py, then list it"
+    x = torch.randn(2, 64)
+    four = bnb.nn.Linear4bit(64, 64, bias=False, compress_statistics=False, quant_type="nf4").to("cpu").eval()
+    state = compat.read_4bit(four)
+    assert state is not None and state.shape == (64, 64) and not state.nested and not state.repacked_for_cpu
+    rebuilt = compat.linear_4bit(state.packed, state.absmax, state.shape, state, bias=False).eval()
+    saved = four.state_dict()
+    for name, value in compat.state_4bit_entries(compat.part_block_scales(state, 0, 64), (64, 64), state).items():
+        assert torch.equal(saved[f"weight.{name}"], value), name
+    with torch.no_grad():
+        assert torch.equal(rebuilt(x), four(x))
+    eight = bnb.nn.Linear8bitLt(64, 64, bias=False, has_fp16_weights=False, threshold=6.0).to("cpu")
+    scales, (threshold, float_weights) = compat.int8_scales(eight), compat.int8_settings(eight)
+    assert scales is not None and threshold == 6.0 and not float_weights
+    saved = eight.state_dict()
+    assert all(torch.equal(saved[name], value) for name, value in compat.int8_part_entries(scales).items())
+    with torch.no_grad():
+        assert torch.equal(compat.int8_linear(eight.weight.data, scales, threshold, bias=False)(x), eight(x))
+    quanto = nn.Sequential(nn.Linear(64, 64, bias=False))
+    quantize(quanto, weights=qint8)
+    freeze(quanto)
+    rows = compat.read_quanto(quanto[0])
+    assert rows is not None and rows.axis == 0 and rows.qtype_name == "qint8" and rows.activation_type is None
+    saved = quanto.state_dict()
+    assert all(torch.equal(saved[f"0.{name}"], value)
+               for name, value in compat.quanto_part_entries(rows.data, rows.scale).items())
+    with torch.no_grad():
+        assert torch.equal(compat.quanto_linear(rows.data, rows.scale, rows.qtype, bias=False)(x), quanto(x))
+    table = {"re:.*q_proj": Int8WeightOnlyConfig()}
+    assert compat.torchao_module_table(FqnToConfig(table)) == table
+    assert compat.bnb_loads_in(BitsAndBytesConfig(load_in_4bit=True), 4)
+    assert compat.bnb_loads_in({"_load_in_8bit": True}, 8) and not compat.bnb_loads_in({"load_in_4bit": True}, 8)
 
 
 # -- quanto --------------------------------------------------------------------------------------

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion_core.errors import FusionLoadError
+from fusion_core.errors import FusionLoadError, SaveError
 from fusion_core.transforms import ModulePlan
+from fusion_quantization.compat import Packed4bit, linear_4bit, part_block_scales, read_4bit, state_4bit_entries
 from fusion_quantization.detect import package_of
 from fusion_quantization.replaced import PartsLayout, QuantizedParts, leave_stand_ins, replace_container
 
@@ -56,18 +57,14 @@ def is_4bit_linear(module: nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class PackedMerge:
-    """One merged container of 4-bit parts: where its parts are, and the merged state."""
+    """One merged container of 4-bit parts: where its parts are, and the merged packed bytes and block scales,
+    quantized as ``like`` (the first part)."""
 
     layout: PartsLayout
     in_features: int
     packed: torch.Tensor
     absmax: torch.Tensor
-    code: torch.Tensor
-    blocksize: int
-    quant_type: str
-    dtype: torch.dtype
-    quant_storage: torch.dtype
-    compute_dtype: torch.dtype | None
+    like: Packed4bit
 
 
 def _same(values: Sequence[object]) -> bool:
@@ -79,42 +76,41 @@ def take_packed(found: Sequence[QuantizedParts]) -> list[PackedMerge]:
     layers, leaving a stand-in of the plan's shape in each part."""
     merges = []
     for parts in (p for p in found if p.of(is_4bit_linear)):
-        layers = parts.layers
-        states: list[Any] = [getattr(layer.weight, "quant_state", None) if is_4bit_linear(layer) else None
-                             for layer in layers]
+        states = [read_4bit(layer) if is_4bit_linear(layer) else None for layer in parts.layers]
         if any(state is None for state in states):
             raise FusionLoadError(f"{parts.where}: {list(parts.names)} are not all 4-bit-quantized bitsandbytes "
                                   "layers; they cannot share one merged 4-bit weight")
-        refusal = _unmergeable(states, [spec.shape for spec in parts.bound.sources], layers)
+        read = [state for state in states if state is not None]
+        refusal = _unmergeable(read, [spec.shape for spec in parts.bound.sources])
         if refusal is not None:
             raise FusionLoadError(f"{parts.where}: {list(parts.names)} cannot be merged exactly: {refusal}; load "
                                   "without quantization_config and quantize after, or leave the family out")
-        first, layer = states[0], layers[0]
-        merges.append(PackedMerge(
-            parts.layout, int(parts.bound.sources[0].shape[1]),
-            torch.cat([layer.weight.data for layer in layers]), torch.cat([state.absmax for state in states]),
-            first.code, int(first.blocksize), str(first.quant_type), first.dtype, layer.weight.quant_storage,
-            layer.compute_dtype))
+        merges.append(PackedMerge(parts.layout, int(parts.bound.sources[0].shape[1]),
+                                  torch.cat([state.packed for state in read]),
+                                  torch.cat([state.absmax for state in read]), read[0]))
         leave_stand_ins(parts)
     return merges
 
 
-def _unmergeable(states: Sequence[Any], shapes: Sequence[tuple[int, ...]], layers: Sequence[Any]) -> str | None:
+def _unmergeable(states: Sequence[Packed4bit], shapes: Sequence[tuple[int, ...]]) -> str | None:
     """Why the parts' 4-bit states cannot be concatenated into the merged layer's exactly, or None."""
     if any(state.nested for state in states):
         return ("double quantization (bnb_4bit_use_double_quant) quantizes each layer's block scales around their "
                 "mean, so a merged layer's nested scales would span parts")
-    if any(getattr(state, "packing_format_for_cpu", False) for state in states):
+    if any(state.repacked_for_cpu for state in states):
         return "they are repacked for bitsandbytes' CPU kernel already"
+    if any(state.absmax.dim() != 1 for state in states):
+        return ("their block scales are in the (blocks per row, rows) bfloat16 layout bitsandbytes' avx512-bf16 CPU "
+                "kernel leaves them in (a checkpoint saved after that kernel ran)")
     for what, values in (("quant types", [s.quant_type for s in states]),
                          ("block sizes", [s.blocksize for s in states]), ("dtypes", [s.dtype for s in states]),
-                         ("compute dtypes", [m.compute_dtype for m in layers]),
-                         ("storage dtypes", [m.weight.quant_storage for m in layers])):
+                         ("compute dtypes", [s.compute_dtype for s in states]),
+                         ("storage dtypes", [s.quant_storage for s in states])):
         if not _same(values):
             return f"they use different {what} {values}"
     if not all(torch.equal(state.code, states[0].code) for state in states):
         return "they use different code books"
-    partial = [shape for shape in shapes if not whole_blocks(shape, int(states[0].blocksize))]
+    partial = [shape for shape in shapes if not whole_blocks(shape, states[0].blocksize)]
     if partial:
         return (f"a part of shape {partial[0]} does not fill whole blocks of {states[0].blocksize} elements, so the "
                 "merged layer's blocks would span parts")
@@ -123,24 +119,11 @@ def _unmergeable(states: Sequence[Any], shapes: Sequence[tuple[int, ...]], layer
 
 def install(module: nn.Module, merges: Sequence[PackedMerge]) -> None:
     """After the conversion: each merged container becomes a ``Linear4bit`` of the merged packed weight and scales."""
-    if not merges:
-        return
-    from bitsandbytes.functional import QuantState
-    from bitsandbytes.nn import Linear4bit, Params4bit
-
     for merge in merges:
-        def build(old: Any, merge: PackedMerge = merge) -> Any:
-            out_features = sum(merge.layout.rows)
-            new = Linear4bit(merge.in_features, out_features, bias=old.bias is not None,
-                             compute_dtype=merge.compute_dtype, compress_statistics=False, quant_type=merge.quant_type,
-                             quant_storage=merge.quant_storage, device=merge.packed.device)
-            state = QuantState(merge.absmax, shape=torch.Size((out_features, merge.in_features)), code=merge.code,
-                               blocksize=merge.blocksize, quant_type=merge.quant_type, dtype=merge.dtype)
-            new.weight = Params4bit(merge.packed, requires_grad=False, quant_state=state, blocksize=merge.blocksize,
-                                    compress_statistics=False, quant_type=merge.quant_type,
-                                    quant_storage=merge.quant_storage, module=new, bnb_quantized=True)
-            new.quant_state = state
-            new.register_state_dict_post_hook(functools.partial(present_parts, merge.layout))
+        def build(old: Any, merge: PackedMerge = merge) -> nn.Module:
+            shape = (sum(merge.layout.rows), merge.in_features)
+            new = linear_4bit(merge.packed, merge.absmax, shape, merge.like, old.bias is not None)
+            new.register_state_dict_post_hook(functools.partial(present_parts, merge.layout))  # type: ignore[no-untyped-call]
             return new
 
         replace_container(module, merge.layout.container, build)
@@ -151,26 +134,23 @@ def present_parts(layout: PartsLayout, module: nn.Module, state_dict: dict[str, 
     """The merged ``Linear4bit``'s weight entries written as each part's, as the unfused layers save them (a
     module-level function with its layout bound, so a model with the hook still pickles).
 
-    It reads what bitsandbytes just wrote and the layer's quantization state (its ``_save_to_state_dict``
-    undoes the CPU kernel's repacking first).
+    The packed bytes are what bitsandbytes just wrote, the scales the layer's state: its ``_save_to_state_dict``
+    undoes the CPU kernel's repacking of both first.
     """
-    from bitsandbytes.functional import QuantState
-
     key = f"{prefix}weight"
-    packed, absmax, code = state_dict.pop(key), state_dict[f"{key}.absmax"], state_dict[f"{key}.quant_map"]
+    packed = state_dict.pop(key)
     for entry in [k for k in state_dict if k.startswith(f"{key}.")]:
         state_dict.pop(entry)
-    layer: Any = module
-    merged = layer.weight.quant_state
-    in_features, total = int(merged.shape[1]), int(merged.shape[0]) * int(merged.shape[1])
+    merged = read_4bit(module)
+    if merged is None:
+        raise SaveError(f"{prefix.rstrip('.')!r} is no longer a quantized bitsandbytes Linear4bit; it cannot be saved "
+                        f"as the parts {list(layout.parts)}")
+    in_features, total = merged.shape[1], merged.shape[0] * merged.shape[1]
     owner = layout.owner_prefix(prefix)
     for part, start, stop in layout.ranges():
         # Every part fills whole blocks (checked at load), so its elements start and end on a byte and a block.
-        first, end = start * in_features, stop * in_features
-        state = QuantState(absmax[first // merged.blocksize:end // merged.blocksize].clone(),
-                           shape=torch.Size((stop - start, in_features)), code=code.clone(),
-                           blocksize=merged.blocksize, quant_type=merged.quant_type, dtype=merged.dtype)
-        state_dict[f"{owner}{part}.weight"] = packed[first * packed.shape[0] // total:end * packed.shape[0] // total
-                                                     ].clone()
-        for name, value in state.as_dict(packed=True).items():
+        first, end = start * in_features * packed.shape[0] // total, stop * in_features * packed.shape[0] // total
+        state_dict[f"{owner}{part}.weight"] = packed[first:end].clone()
+        entries = state_4bit_entries(part_block_scales(merged, start, stop), (stop - start, in_features), merged)
+        for name, value in entries.items():
             state_dict[f"{owner}{part}.weight.{name}"] = value

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from fusion_core.errors import FusionLoadError
+from fusion_quantization.compat import INT8_SAVED, int8_linear, int8_part_entries, int8_scales, int8_settings
 from fusion_quantization.detect import package_of
 from fusion_quantization.replaced import PartsLayout, QuantizedParts, replace_container
 
@@ -43,21 +44,16 @@ class Int8Merge:
     threshold: float
 
 
-def _scale(layer: nn.Module) -> torch.Tensor | None:
-    weight_scale = getattr(layer.weight, "SCB", None)
-    return weight_scale if weight_scale is not None else getattr(layer.state, "SCB", None)
-
-
 def collect(found: Sequence[QuantizedParts]) -> list[Int8Merge]:
     """Before the conversion: the scales of each weight concatenation whose parts are LLM.int8 layers."""
     merges = []
     for parts in (p for p in found if p.of(is_int8_linear)):
         layers = parts.layers
-        scales = [_scale(layer) if is_int8_linear(layer) else None for layer in layers]
-        if any(scale is None for scale in scales) or any(layer.state.has_fp16_weights for layer in layers):
+        scales = [int8_scales(layer) if is_int8_linear(layer) else None for layer in layers]
+        if any(scale is None for scale in scales) or any(int8_settings(layer)[1] for layer in layers):
             raise FusionLoadError(f"{parts.where}: {list(parts.names)} are not all int8-quantized bitsandbytes "
                                   "layers; they cannot share one merged int8 weight")
-        thresholds = {float(layer.state.threshold) for layer in layers}
+        thresholds = {int8_settings(layer)[0] for layer in layers}
         if len(thresholds) != 1:
             raise FusionLoadError(f"{parts.where}: {list(parts.names)} use different outlier thresholds "
                                   f"{sorted(thresholds)}")
@@ -70,16 +66,9 @@ def install(module: nn.Module, merges: Sequence[Int8Merge]) -> None:
     """After the conversion: each merged container becomes a ``Linear8bitLt`` of the merged rows and scales."""
     if not merges:
         return
-    from bitsandbytes.nn import Int8Params, Linear8bitLt
-
     for merge in merges:
-        def build(old: Any, merge: Int8Merge = merge) -> Any:
-            rows = old.weight.data
-            new = Linear8bitLt(rows.shape[1], rows.shape[0], bias=old.bias is not None, has_fp16_weights=False,
-                               threshold=merge.threshold, device=rows.device)
-            new.weight = Int8Params(rows, requires_grad=False, has_fp16_weights=False, CB=rows,
-                                    SCB=merge.scales.to(rows.device))
-            return new
+        def build(old: Any, merge: Int8Merge = merge) -> nn.Module:
+            return int8_linear(old.weight.data, merge.scales, merge.threshold, old.bias is not None)
 
         replace_container(module, merge.layout.container, build)
     module.register_state_dict_post_hook(  # type: ignore[no-untyped-call]
@@ -91,12 +80,11 @@ def present_part_scales(layouts: tuple[PartsLayout, ...], module: nn.Module, sta
     """The merged container's ``SCB`` / ``weight_format`` entries written as each part's, as the unfused layers
     save them (a module-level function with its layout bound, so a model with the hook still pickles)."""
     for layout in layouts:
-        key = f"{prefix}{layout.container}"
-        state_dict.pop(f"{key}.SCB", None)
-        state_dict.pop(f"{key}.weight_format", None)
-        scales = _scale(module.get_submodule(layout.container))
+        for name in INT8_SAVED:
+            state_dict.pop(f"{prefix}{layout.container}.{name}", None)
+        scales = int8_scales(module.get_submodule(layout.container))
         if scales is None:
             continue
         for part, start, stop in layout.ranges():
-            state_dict[f"{prefix}{part}.SCB"] = scales[start:stop].clone()
-            state_dict[f"{prefix}{part}.weight_format"] = torch.tensor(0, dtype=torch.uint8)
+            for name, value in int8_part_entries(scales[start:stop].clone()).items():
+                state_dict[f"{prefix}{part}.{name}"] = value

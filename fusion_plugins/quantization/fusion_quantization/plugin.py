@@ -33,6 +33,7 @@ from fusion_quantization.bnb_4bit import BLOCKSIZE, fills_whole_blocks, take_pac
 from fusion_quantization.bnb_4bit import install as install_4bit
 from fusion_quantization.bnb_int8 import collect as collect_int8
 from fusion_quantization.bnb_int8 import install as install_int8
+from fusion_quantization.compat import bnb_loads_in
 from fusion_quantization.detect import (
     QUANTIZER_PACKAGES,
     TORCH_AO_MODULES,
@@ -80,14 +81,10 @@ def fusion_load_planned(plan: FusionPlan, config: Any, load_kwargs: Mapping[str,
     unmerged = [p for p in planned if not concatenates_rows(p)]
     if unmerged:
         refuse(unmerged, "by ops other than a concatenation of rows, which quantized tensors do not go through")
-    partial = [p for p in planned if not fills_whole_blocks(p, BLOCKSIZE)] if _loads_4bit(quantization) else []
+    partial = [p for p in planned if not fills_whole_blocks(p, BLOCKSIZE)] if bnb_loads_in(quantization, 4) else []
     if partial:
         refuse(partial, f"fused, and a part does not fill whole 4-bit blocks of {BLOCKSIZE} elements, so the merged "
                         "layer's blocks would span parts")
-
-
-def _loads_4bit(quantization: Any) -> bool:
-    return bool(config_field(quantization, "load_in_4bit") or config_field(quantization, "_load_in_4bit"))
 
 
 def at_load_refusal(quantization: Any) -> str | None:
@@ -115,12 +112,11 @@ def at_load_refusal(quantization: Any) -> str | None:
         return ("this quantizer replaces the original layers in a form fusion-core does not merge; at load it merges "
                 "torchao's tensors (TorchAoConfig, or a checkpoint torchao pre-quantized), bitsandbytes "
                 "(BitsAndBytesConfig, or a checkpoint bitsandbytes pre-quantized) and quanto (QuantoConfig) only")
-    if _loads_4bit(quantization) and config_field(quantization, "bnb_4bit_use_double_quant"):
+    if bnb_loads_in(quantization, 4) and config_field(quantization, "bnb_4bit_use_double_quant"):
         return ("bitsandbytes double quantization (bnb_4bit_use_double_quant) quantizes each layer's block scales "
                 "around their mean, so a merged layer's nested scales would span parts; load with "
                 "bnb_4bit_use_double_quant=False")
-    if _loads_4bit(quantization) or config_field(quantization, "load_in_8bit") or config_field(quantization,
-                                                                                                "_load_in_8bit"):
+    if bnb_loads_in(quantization, 4) or bnb_loads_in(quantization, 8):
         return None
     return "this BitsAndBytesConfig quantizes nothing fusion-core knows (neither load_in_8bit nor load_in_4bit)"
 
@@ -141,7 +137,7 @@ def concatenates_rows(plan: ModulePlan) -> bool:
     return all(isinstance(bound.op, Concat) and bound.op.dim == 0 for bound in plan.transforms)
 
 
-@hookimpl(wrapper=True)
+@hookimpl(wrapper=True, trylast=True)  # it completes the conversion: the innermost wrapper (see the hookspec)
 def fusion_convert_loaded(
     model: nn.Module, built: MutableSequence[tuple[nn.Module, ModulePlan]]
 ) -> Generator[None, None, None]:

@@ -90,11 +90,17 @@ def leave_stand_ins(parts: QuantizedParts) -> None:
 
 
 def replace_container(module: nn.Module, container: str, build: Callable[[Any], Any]) -> None:
-    """Replace the merged ``container`` of ``module`` by ``build(old container)``, keeping the merged bias."""
+    """Replace the merged ``container`` of ``module`` by ``build(old container)``, keeping the merged bias.
+
+    The new container takes the training mode of the module holding it (the model's: the container the
+    conversion built is left in a new module's training mode): the quantizers' kernels differ by mode
+    (bitsandbytes' 4-bit avx512-bf16 CPU kernel runs in eval mode only), so it runs as the unfused layers do.
+    """
     parent_path, _, name = container.rpartition(".")
     parent = module.get_submodule(parent_path) if parent_path else module
     old: Any = parent._modules[name]
     new = build(old)
     if old.bias is not None:
         new.bias = old.bias
+    new.train(parent.training)
     parent._modules[name] = new
