@@ -18,6 +18,11 @@ weights, every call) costs more than it saves. The measured alternative, gatheri
 expert weight for one ``bmm``, copies ``N x 2I x H`` weight elements per call and was slower at
 every measured token count; it is kept only for the dtypes ``grouped_mm`` refuses (float64), where
 it is the one loop-free kernel that still computes exactly.
+
+``torch.nn.functional.grouped_mm`` is public from torch 2.10 (pytorch#168298; transformers' own MoE
+dispatch checks for it the same way), while fusion-core's floor is torch 2.6. On a torch without it
+(:func:`has_grouped_mm`) the experts run one GEMM each on their contiguous rows
+(:func:`per_expert_linear`): a loop over experts, but no copies of their weights.
 """
 
 from __future__ import annotations
@@ -99,11 +104,26 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
 _grouped_linear.register_autograd(_backward, setup_context=_setup)
 
 
+def has_grouped_mm() -> bool:
+    """Whether this torch has ``torch.nn.functional.grouped_mm`` (public from torch 2.10)."""
+    return hasattr(F, "grouped_mm")
+
+
+def per_expert_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """What :func:`grouped_linear` computes, one GEMM per expert on its rows: the kernel of a torch without
+    ``grouped_mm``. Reading the group bounds syncs with the device once (a graph break under ``torch.compile``)."""
+    ends = offsets.tolist()
+    bounds = zip([0, *ends[:-1]], ends, strict=True)
+    return torch.cat([rows[start:end] @ weight[expert].t() for expert, (start, end) in enumerate(bounds)])
+
+
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, routed: Routed) -> torch.Tensor:
     """``rows[j] @ weight[expert of row j].T`` for every sorted row: ``[N, in] x [E, out, in] -> [N, out]``."""
-    if rows.dtype in GROUPED_MM_DTYPES:
-        return _grouped_linear(rows, weight, routed.offsets)
-    return torch.bmm(weight[routed.expert], rows.unsqueeze(-1)).squeeze(-1)
+    if rows.dtype not in GROUPED_MM_DTYPES:
+        return torch.bmm(weight[routed.expert], rows.unsqueeze(-1)).squeeze(-1)
+    if not has_grouped_mm():
+        return per_expert_linear(rows, weight, routed.offsets)
+    return _grouped_linear(rows, weight, routed.offsets)
 
 
 def native_bf16() -> bool:
@@ -115,6 +135,8 @@ def upcasts(x: torch.Tensor, gate_up: torch.Tensor, routed: Routed) -> bool:
     """The kernel rule's exception (see the module docs): float32 GEMMs on upcast bfloat16 expert weights."""
     if torch.compiler.is_compiling() or gate_up.dtype is not torch.bfloat16 or gate_up.device.type != "cpu":
         return False
+    if not has_grouped_mm():
+        return False  # its float32 GEMMs are grouped_mm's
     if torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad):
         return False  # the buffers are reused in place: no autograd through them
     return routed.token.shape[0] >= UPCAST_ROWS_PER_EXPERT * gate_up.shape[0] and not native_bf16()

@@ -7,8 +7,11 @@ hash of its tokens with comments, blank lines, indentation, decorators and the d
 out. Two methods with one fingerprint run the same statements on the same names; a changed
 statement gives another fingerprint, and the block is refused.
 
-Tokens (not ``ast.dump``) because the token stream of a source text is the same on every Python
-release this project supports, while ``ast.dump``'s text changed in 3.13.
+Tokens (not ``ast.dump``, whose text changed in 3.13), with each string literal one token, as
+Python 3.11's ``tokenize`` gives it: from 3.12 (PEP 701) an f-string comes as ``FSTRING_START``,
+its text and the tokens of each replacement field, then ``FSTRING_END``, and
+:func:`joined_fstrings` joins these back into the one ``STRING`` token of the literal's source
+text. So a method has one fingerprint on every Python release this project supports.
 """
 
 from __future__ import annotations
@@ -19,11 +22,33 @@ import inspect
 import io
 import textwrap
 import tokenize
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 _SKIPPED = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
             tokenize.ENCODING, tokenize.ENDMARKER}
+#: The token types that open and close an f-string from Python 3.12; None before (an f-string is one STRING token).
+_FSTRING_START: int | None = getattr(tokenize, "FSTRING_START", None)
+_FSTRING_END: int | None = getattr(tokenize, "FSTRING_END", None)
+
+
+def joined_fstrings(tokens: Iterable[tokenize.TokenInfo], lines: Sequence[str]) -> Iterator[tokenize.TokenInfo]:
+    """``tokens`` with the parts of each f-string, ``FSTRING_START`` to its ``FSTRING_END`` (nested f-strings
+    inside), replaced by one ``STRING`` token of the literal's source text in ``lines`` (kept line ends): the
+    token Python 3.11 gives. Only the two ends' positions are read: 3.12.1 misplaces text after a ``{{``."""
+    openings: list[tokenize.TokenInfo] = []
+    for token in tokens:
+        if token.type == _FSTRING_START:
+            openings.append(token)
+        elif openings and token.type == _FSTRING_END:
+            opening = openings.pop()
+            if not openings:
+                (first, start), (last, end) = opening.start, token.end
+                text = "".join(lines[first - 1:last])
+                text = text[start:len(text) - len(lines[last - 1]) + end]
+                yield tokenize.TokenInfo(tokenize.STRING, text, opening.start, token.end, opening.line)
+        elif not openings:
+            yield token
 
 
 def function_fingerprint(function: Callable[..., Any]) -> str | None:
@@ -42,7 +67,8 @@ def function_fingerprint(function: Callable[..., Any]) -> str | None:
         skipped_lines.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
     tokens: list[str] = []
     started = False
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+    lines = source.splitlines(keepends=True)
+    for token in joined_fstrings(tokenize.generate_tokens(io.StringIO(source).readline), lines):
         if not started:  # decorators come before the ``def``; the function's own name does not matter
             started = token.type == tokenize.NAME and token.string == "def"
             if started:

@@ -2,8 +2,9 @@
 
 Every model here is a tiny random model of a real transformers architecture (hidden 32, four
 experts, two layers). On transformers 4.57 the sparse MoE blocks keep ``nn.ModuleList`` experts and
-the family fuses them; on 5.x the experts are stacked already and the family finds nothing, which
-each architecture test asserts on that line instead.
+the family fuses them; on 5.x the experts are stacked already and the family declines every block
+with its reason, which the architecture and plan tests assert on that line; the tests of fused
+blocks are skipped there (:data:`needs_per_expert_blocks`), so the summary lists them with why.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import re
 
 import pytest
 import torch
@@ -37,6 +39,10 @@ FAMILY = MoeExpertsFamily()
 OPTIONS = FAMILY.options_model()
 PER_EXPERT = transformers.__version__.startswith("4.")
 """transformers 4.57 keeps one module per expert; 5.x stacks them (nothing for this family to do)."""
+needs_per_expert_blocks = pytest.mark.skipif(
+    not PER_EXPERT, reason=f"transformers {transformers.__version__} holds the experts stacked: no per-expert block "
+                           "to fuse (test_each_architecture_block_is_recognised_or_absent checks each is declined)")
+"""The mark of every test of a fused block: it has nothing to run on 5.x."""
 
 _BASE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
              max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0, num_experts_per_tok=2)
@@ -88,16 +94,6 @@ def _fused_model(model: nn.Module, fusion_config=None) -> nn.Module:
 IDS = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(2))
 
 
-def _per_expert_only():
-    """On 5.x: discovery finds nothing, a clear error by default, a skip under required: false."""
-    model = _model("olmoe")
-    with pytest.raises(DiscoveryError, match="found nothing to fuse.*declined, e.g. model.layers.0.mlp: no experts "
-                                             r"ModuleList \(transformers 5.x blocks hold their experts stacked"):
-        fusion_core.fuse(copy.deepcopy(model), {"moe_experts": True})
-    fused = fusion_core.fuse(copy.deepcopy(model), {"moe_experts": {"required": False}})
-    assert not any(isinstance(m, StackedExpertsMixin) for m in fused.modules())
-
-
 # -- what it recognises ------------------------------------------------------------------------
 def test_transform_op_and_options_through_the_kit():
     kit.assert_transform_op(StackPairs(3), [(4, 5)] * 6, bad_shapes=[(4, 5)] * 5 + [(4, 6)])
@@ -111,12 +107,20 @@ def test_registered_through_its_entry_point():
 
 @pytest.mark.parametrize("name", ARCHS)
 def test_each_architecture_block_is_recognised_or_absent(name):
-    block = _model(name).get_submodule(_block_path(name))
+    """4.57: each block is recognised by its template. 5.x: each block, its experts stacked, is declined with the
+    family's reason; discovery finds nothing, a clear error by default, nothing fused under required: false."""
+    model = _model(name)
+    block = model.get_submodule(_block_path(name))
     if PER_EXPERT:
         assert refusal(block) is None and FAMILY.is_fusable(block, OPTIONS)
         assert template_for(type(block)).name == name
     else:
         assert "no experts ModuleList" in refusal(block)
+        declined = rf"found nothing to fuse.*declined, e.g. {re.escape(_block_path(name))}: no experts ModuleList "
+        with pytest.raises(DiscoveryError, match=declined + r"\(transformers 5.x blocks hold their experts stacked"):
+            fusion_core.fuse(copy.deepcopy(model), {"moe_experts": True})
+        fused = fusion_core.fuse(model, {"moe_experts": {"required": False}})
+        assert not any(isinstance(m, StackedExpertsMixin) for m in fused.modules())
 
 
 def test_fingerprints_ignore_comments_and_docstrings_but_not_code():
@@ -135,6 +139,64 @@ def test_fingerprints_ignore_comments_and_docstrings_but_not_code():
             return x + 2
 
     assert method_fingerprints(A, object) == method_fingerprints(B, object) != method_fingerprints(C, object)
+
+
+class _Describer:
+    def describe(self, x):
+        return f"{x!r:>8} {{" + f"""{f'{x}'}
+        """
+
+
+#: ``_Describer.describe``'s source as Python 3.12.1 and 3.13.0 tokenize it (recorded: PEP 701 splits each f-string
+#: into FSTRING_START, its text and fields, FSTRING_END; 3.12.1 misplaces the text after ``{{``, as here).
+_DESCRIBE_TOKENS_312 = [
+    ("NAME", "def", (1, 0), (1, 3)), ("NAME", "describe", (1, 4), (1, 12)), ("OP", "(", (1, 12), (1, 13)),
+    ("NAME", "self", (1, 13), (1, 17)), ("OP", ",", (1, 17), (1, 18)), ("NAME", "x", (1, 19), (1, 20)),
+    ("OP", ")", (1, 20), (1, 21)), ("OP", ":", (1, 21), (1, 22)), ("NEWLINE", "\n", (1, 22), (1, 23)),
+    ("INDENT", "    ", (2, 0), (2, 4)), ("NAME", "return", (2, 4), (2, 10)),
+    ("FSTRING_START", 'f"', (2, 11), (2, 13)), ("OP", "{", (2, 13), (2, 14)), ("NAME", "x", (2, 14), (2, 15)),
+    ("OP", "!", (2, 15), (2, 16)), ("NAME", "r", (2, 16), (2, 17)), ("OP", ":", (2, 17), (2, 18)),
+    ("FSTRING_MIDDLE", ">8", (2, 18), (2, 20)), ("OP", "}", (2, 20), (2, 21)),
+    ("FSTRING_MIDDLE", " {", (2, 21), (2, 23)), ("FSTRING_END", '"', (2, 24), (2, 25)), ("OP", "+", (2, 26), (2, 27)),
+    ("FSTRING_START", 'f"""', (2, 28), (2, 32)), ("OP", "{", (2, 32), (2, 33)),
+    ("FSTRING_START", "f'", (2, 33), (2, 35)), ("OP", "{", (2, 35), (2, 36)), ("NAME", "x", (2, 36), (2, 37)),
+    ("OP", "}", (2, 37), (2, 38)), ("FSTRING_END", "'", (2, 38), (2, 39)), ("OP", "}", (2, 39), (2, 40)),
+    ("FSTRING_MIDDLE", "\n    ", (2, 40), (3, 4)), ("FSTRING_END", '"""', (3, 4), (3, 7)),
+    ("NEWLINE", "\n", (3, 7), (3, 8)), ("DEDENT", "", (4, 0), (4, 0)), ("ENDMARKER", "", (4, 0), (4, 0)),
+]
+
+
+def test_an_fstring_is_one_token_of_the_fingerprint_on_every_python(monkeypatch):
+    """The fingerprint is the hash of the code's tokens with each literal one token, its source text, whether this
+    Python's tokenize gives an f-string whole (3.11) or in parts (3.12 on; fed here as 3.12.1 gave them)."""
+    import hashlib
+    import inspect
+    import textwrap
+    import tokenize
+
+    from fusion_moe_experts import recognise
+
+    code = ["def", "<name>", "(", "self", ",", "x", ")", ":", "return", 'f"{x!r:>8} {{"', "+",
+            'f"""{f\'{x}\'}\n    """']
+    expected = hashlib.sha256(" ".join(code).encode()).hexdigest()[:16]
+    assert recognise.function_fingerprint(_Describer.describe) == expected  # this Python's own tokens
+
+    unused = max(tokenize.tok_name) + 1  # for the FSTRING_* types on a Python that has none
+    kinds = sorted({kind for kind, *_ in _DESCRIBE_TOKENS_312})
+    types = {kind: getattr(tokenize, kind, unused + i) for i, kind in enumerate(kinds)}
+    monkeypatch.setattr(recognise, "_FSTRING_START", types["FSTRING_START"])
+    monkeypatch.setattr(recognise, "_FSTRING_END", types["FSTRING_END"])
+    source = textwrap.dedent(inspect.getsource(_Describer.describe))
+    recorded = [tokenize.TokenInfo(types[kind], text, start, end, "") for kind, text, start, end in
+                _DESCRIBE_TOKENS_312]
+    own_tokens = tokenize.generate_tokens
+
+    def as_python_312(readline):
+        lines = list(iter(readline, ""))
+        return iter(recorded) if "".join(lines) == source else own_tokens(iter(lines).__next__)
+
+    monkeypatch.setattr(tokenize, "generate_tokens", as_python_312)
+    assert recognise.function_fingerprint(_Describer.describe) == expected
 
 
 def _mutate(name: str, mutate) -> nn.Module:
@@ -172,17 +234,15 @@ def _set_act(block: nn.Module, act: nn.Module, index: int = 1) -> None:
     ids=["changed-forward", "gate-not-linear", "expert-bias", "expert-shape", "mixed-activations",
          "unknown-activation", "mixed-dtypes", "empty", "no-shared-gate"],
 )
+@needs_per_expert_blocks
 def test_refuses_what_it_does_not_reproduce(mutate, reason):
-    if not PER_EXPERT:
-        return _per_expert_only()
     block = _mutate("qwen2_moe", mutate)
     assert FAMILY.is_fusable(block, OPTIONS) is False
     assert reason in (refusal(block) or "")
 
 
+@needs_per_expert_blocks
 def test_refuses_an_expert_mlp_whose_forward_changed():
-    if not PER_EXPERT:
-        return _per_expert_only()
     block = _model("olmoe").get_submodule("model.layers.0.mlp")
     expert_cls = type(block.experts[0])
     block.experts[0].__class__ = type(expert_cls.__name__, (expert_cls,), {"forward": lambda self, x: -x})
@@ -191,9 +251,8 @@ def test_refuses_an_expert_mlp_whose_forward_changed():
 
 # -- 4.57: numerics, layout, round trips ------------------------------------------------------
 @pytest.mark.parametrize("name", ARCHS)
+@needs_per_expert_blocks
 def test_block_matches_the_original(name):
-    if not PER_EXPERT:
-        return _per_expert_only()
     errors = kit.assert_numerically_equivalent(
         kit.module_factory((transformers.AutoModelForCausalLM, _config(name)), _block_path(name)), _inputs, FAMILY,
         dtypes=(torch.float32, torch.bfloat16), config=_config(name))
@@ -201,9 +260,8 @@ def test_block_matches_the_original(name):
 
 
 @pytest.mark.parametrize("name", ARCHS)
+@needs_per_expert_blocks
 def test_layout_and_state_dict_round_trip(name):
-    if not PER_EXPERT:
-        return _per_expert_only()
     block = _model(name).get_submodule(_block_path(name))
     kit.assert_state_dict_round_trip(block, FAMILY, config=_config(name))
     bound = kit.assert_transform_round_trip(block, FAMILY, config=_config(name))
@@ -218,9 +276,8 @@ def test_layout_and_state_dict_round_trip(name):
 
 
 @pytest.mark.parametrize("name", ARCHS)
+@needs_per_expert_blocks
 def test_fused_load_saves_the_source_and_plain_transformers_reloads_it(name, tmp_path):
-    if not PER_EXPERT:
-        return _per_expert_only()
     comparison = kit.assert_fused_load(FAMILY, (transformers.AutoModelForCausalLM, _config(name)), tmp_path)
     assert [m.module for m in comparison.modules] == [_block_path(name, 0), _block_path(name, 1)]
     assert comparison.whole_model.ran and comparison.round_trip.ok
@@ -235,9 +292,8 @@ def test_fused_load_saves_the_source_and_plain_transformers_reloads_it(name, tmp
         torch.testing.assert_close(fused(IDS).logits, plain(IDS).logits, rtol=1e-4, atol=1e-5)
 
 
+@needs_per_expert_blocks
 def test_no_python_loop_over_experts(monkeypatch):
-    if not PER_EXPERT:
-        return _per_expert_only()
     fused = _fused_model(_model("olmoe"))
     calls = []
     grouped_mm = dispatch.F.grouped_mm
@@ -248,9 +304,8 @@ def test_no_python_loop_over_experts(monkeypatch):
     assert len(calls) == 2 * 2  # two grouped GEMMs per block, two blocks
 
 
+@needs_per_expert_blocks
 def test_float64_uses_the_gather_kernel_and_matches():
-    if not PER_EXPERT:
-        return _per_expert_only()
     block = _model("qwen3_moe").get_submodule("model.layers.0.mlp").double()
     fused = kit.fuse_module(block, FAMILY, config=_config("qwen3_moe"))
     x = torch.randn(2, 5, 32, dtype=torch.float64)
@@ -259,11 +314,49 @@ def test_float64_uses_the_gather_kernel_and_matches():
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
+def test_without_grouped_mm_each_expert_runs_one_gemm_on_its_rows(monkeypatch):
+    """``F.grouped_mm`` is public from torch 2.10, above the floor (2.6): on a torch without it each expert's rows
+    run one GEMM (an expert with none included), forward and backward, and the bf16 upcast (grouped GEMMs too) is
+    not chosen; each sorted row is its expert's gated MLP ``down(act(gate x) * up x)``, computed row by row."""
+    from fusion_core.compare import relative_error
+
+    generator = torch.Generator().manual_seed(5)
+    experts, inner = 5, 16
+    x = torch.randn(40, 32, generator=generator)
+    gate_up = (torch.randn(experts, 2 * inner, 32, generator=generator) / 32**0.5).requires_grad_()
+    down = (torch.randn(experts, 32, inner, generator=generator) / inner**0.5).requires_grad_()
+    routed = dispatch.Routed(torch.randint(0, experts - 1, (40, 2), generator=generator), experts)  # none for the last
+    act = nn.SiLU()
+    expected = torch.stack([down[e] @ (act(gate_up[e, :inner] @ x[t]) * (gate_up[e, inner:] @ x[t]))
+                            for t, e in zip(routed.token.tolist(), routed.expert.tolist(), strict=True)])
+    expected_grads = torch.autograd.grad(expected.square().sum(), (gate_up, down))
+    monkeypatch.delattr(dispatch.F, "grouped_mm")
+    got = dispatch.expert_outputs(x, gate_up, down, act, routed)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for got_grad, expected_grad in zip(torch.autograd.grad(got.square().sum(), (gate_up, down)), expected_grads,
+                                       strict=True):
+        torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(dispatch, "native_bf16", lambda: False)
+    assert routed.token.shape[0] >= dispatch.UPCAST_ROWS_PER_EXPERT * experts  # where the upcast would be chosen
+    with torch.no_grad():
+        rows = dispatch.expert_outputs(x.bfloat16(), gate_up.bfloat16(), down.bfloat16(), act, routed)
+    assert relative_error(expected.detach(), rows) <= TOLERANCES[torch.bfloat16]
+
+
+@needs_per_expert_blocks
+def test_a_fused_model_runs_on_a_torch_without_grouped_mm(monkeypatch):
+    """The same fallback in a whole fused model: its logits are the unfused model's."""
+    monkeypatch.delattr(dispatch.F, "grouped_mm")
+    plain = _model("olmoe")
+    fused = _fused_model(plain)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(IDS).logits, plain(IDS).logits, rtol=1e-4, atol=1e-5)
+
+
+@needs_per_expert_blocks
 def test_bf16_experts_are_upcast_on_a_cpu_without_native_bf16_only_where_it_pays(monkeypatch):
     """The kernel rule's exception (dispatch.upcasts), forced on so the test does not depend on the CPU it runs on:
     from UPCAST_ROWS_PER_EXPERT rows per expert, in inference only; the block computes what the original does."""
-    if not PER_EXPERT:
-        return _per_expert_only()
     from fusion_core.compare import relative_error
 
     monkeypatch.setattr(dispatch, "native_bf16", lambda: False)
@@ -289,9 +382,8 @@ def test_bf16_experts_are_upcast_on_a_cpu_without_native_bf16_only_where_it_pays
 
 # -- training ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ARCHS)
+@needs_per_expert_blocks
 def test_gradients_and_router_loss_equal_the_unfused_model(name):
-    if not PER_EXPERT:
-        return _per_expert_only()
     plain = _model(name).train()
     fused = _fused_model(plain).train()
     kwargs = {"output_router_logits": True} if name != "deepseek_v2" else {}
@@ -317,9 +409,8 @@ def test_gradients_and_router_loss_equal_the_unfused_model(name):
 
 
 # -- a fused model is a model -----------------------------------------------------------------
+@needs_per_expert_blocks
 def test_compiles_fullgraph_and_matches():
-    if not PER_EXPERT:
-        return _per_expert_only()
     block = _model("qwen2_moe").get_submodule("model.layers.0.mlp")
     fused = kit.fuse_module(block, FAMILY, config=_config("qwen2_moe"))
     x = _inputs(torch.float32)[0]
@@ -330,9 +421,8 @@ def test_compiles_fullgraph_and_matches():
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
+@needs_per_expert_blocks
 def test_pickle_deepcopy_and_unfuse():
-    if not PER_EXPERT:
-        return _per_expert_only()
     plain = _model("mixtral")
     fused = _fused_model(plain)
     buffer = io.BytesIO()
@@ -352,9 +442,8 @@ def test_pickle_deepcopy_and_unfuse():
     assert list(got) == list(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
 
 
+@needs_per_expert_blocks
 def test_lora_on_one_expert_is_refused_by_name():
-    if not PER_EXPERT:
-        return _per_expert_only()
     peft = pytest.importorskip("peft")
     fused = _fused_model(_model("qwen3_moe"))
     for targets in (["gate_proj"], "all-linear"):
@@ -371,11 +460,10 @@ def test_lora_on_one_expert_is_refused_by_name():
 
 
 # -- quantisers ---------------------------------------------------------------------------------
+@needs_per_expert_blocks
 def test_torchao_quantize_refuses_an_expert_by_name_and_quantizes_the_rest_when_told_to():
     """torchao quantises the unfused experts (nn.Linear); on the fused block it would silently skip them, so
     quantize_ is refused at the first expert, naming it; a filter_fn that leaves the experts out is the way on."""
-    if not PER_EXPERT:
-        return _per_expert_only()
     torchao = pytest.importorskip("torchao.quantization")
     plain = _model("olmoe")
     reference = copy.deepcopy(plain)
@@ -396,11 +484,10 @@ def test_torchao_quantize_refuses_an_expert_by_name_and_quantizes_the_rest_when_
         torch.testing.assert_close(quantized[0](IDS).logits, quantized[1](IDS).logits, rtol=1e-4, atol=1e-5)
 
 
+@needs_per_expert_blocks
 def test_a_torchao_quantizing_load_is_refused_before_any_weight_is_read(tmp_path):
     """At load the quantization integration merges torchao tensors by concatenating rows only: stacking quantized
     experts is refused, naming the block, before the (unreadable) weights are touched."""
-    if not PER_EXPERT:
-        return _per_expert_only()
     torchao = pytest.importorskip("torchao.quantization")
     _model("olmoe").save_pretrained(tmp_path / "model")
     for file in (tmp_path / "model").glob("*.safetensors"):
@@ -412,11 +499,10 @@ def test_a_torchao_quantizing_load_is_refused_before_any_weight_is_read(tmp_path
                                     quantization_config=transformers.TorchAoConfig(torchao.Int8WeightOnlyConfig()))
 
 
+@needs_per_expert_blocks
 def test_torch_quantize_dynamic_skipping_the_experts_is_refused_naming_the_block(tmp_path):
     """torch's quantize_dynamic looks classes up by exact type: it quantises the unfused experts but skips the fused
     block's ExpertProjections, so the quantization integration refuses the fused model's forward and save."""
-    if not PER_EXPERT:
-        return _per_expert_only()
     import warnings
 
     from torch.ao.quantization import quantize_dynamic
@@ -437,9 +523,8 @@ def test_torch_quantize_dynamic_skipping_the_experts_is_refused_naming_the_block
     assert not (tmp_path / "out").exists()
 
 
+@needs_per_expert_blocks
 def test_expert_projection_is_a_linear_that_refuses_replacement():
-    if not PER_EXPERT:
-        return _per_expert_only()
     fused = _fused_model(_model("olmoe"))
     projection = fused.model.layers[1].mlp.experts[2].down_proj
     assert isinstance(projection, nn.Linear) and projection.weight.shape == (32, 64)
@@ -450,9 +535,8 @@ def test_expert_projection_is_a_linear_that_refuses_replacement():
 
 
 # -- composing with gate_up ------------------------------------------------------------------
+@needs_per_expert_blocks
 def test_composes_with_gate_up_when_gate_up_leaves_the_experts():
-    if not PER_EXPERT:
-        return _per_expert_only()
     plain = _model("qwen2_moe")
     fused = _fused_model(plain, {"gate_up": {"exclude_modules": [r"\.experts\.\d+$"]}, "moe_experts": True})
     plan = fusion_core.get_fusion_plan(fused)
@@ -464,11 +548,10 @@ def test_composes_with_gate_up_when_gate_up_leaves_the_experts():
 
 
 @pytest.mark.parametrize("order", ["gate_up first", "moe_experts first"])
+@needs_per_expert_blocks
 def test_composes_with_gate_up_by_default(order):
     """The experts' MLPs lie inside the block moe_experts fuses whole: gate_up leaves them to it, in either order,
     and fuses the shared expert; the plan says which modules were left to the outer fusion."""
-    if not PER_EXPERT:
-        return _per_expert_only()
     plain = _model("qwen2_moe")
     config = {"gate_up": True, "moe_experts": True}
     if order == "moe_experts first":
@@ -484,10 +567,9 @@ def test_composes_with_gate_up_by_default(order):
         torch.testing.assert_close(fused(IDS).logits, plain(IDS).logits, rtol=1e-4, atol=1e-5)
 
 
+@needs_per_expert_blocks
 def test_expert_forward_table_covers_the_architectures():
     """The expert MLP fingerprints name each scheme once per naming, and every template is used."""
-    if not PER_EXPERT:
-        return _per_expert_only()
     used = {template_for(type(_model(n).get_submodule(_block_path(n)))).name for n in ARCHS}
     assert used == {t.name for t in TEMPLATES}
     assert set(EXPERT_FORWARDS.values()) == {"w1", "gate_proj"}
@@ -547,12 +629,11 @@ def test_a_model_without_experts_finds_nothing_to_fuse():
 # -- FSDP2 and tensor parallelism, in a real gloo process group --------------------------------------
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+@needs_per_expert_blocks
 def test_fsdp2_training_and_tensor_parallel_loads_in_a_process_group(tmp_path):
     """Two ranks (tests/moe_distributed_worker.py): FSDP2 per layer then model, one SGD step: loss and updated
     weights equal the unfused model's; tp_plan='auto' sharding the experts is refused naming family, module and
     key; a plan of attention only runs the fused experts replicated, logits and greedy tokens unchanged."""
-    if not PER_EXPERT:
-        return _per_expert_only()
     import json
     import subprocess
     import sys
@@ -588,11 +669,10 @@ def test_stack_experts_is_stack_and_unstacks_what_fsdp2_sharded():
 
 # -- the end-to-end benchmark harness ---------------------------------------------------------------
 @pytest.mark.slow
+@needs_per_expert_blocks
 def test_end_to_end_benchmark_quick_prints_the_table_and_fused_tokens_equal_plain(tmp_path):
     """``bench_moe_e2e.py --quick`` in a subprocess: the whole harness (save, plain/fused rounds, and the 5.x anchor
     where the repository's tf5 environment exists) on a tiny OLMoE; no timing is asserted."""
-    if not PER_EXPERT:
-        return _per_expert_only()
     import json
     import subprocess
     import sys
@@ -617,11 +697,10 @@ def test_end_to_end_benchmark_quick_prints_the_table_and_fused_tokens_equal_plai
         assert len(measured["anchor"]["anchor"]) == 2
 
 
+@needs_per_expert_blocks
 def test_block_benchmark_quick_prints_every_kernel_and_the_rules_choice():
     """``bench_moe.py --quick --kernels`` in a subprocess (toy widths, one round): a row per token count with the
     plain/fused ratio, every kernel's time and the kernel rule's pick for this CPU; no timing is asserted."""
-    if not PER_EXPERT:
-        return _per_expert_only()
     import subprocess
     import sys
     from pathlib import Path
