@@ -3,7 +3,8 @@
 fusion-core reads only safetensors (it never unpickles a file) and only headers here: enough to
 check a fused load's plan against the checkpoint (every key present, with the planned shape and
 a usable dtype, :func:`check_checkpoint`) before transformers reads any tensor data. Model keys
-are matched to checkpoint keys by one rule, :class:`KeyMatcher`, everywhere a key is looked up.
+are matched to checkpoint keys by one rule, :class:`KeyMatcher` (the renaming transformers itself
+loads with), everywhere a key is looked up.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import stat
 import struct
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from fusion_core.compat.transformers import LoadedNames
 from fusion_core.errors import CheckpointError, SaveError
 from fusion_core.transforms import FusionPlan, ModulePlan
 
@@ -169,40 +171,57 @@ def read_checkpoint_index(directory: Path) -> dict[str, TensorInfo]:
 
 
 class KeyMatcher:
-    """Finds the checkpoint key of a model key when a prefix was renamed (``visual.`` -> ``model.visual.``).
+    """Finds the checkpoint key of a model key by the rule transformers loads with, never by a shared suffix.
 
-    A model key matches the checkpoint key with which it shares the longest dotted suffix, if
-    that match is unique and covers at least the last two components. Built once per checkpoint.
+    ``names`` (:func:`fusion_core.compat.transformers.loaded_names` of the model) renames each
+    checkpoint key the way transformers does when it loads (its base-model prefix handling, its
+    key mapping and weight conversions: ``visual.`` -> ``model.visual.``, ``q_layernorm`` ->
+    ``q_norm``); without it, keys match as they are. A model key matches the one checkpoint key
+    that transformers loads into it, so two towers of a model that share a ``layers.0.self_attn``
+    suffix are never paired with each other's tensors. Built once per checkpoint.
     """
 
-    def __init__(self, checkpoint_keys: Iterable[str]) -> None:
-        self._by_suffix: dict[str, list[str]] = {}
-        for key in checkpoint_keys:
-            parts = key.split(".")
-            for i in range(len(parts)):
-                self._by_suffix.setdefault(".".join(parts[i:]), []).append(key)
+    def __init__(
+        self,
+        checkpoint_keys: Iterable[str],
+        names: LoadedNames | None = None,
+        key_mapping: Mapping[str, str] | None = None,
+    ) -> None:
+        keys = list(checkpoint_keys)
+        #: checkpoint key -> the model key transformers loads it into (keys it merges, splits or drops are absent)
+        self.renamed = names.rename(keys, key_mapping) if names is not None else {key: key for key in keys}
+        self._by_model_key = {model_key: key for key, model_key in self.renamed.items()}
 
     def lookup(self, model_key: str) -> str | None:
-        parts = model_key.split(".")
-        for i in range(len(parts) - 1):
-            candidates = self._by_suffix.get(".".join(parts[i:]))
-            if candidates:
-                return candidates[0] if len(candidates) == 1 else None
-        return None
+        return self._by_model_key.get(model_key)
 
     def module_prefix(self, module: ModulePlan, leaves: Iterable[str]) -> str | None:
         """The checkpoint's name prefix of ``module`` (``visual.patch_embed.``), found through the first of its
-        module-relative ``leaves`` the checkpoint holds; None when it holds none of them."""
+        module-relative ``leaves`` the checkpoint holds under the same leaf name; None when it holds none."""
         for leaf in leaves:
             key = self.lookup(module.full_key(leaf))
-            if key is not None:
+            if key is not None and key.endswith(leaf):
                 return key[: len(key) - len(leaf)]
         return None
 
+    def keys_under(self, paths: Iterable[str]) -> dict[str, list[tuple[str, str]]]:
+        """Per module path of ``paths``: (model key, checkpoint key) of every checkpoint tensor loaded inside it."""
+        wanted = set(paths)
+        found: dict[str, list[tuple[str, str]]] = {path: [] for path in wanted}
+        for key, model_key in self.renamed.items():
+            parts = model_key.split(".")
+            for i in range(len(parts)):
+                path = ".".join(parts[:i])
+                if path in wanted:
+                    found[path].append((model_key, key))
+        return found
 
-def match_keys(model_keys: Iterable[str], checkpoint_keys: Iterable[str]) -> dict[str, str]:
+
+def match_keys(
+    model_keys: Iterable[str], checkpoint_keys: Iterable[str], names: LoadedNames | None = None
+) -> dict[str, str]:
     """Map each model key to its checkpoint key (see :class:`KeyMatcher`); unmatched keys are absent."""
-    matcher = KeyMatcher(checkpoint_keys)
+    matcher = KeyMatcher(checkpoint_keys, names)
     found = {key: matcher.lookup(key) for key in model_keys}
     return {key: value for key, value in found.items() if value is not None}
 
@@ -224,33 +243,41 @@ def planned_tensors(module: ModulePlan, fused_layout: bool) -> dict[str, tuple[s
     return planned
 
 
-def check_checkpoint(directory: Path, plan: FusionPlan, fused_layout: bool, pre_quantized: bool = False) -> None:
+def check_checkpoint(
+    directory: Path,
+    plan: FusionPlan,
+    fused_layout: bool,
+    pre_quantized: bool = False,
+    names: LoadedNames | None = None,
+    key_mapping: Mapping[str, str] | None = None,
+) -> None:
     """Check the plan against the checkpoint's headers before transformers reads any data.
 
     Every fused tensor found in the checkpoint must have the planned shape and a floating dtype.
+    Checkpoint keys are matched to model keys as transformers loads them (``names``, ``key_mapping``:
+    see :class:`KeyMatcher`).
     A ``pre_quantized`` checkpoint (its config names the quantizer that wrote it) stores quantized
     layers in the quantizer's own form: integer tensors of other shapes (bitsandbytes packs two
     4-bit codes per byte) beside tensors of its own (``SCB``, ``weight.absmax``). Those are the
     quantizer's to check while transformers loads them, and the conversion checks what it gets;
     here only floating-point tensors are held to the plan's shapes.
     A tensor that is not found under a recognisable name is left to transformers' loading report,
-    which the adapter turns into an error all the same: transformers 5.x renames and converts keys
-    inside the path for some models (VideoMAE's ``q_bias`` becomes ``query.bias``), so absence
-    from the headers alone does not prove a tensor is missing.
+    which the adapter turns into an error all the same: transformers converts some keys while it
+    loads (5.x splits a stored ``qkv_proj`` into ``q_proj``/``k_proj``/``v_proj`` for some models),
+    so absence from the headers alone does not prove a tensor is missing.
     """
     tensors = read_checkpoint_index(directory)
-    matcher = KeyMatcher(tensors)
+    matcher = KeyMatcher(tensors, names, key_mapping)
+    inside = matcher.keys_under(m.path for m in plan.modules) if not pre_quantized else {}
     for module in plan.modules:
         planned = planned_tensors(module, fused_layout)
         found = {model_key: matcher.lookup(model_key) for model_key in planned}
         where = f"family {module.family!r}, module {module.path!r}"
-        prefixes: set[str] = set()
-        for model_key, (leaf, shape) in planned.items():
+        for model_key, (_leaf, shape) in planned.items():
             ckpt_key = found[model_key]
             if ckpt_key is None:
                 continue
             info = tensors[ckpt_key]
-            prefixes.add(ckpt_key[: len(ckpt_key) - len(leaf)])
             if pre_quantized and info.dtype not in FLOAT_DTYPES:
                 continue
             if shape is not None and info.shape != shape:
@@ -264,19 +291,12 @@ def check_checkpoint(directory: Path, plan: FusionPlan, fused_layout: bool, pre_
                     "a floating-point dtype is expected"
                 )
         if all(found.values()) and not pre_quantized:  # names match one to one: anything else is extra
-            _check_extra(tensors.values(), prefixes, {leaf for leaf, _ in planned.values()}, module, directory)
-
-
-def _check_extra(
-    tensors: Iterable[TensorInfo], prefixes: set[str], leaves: set[str], module: ModulePlan, directory: Path
-) -> None:
-    for info in tensors:
-        for prefix in prefixes:
-            if info.key.startswith(prefix) and info.key[len(prefix):] not in leaves:
-                raise CheckpointError(
-                    f"family {module.family!r}, module {module.path!r}: the checkpoint in {directory} has an "
-                    f"unexpected tensor {info.key!r} ({info.file}) that the fused module cannot hold"
-                )
+            for model_key, ckpt_key in inside[module.path]:
+                if model_key not in planned:
+                    raise CheckpointError(
+                        f"{where}: the checkpoint in {directory} has an unexpected tensor {ckpt_key!r} "
+                        f"({tensors[ckpt_key].file}) that the fused module cannot hold"
+                    )
 
 
 @contextmanager

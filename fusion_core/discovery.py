@@ -25,10 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from fusion_core.compat.transformers import LoadedNames, loaded_names
 from fusion_core.config import FusionConfig
 from fusion_core.errors import DiscoveryError, PlanError
 from fusion_core.layout import fuse_instance
-from fusion_core.patching import LOAD_LOCK, ClassRoute, no_routing
+from fusion_core.patching import LOAD_LOCK, ClassRoute, construction_order, no_routing
 from fusion_core.patterns import search_any
 from fusion_core.plugins import PluginSource, RegisteredFamily
 from fusion_core.spec import FamilyOptions, spec_member
@@ -43,23 +44,32 @@ class Discovery:
     plan: FusionPlan
     routes: Mapping[type[nn.Module], ClassRoute]
     scanned_modules: int
+    names: LoadedNames
+    """How transformers names the checkpoint keys it loads into this model (matches checkpoint keys exactly)."""
 
 
-def build_meta_model(model_cls: Any, config: Any) -> nn.Module:
+def build_meta_model(model_cls: Any, config: Any, constructed: list[nn.Module] | None = None) -> nn.Module:
     """Instantiate ``model_cls`` (an Auto class or a concrete model class) without real weights.
 
     Everything is built on the meta device. A model whose ``__init__`` reads a tensor's value
     (Apertus' xIELU activation calls ``.item()``) cannot be built there; it is built again with
     only its parameters on the meta device, the way transformers' own empty-weights init does.
+    ``constructed``, when given, receives every module the build constructed, in construction
+    order (:func:`~fusion_core.patching.construction_order`; the failed first build's are dropped).
     """
+    model: nn.Module | None = None
     try:
-        with torch.device("meta"), no_routing():
-            return _instantiate(model_cls, config)
+        with torch.device("meta"), no_routing(), construction_order() as order:
+            model = _instantiate(model_cls, config)
     except (NotImplementedError, RuntimeError) as exc:
         if "meta" not in str(exc):
             raise
-    with _parameters_on_meta(), no_routing():
-        return _instantiate(model_cls, config)
+    if model is None:
+        with _parameters_on_meta(), no_routing(), construction_order() as order:
+            model = _instantiate(model_cls, config)
+    if constructed is not None:
+        constructed[:] = order
+    return model
 
 
 def _instantiate(model_cls: Any, config: Any) -> nn.Module:
@@ -176,7 +186,9 @@ def _transforms(family: RegisteredFamily, config: Any, options: FamilyOptions) -
 def _discover(
     model_cls: Any, config: Any, families: list[tuple[RegisteredFamily, FamilyOptions]]
 ) -> Discovery:
-    meta_model = build_meta_model(model_cls, config)
+    constructed: list[nn.Module] = []
+    meta_model = build_meta_model(model_cls, config, constructed)
+    names = loaded_names(meta_model)
     modules = list(meta_model.named_modules())
     plans: list[ModulePlan] = []
     skipped: list[str] = []
@@ -250,14 +262,33 @@ def _discover(
                       nested=tuple((inner.family, inner.path, outer.family, outer.path)
                                    for inner, outer in sorted(nested, key=lambda pair: order[pair[0].path])),
                       refused=tuple(refused))
+    routes = _routes(plan, class_owner, constructed, modules)
+    _rehearse(meta_model, plan, {family.name: family.source for family, _ in families})
+    return Discovery(type(meta_model), plan, routes, len(modules), names)
+
+
+def _routes(
+    plan: FusionPlan,
+    class_owner: Mapping[type[nn.Module], tuple[str, type[nn.Module]]],
+    constructed: list[nn.Module],
+    modules: list[tuple[str, nn.Module]],
+) -> dict[type[nn.Module], ClassRoute]:
+    """Per routed class, the plan of each instance in construction order (None: left alone).
+
+    Construction order, not model order: a model whose ``__init__`` builds a module and then
+    replaces it (MiniMax's decoder layer builds an attention module, then the one its layer type
+    needs) constructs instances that never reach the model. Those get no plan; the instance that
+    ends up at a planned path gets that path's plan.
+    """
     by_path = plan.by_path()
+    plan_of = {id(module): by_path.get(path) for path, module in modules}
+    order = list({id(module): module for module in constructed}.values())
     routes: dict[type[nn.Module], ClassRoute] = {}
     for original, (_, fused) in class_owner.items():
-        instances = tuple(by_path.get(path) for path, module in modules if type(module) is original)
+        instances = tuple(plan_of.get(id(module)) for module in order if type(module) is original)
         if any(instances):
             routes[original] = ClassRoute(original, fused, instances)
-    _rehearse(meta_model, plan, {family.name: family.source for family, _ in families})
-    return Discovery(type(meta_model), plan, routes, len(modules))
+    return routes
 
 
 def _refusal(family: RegisteredFamily, where: str, path: str, module: nn.Module, options: FamilyOptions) -> str | None:

@@ -33,7 +33,7 @@ from typing import Any
 
 from torch import nn
 
-from fusion_core.checkpoint import KeyMatcher, check_checkpoint, planned_tensors
+from fusion_core.checkpoint import check_checkpoint, planned_tensors
 from fusion_core.compat import transformers as compat
 from fusion_core.config import FusionConfig, parse_fusion_config
 from fusion_core.discovery import Discovery, discover
@@ -127,13 +127,14 @@ def from_pretrained(
                   families=fusion.specs())
     if local.is_dir():
         check_checkpoint(local / kwargs.get("subfolder", ""), discovery.plan, fused_dir,
-                         pre_quantized=getattr(config, "quantization_config", None) is not None)
+                         pre_quantized=getattr(config, "quantization_config", None) is not None,
+                         names=discovery.names, key_mapping=kwargs.get("key_mapping"))
     on_built = convert_to_fused if fused_dir else None
     with LOAD_LOCK, class_patch_scope(discovery.routes, on_built=on_built) as scope, _loading_reports() as reports:
         model = model_cls.from_pretrained(name_or_path, config=config, **kwargs)
     info = _report_of(model, reports)
     _verify_build(model, scope, discovery)
-    _verify_loading_info(model, info, discovery.plan, fused_dir)
+    _verify_loading_info(info, discovery.plan, fused_dir)
     for need in loaded_needs(model):
         registry.require_integration(need.integration, need.workflow)
 
@@ -228,25 +229,20 @@ def _keys(info: dict[str, Any], name: str) -> list[str]:
     return [k[0] if isinstance(k, tuple) else str(k) for k in info.get(name) or ()]
 
 
-def _verify_loading_info(model: nn.Module, info: dict[str, Any], plan: FusionPlan, fused_dir: bool) -> None:
+def _verify_loading_info(info: dict[str, Any], plan: FusionPlan, fused_dir: bool) -> None:
     """No silent weights: any missing, unexpected or mismatched key of a fused module raises.
 
-    Each reported key is matched to the model's own keys with the checkpoint matcher, so a key
-    whose prefix transformers renamed (``visual.`` -> ``model.visual.``) still finds its module.
+    transformers reports model keys (a checkpoint key under the name it was renamed to), so each
+    reported key is looked up exactly among the fused modules' keys: never by a shared suffix,
+    which would pair a key of one tower with a module of another.
     """
     owners: dict[str, ModulePlan] = {}
     for module in plan.modules:
         for key in planned_tensors(module, fused_dir):
             owners[key] = module
-    names = itertools.chain(
-        (name for name, _ in model.named_parameters(remove_duplicate=False)),
-        (name for name, _ in model.named_buffers(remove_duplicate=False)),
-        owners,
-    )
-    matcher = KeyMatcher(dict.fromkeys(names))
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         for key in _keys(info, kind):
-            owner = owners.get(matcher.lookup(key) or "")
+            owner = owners.get(key)
             if owner is not None:
                 raise FusionLoadError(
                     f"family {owner.family!r}, module {owner.path!r}: transformers reported "

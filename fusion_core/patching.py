@@ -13,9 +13,11 @@ removed again in CPython (``object.__new__`` then rejects constructor arguments)
 by class identity, never by name, so same-named classes elsewhere are untouched, and copies or
 unpickling (which do not call ``__init__``) are never redirected.
 
-Instances are selected one by one: discovery records, per class, which instances (in model
-order) a family fuses; the k-th instance constructed in the scope gets the k-th decision. The
-pipeline checks afterwards that every fused instance sits at the module path it was planned for.
+Instances are selected one by one: discovery records, per class, the decision for each instance
+in the order the model constructs them (:func:`construction_order`, so a module that ``__init__``
+builds and then replaces gets no plan, and the one that replaces it gets its path's plan); the
+k-th instance constructed in the scope gets the k-th decision. The pipeline checks afterwards
+that every fused instance sits at the module path it was planned for.
 """
 
 from __future__ import annotations
@@ -52,11 +54,15 @@ class BuildScope:
     built: list[tuple[nn.Module, ModulePlan]] = field(default_factory=list)
     surplus: dict[type[nn.Module], int] = field(default_factory=dict)
 
-    def route(self, instance: nn.Module) -> None:
-        cls = type(instance)
-        route = self.routes[cls]
+    def reserve(self, cls: type[nn.Module]) -> int:
+        """The construction index of a new instance of ``cls``, counted when its ``__init__`` starts."""
         index = self.counters.get(cls, 0)
         self.counters[cls] = index + 1
+        return index
+
+    def route(self, instance: nn.Module, index: int) -> None:
+        cls = type(instance)
+        route = self.routes[cls]
         if index >= len(route.instances):
             self.surplus[cls] = self.surplus.get(cls, 0) + 1
             return
@@ -84,11 +90,12 @@ LOAD_LOCK = threading.RLock()
 def _make_wrapper(cls: type[nn.Module], original_init: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original_init)
     def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        # Counted when construction starts, the order construction_order() records in discovery.
+        scope = _ACTIVE.get() if type(self) is cls else None
+        index = scope.reserve(cls) if scope is not None and cls in scope.routes else None
         original_init(self, *args, **kwargs)
-        if type(self) is cls:
-            scope = _ACTIVE.get()
-            if scope is not None and cls in scope.routes:
-                scope.route(self)
+        if scope is not None and index is not None:
+            scope.route(self, index)
 
     __init__.__fusion_core_wrapper__ = True  # type: ignore[attr-defined]
     return __init__
@@ -150,3 +157,36 @@ def no_routing() -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+_RECORDING: contextvars.ContextVar[list[nn.Module] | None] = contextvars.ContextVar(
+    "fusion_core_construction_order", default=None
+)
+
+
+@contextmanager
+def construction_order() -> Iterator[list[nn.Module]]:
+    """Record every module constructed in this block, in the order their construction starts.
+
+    The order the build wrappers count instances in (:meth:`BuildScope.reserve`), discarded
+    instances included: a decoder layer that builds an attention module and then replaces it
+    constructs two. ``nn.Module.__init__`` is wrapped process-wide while the block runs (callers
+    hold :data:`LOAD_LOCK`); it records only in this context, so other threads are unaffected.
+    """
+    order: list[nn.Module] = []
+    original = nn.Module.__init__
+
+    @functools.wraps(original)
+    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        record = _RECORDING.get()
+        if record is not None:
+            record.append(self)
+        original(self, *args, **kwargs)
+
+    nn.Module.__init__ = __init__  # type: ignore[method-assign]
+    token = _RECORDING.set(order)
+    try:
+        yield order
+    finally:
+        _RECORDING.reset(token)
+        nn.Module.__init__ = original  # type: ignore[method-assign]

@@ -31,6 +31,7 @@ from fusion_core.checkpoint import (
     read_checkpoint_index,
 )
 from fusion_core.commands._common import UsageError, fusion_config_from_args, progress, resolve_checkpoint
+from fusion_core.compat.transformers import LoadedNames, loaded_names
 from fusion_core.discovery import discover
 from fusion_core.errors import CheckpointError
 from fusion_core.record import CONFIG_NAME, FUSED_CONFIG_NAME, write_config
@@ -57,9 +58,9 @@ class _Group:
             return self.bound.op.inverse(tensors, [s.shape for s in self.bound.sources])
 
 
-def _groups(plan: FusionPlan, checkpoint_keys: list[str], to_fused: bool) -> list[_Group]:
+def _groups(plan: FusionPlan, checkpoint_keys: list[str], to_fused: bool, names: LoadedNames) -> list[_Group]:
     groups = []
-    matcher = KeyMatcher(checkpoint_keys)  # once: one lookup per key, not an index per group
+    matcher = KeyMatcher(checkpoint_keys, names)  # once: one lookup per key, not an index per group
     for module in plan.modules:
         for bound in module.transforms:
             present, produced = (bound.sources, bound.targets) if to_fused else (bound.targets, bound.sources)
@@ -102,10 +103,12 @@ def run_convert(
     if checkpoint.fused_layout and fusion.model_dump() != (checkpoint.stored_fusion_config or {}):
         stored = checkpoint.stored_fusion_config
         raise UsageError(f"{src} was fused with fusion_config={stored}; convert it back with that one")
-    plan = discover(checkpoint.model_cls, checkpoint.config, fusion).plan
-    check_checkpoint(checkpoint.directory, plan, checkpoint.fused_layout)  # headers only: fail before writing
+    discovery = discover(checkpoint.model_cls, checkpoint.config, fusion)
+    plan = discovery.plan
+    # headers only: fail before writing
+    check_checkpoint(checkpoint.directory, plan, checkpoint.fused_layout, names=discovery.names)
     index = read_checkpoint_index(checkpoint.directory)
-    groups = _groups(plan, list(index), to_fused)
+    groups = _groups(plan, list(index), to_fused, discovery.names)
     shards: dict[str, list[str]] = {}
     for key, info in index.items():
         shards.setdefault(info.file, []).append(key)
@@ -204,7 +207,7 @@ def verify_conversion(result: dict[str, Any], model_class: str | None = None) ->
     model = from_pretrained(checkpoint.model_cls, fused_dir, dtype="auto")
     state = model.state_dict()
     index = read_checkpoint_index(Path(original_dir))
-    mapping = match_keys(list(state), list(index))
+    mapping = match_keys(list(state), list(index), loaded_names(model))
     problems = [f"no checkpoint tensor for model key {k!r}" for k in state if k not in mapping]
     problems += [f"checkpoint tensor {k!r} is not in the model" for k in sorted(set(index) - set(mapping.values()))]
     handles: dict[str, Any] = {}

@@ -14,7 +14,7 @@ from fusion_core.checkpoint import KeyMatcher, TensorInfo, check_checkpoint, rea
 from fusion_core.commands._common import Checkpoint, fusion_config_from_args, resolve_checkpoint
 from fusion_core.discovery import discover
 from fusion_core.errors import CheckpointError, DiscoveryError, PlanError
-from fusion_core.transforms import FusionPlan
+from fusion_core.transforms import FusionPlan, class_name
 
 
 def run_plan(
@@ -62,8 +62,8 @@ def run_plan(
         {
             "family": m.family,
             "module": m.path,
-            "original_class": f"{m.original_class.__module__}.{m.original_class.__qualname__}",
-            "fused_class": f"{m.fused_class.__module__}.{m.fused_class.__qualname__}",
+            "original_class": class_name(m.original_class),
+            "fused_class": class_name(m.fused_class),
         }
         for m in plan.modules
     ]
@@ -73,9 +73,9 @@ def run_plan(
         result["checkpoint"] = {"checked": False, "error": str(exc)}
         result["transforms"] = plan.describe()
         return result
-    result["transforms"] = describe_with_checkpoint(plan, index, checkpoint)
+    result["transforms"] = describe_with_checkpoint(plan, index, checkpoint, KeyMatcher(index, discovery.names))
     try:
-        check_checkpoint(checkpoint.directory, plan, checkpoint.fused_layout)
+        check_checkpoint(checkpoint.directory, plan, checkpoint.fused_layout, names=discovery.names)
     except CheckpointError as exc:
         result["checkpoint"] = {"checked": True, "error": str(exc)}
         result["ok"] = False
@@ -86,7 +86,7 @@ def run_plan(
 
 
 def describe_with_checkpoint(
-    plan: FusionPlan, index: dict[str, TensorInfo], checkpoint: Checkpoint
+    plan: FusionPlan, index: dict[str, TensorInfo], checkpoint: Checkpoint, matcher: KeyMatcher
 ) -> list[dict[str, object]]:
     """:meth:`FusionPlan.describe` rows, each with the checkpoint keys, files and dtypes involved.
 
@@ -95,7 +95,6 @@ def describe_with_checkpoint(
     prefix with the other layout's leaf name for the other.
     """
     rows = plan.describe()
-    matcher = KeyMatcher(index)  # once: one lookup per key, not an index per row
     for row, (module, bound) in zip(rows, [(m, b) for m in plan.modules for b in m.transforms], strict=True):
         present = bound.targets if checkpoint.fused_layout else bound.sources
         prefix = matcher.module_prefix(module, [s.name for s in present])

@@ -13,8 +13,9 @@ import functools
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -211,3 +212,161 @@ def build_from_config(model_cls: Any, config: Any, **kwargs: Any) -> Any:
     """
     builder = getattr(model_cls, "from_config", None) or model_cls._from_config
     return builder(config, **kwargs)
+
+
+# -- from_pretrained's keyword arguments: the model's and the config's -----------------------------
+MODEL_LOAD_KWARGS = frozenset({
+    # named parameters of PreTrainedModel.from_pretrained
+    "config", "cache_dir", "ignore_mismatched_sizes", "force_download", "local_files_only", "token", "revision",
+    "use_safetensors", "weights_only", "fusion_config", "disable_mmap",
+    # popped from its **kwargs before it loads the config
+    "state_dict", "proxies", "tqdm_class", "output_loading_info", "use_auth_token", "_from_pipeline", "_from_auto",
+    "dtype", "torch_dtype", "device_map", "max_memory", "offload_folder", "offload_buffers", "load_in_8bit",
+    "load_in_4bit", "quantization_config", "subfolder", "_commit_hash", "variant", "adapter_kwargs", "adapter_name",
+    "generation_config", "gguf_file", "distributed_config", "device_mesh", "tp_plan", "tp_size", "trust_remote_code",
+    "allow_all_kernels", "use_kernels", "kernel_config", "key_mapping", "resume_download", "mirror", "_fast_init",
+    "low_cpu_mem_usage", "from_tf", "from_flax", "offload_state_dict",
+})
+"""The keyword arguments a model class's ``from_pretrained`` reads itself: every other one is first offered to
+its config class as an attribute override. The union over 4.57.6, 5.0.0, 5.8.1, 5.16.1, 5.22.2 and 5.24.0
+(``tests/test_compat.py`` checks the installed release against it); a name one release lacks is one no config has."""
+
+AUTO_LOAD_KWARGS = frozenset({
+    "config", "cache_dir", "force_download", "local_files_only", "proxies", "resume_download", "revision",
+    "subfolder", "use_auth_token", "token", "code_revision", "_commit_hash", "adapter_kwargs", "trust_remote_code",
+})
+"""The keyword arguments an Auto class's ``from_pretrained`` takes out (or hands ``AutoConfig`` as hub arguments)
+before offering the rest to ``AutoConfig.from_pretrained`` as overrides, on the same releases."""
+
+_AUTO_PASSED_ON = ("dtype", "torch_dtype")
+
+
+def config_overrides(kwargs: Mapping[str, Any], auto: bool) -> tuple[dict[str, Any], frozenset[str]]:
+    """(overrides, passed on): how transformers splits a ``from_pretrained(path, **kwargs)`` that loads its config.
+
+    The overrides are what it offers the config's ``from_pretrained(..., return_unused_kwargs=True)``;
+    each the config takes as an attribute is gone from the model's arguments, except the names
+    "passed on", which reach the model's ``from_pretrained`` as well. A model class offers every
+    argument not in :data:`MODEL_LOAD_KWARGS`. An Auto class (``auto``) offers more: everything but
+    :data:`AUTO_LOAD_KWARGS`, ``quantization_config`` and an ``"auto"`` dtype; a concrete ``dtype``
+    (or ``torch_dtype``) sets the config's and still reaches the model class, as on 4.57.6 and
+    5.16.1 and later (5.0.0 and 5.8.1 left it on the config alone, which loads the same dtype).
+    """
+    if not auto:
+        return {k: v for k, v in kwargs.items() if k not in MODEL_LOAD_KWARGS}, frozenset()
+    overrides = {k: v for k, v in kwargs.items() if k not in AUTO_LOAD_KWARGS}
+    for name in _AUTO_PASSED_ON:
+        if isinstance(overrides.get(name), str) and overrides[name] == "auto":
+            del overrides[name]
+    if overrides.get("quantization_config") is not None:  # the checkpoint's own must not be replaced
+        del overrides["quantization_config"]
+    return overrides, frozenset(_AUTO_PASSED_ON).intersection(overrides)
+
+
+# -- checkpoint key names -------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class LoadedNames:
+    """How transformers names, in one model, each checkpoint key it loads: its own renaming rules, captured once.
+
+    A checkpoint key is matched to a model key only by the rule transformers applies when it
+    loads (never by a shared suffix: two towers of one model both have ``layers.0.self_attn``).
+    Captured from the (meta-device) model by :func:`loaded_names`; :meth:`rename` applies it to a
+    checkpoint's keys. The rules per line, each mirroring transformers' own loading code:
+
+    - 4.57 (``PreTrainedModel._load_pretrained_model`` and ``_get_key_renaming_mapping``): the
+      class's ``_fix_state_dict_key_on_load`` (``LayerNorm.gamma`` -> ``LayerNorm.weight``, ...),
+      then the first matching regex of ``key_mapping`` (by default the class's
+      ``_checkpoint_conversion_mapping``, for the classes transformers' ``VLMS`` names), then the
+      base-model prefix added or stripped when the checkpoint is a base (or task) model's;
+    - 5.x (``core_model_loading.convert_and_load_state_dict_in_model``): the model's weight
+      conversions (``conversion_mapping.get_model_conversion_mapping``, sub-models scoped to their
+      prefix) through ``rename_source_key``, with the base-model prefix added or stripped per key.
+      A key a ``WeightConverter`` merges or splits is not loaded one to one and is left out.
+    """
+
+    model_keys: frozenset[str]
+    base_model_prefix: str
+    expects_prefix_module: bool
+    fix_key: Callable[[str], tuple[str, bool]] | None
+    class_key_mapping: dict[str, str] | None
+    conversions: tuple[Any, ...]
+
+    def rename(self, checkpoint_keys: Iterable[str], key_mapping: Mapping[str, str] | None = None) -> dict[str, str]:
+        """Checkpoint key -> the model key transformers loads it into, for every key it renames one to one.
+
+        A key the model has no tensor for is renamed all the same (transformers reports it as unexpected).
+
+        ``key_mapping`` is ``from_pretrained``'s argument of that name (a regex -> replacement mapping).
+        """
+        if release() < (5, 0):
+            return self._rename_4(list(checkpoint_keys), key_mapping)
+        return self._rename_5(checkpoint_keys, key_mapping)
+
+    def _rename_4(self, keys: list[str], key_mapping: Mapping[str, str] | None) -> dict[str, str]:
+        prefix = self.base_model_prefix
+        has_prefix_module = bool(prefix) and any(key.startswith(prefix) for key in keys)
+        task_from_base = not has_prefix_module and self.expects_prefix_module
+        base_from_task = has_prefix_module and not self.expects_prefix_module
+        mapping = key_mapping if key_mapping is not None else self.class_key_mapping
+        renamed: dict[str, str] = {}
+        for key in keys:
+            new = self.fix_key(key)[0] if self.fix_key is not None else key
+            for pattern, replacement in (mapping or {}).items():
+                new, count = re.subn(pattern, replacement, new)
+                if count:
+                    break
+            if task_from_base:
+                new = f"{prefix}.{new}"
+            elif base_from_task:
+                if not new.startswith(f"{prefix}."):
+                    continue
+                new = new[len(prefix) + 1:]
+            renamed[key] = new
+        return renamed
+
+    def _rename_5(self, keys: Iterable[str], key_mapping: Mapping[str, str] | None) -> dict[str, str]:
+        try:
+            from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+        except ImportError:  # a 5.x release without the conversion machinery: names as they are
+            return {key: key for key in keys}
+        conversions = [WeightRenaming(source_patterns=k, target_patterns=v) for k, v in (key_mapping or {}).items()]
+        conversions += self.conversions
+        renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+        converters = [c for c in conversions if isinstance(c, WeightConverter)]
+        meta = dict.fromkeys(self.model_keys, True)
+        prefix = self.base_model_prefix
+        renamed: dict[str, str] = {}
+        for key in keys:
+            new, converted = rename_source_key(key, renamings, converters, prefix, meta)
+            if new not in meta and key in meta:  # as transformers: a key that should not have been renamed
+                new, converted = rename_source_key(key, [], [], prefix, meta)
+            if converted is None:
+                renamed[key] = new
+        return renamed
+
+
+def loaded_names(model: nn.Module) -> LoadedNames:
+    """The renaming rules transformers applies to a checkpoint loaded into ``model`` (see :class:`LoadedNames`).
+
+    Call it on the model as built, before any module is fused: the model keys are its state-dict
+    keys. A model that is not a ``PreTrainedModel`` gets its keys matched as they are.
+    """
+    from transformers import PreTrainedModel
+
+    keys = frozenset(model.state_dict(keep_vars=True))
+    if not isinstance(model, PreTrainedModel):
+        return LoadedNames(keys, "", False, None, None, ())
+    prefix = str(model.base_model_prefix or "")
+    expects = bool(prefix) and hasattr(model, prefix)
+    if release() < (5, 0):
+        from transformers.modeling_utils import VLMS
+
+        cls = type(model)
+        vlm = any(name in c.__name__.lower() for c in cls.__mro__[:-1] for name in VLMS)
+        mapping = dict(getattr(cls, "_checkpoint_conversion_mapping", None) or {}) if vlm else None
+        return LoadedNames(keys, prefix, expects, cls._fix_state_dict_key_on_load, mapping, ())
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:
+        return LoadedNames(keys, prefix, expects, None, None, ())
+    return LoadedNames(keys, prefix, expects, None, None, tuple(get_model_conversion_mapping(model)))
