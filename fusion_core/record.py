@@ -24,6 +24,7 @@ from typing import Any
 
 from torch import nn
 
+from fusion_core.compat import transformers as compat
 from fusion_core.errors import CheckpointError
 
 RECORD_KEY = "fusion_core"
@@ -43,29 +44,47 @@ def is_fused_layout_dir(path: Path) -> bool:
 
 
 def load_config(model_cls: Any, name_or_path: str | Path, fused_dir: bool, kwargs: dict[str, Any]) -> Any:
-    """The transformers config of a checkpoint; pops ``config`` from ``kwargs`` (the caller's override).
+    """The transformers config of a checkpoint, with the overrides in ``kwargs`` applied as ``from_pretrained`` does.
 
-    A fused-layout directory's config comes from ``fused_config.json``; any other from the model
-    class's own config class (or ``AutoConfig``), with the hub arguments found in ``kwargs``.
+    Pops from ``kwargs`` ``config`` (the caller's) and every argument the config took as an
+    attribute (``num_labels``, ``id2label``, ``output_hidden_states``, ``rope_scaling``, ...), so
+    ``kwargs`` is left with what transformers passes on along with the config it loaded:
+    ``from_pretrained(path, config=<this config>, **kwargs)`` then builds what the plain load
+    builds. The split is transformers' own (:func:`fusion_core.compat.transformers.config_overrides`):
+    the config class's ``from_pretrained(..., return_unused_kwargs=True)``, or ``from_dict`` for a
+    fused-layout directory's ``fused_config.json``. A config object given as ``config`` is copied
+    and takes no override: transformers then passes every other argument to the model's ``__init__``.
     """
     config = kwargs.pop("config", None)
     if config is not None and not isinstance(config, (str, Path)):
         return copy.deepcopy(config)
-    from transformers import AutoConfig
+    from transformers import CONFIG_MAPPING, AutoConfig
 
+    config_class: Any = getattr(model_cls, "config_class", None)
+    concrete = isinstance(model_cls, type) and issubclass(model_cls, nn.Module) and config_class is not None
+    overrides, passed_on = compat.config_overrides(kwargs, auto=not concrete)
     if fused_dir:
-        data = json.loads((Path(name_or_path) / FUSED_CONFIG_NAME).read_text())
+        path = Path(name_or_path) / FUSED_CONFIG_NAME
+        data = json.loads(path.read_text())
         model_type = data.pop("model_type", None)
         if model_type is None:
-            raise CheckpointError(f"{Path(name_or_path) / FUSED_CONFIG_NAME} has no model_type")
+            raise CheckpointError(f"{path} has no model_type")
+        if not concrete and model_type not in CONFIG_MAPPING:
+            raise CheckpointError(f"{path}: transformers has no config class for model_type {model_type!r}")
         data.pop("transformers_version", None)
-        return AutoConfig.for_model(model_type, **data)
-    hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
-    source = config if config is not None else name_or_path
-    config_class = getattr(model_cls, "config_class", None)
-    if isinstance(model_cls, type) and issubclass(model_cls, nn.Module) and config_class is not None:
-        return config_class.from_pretrained(source, **hub)
-    return AutoConfig.from_pretrained(source, **hub)
+        config, unused = (config_class if concrete else CONFIG_MAPPING[model_type]).from_dict(
+            data, return_unused_kwargs=True, **overrides
+        )
+    else:
+        hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+        # An Auto class reads the config from the checkpoint whatever path ``config`` names; a model class from it.
+        source = config if concrete and config is not None else name_or_path
+        config, unused = (config_class if concrete else AutoConfig).from_pretrained(
+            source, return_unused_kwargs=True, **hub, **overrides
+        )
+    for name in overrides.keys() - unused.keys() - passed_on:
+        del kwargs[name]
+    return config
 
 
 def pop_stored_fusion_config(config: Any) -> dict[str, Any] | None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
+import re
 import subprocess
 import sys
 import textwrap
@@ -191,3 +193,39 @@ def test_peft_factories_are_wrapped_on_the_installed_release():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             cwd=Path(__file__).parent)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_every_argument_a_model_class_reads_itself_is_listed():
+    """A release that adds a ``from_pretrained`` argument fails here, instead of offering it to the config."""
+    function = inspect.unwrap(transformers.PreTrainedModel.from_pretrained.__func__)
+    source = inspect.getsource(function)
+    before_config = source[:source.index("return_unused_kwargs=True")]
+    popped = set(re.findall(r'(?<![\w.])kwargs\.pop\("(\w+)"', before_config))
+    named = {p.name for p in inspect.signature(function).parameters.values() if p.kind is p.KEYWORD_ONLY}
+    assert popped and named
+    assert popped | named <= compat.MODEL_LOAD_KWARGS, sorted((popped | named) - compat.MODEL_LOAD_KWARGS)
+
+
+def test_every_argument_an_auto_class_takes_before_its_config_is_listed():
+    source = inspect.getsource(transformers.AutoModelForCausalLM.from_pretrained)
+    before_config = source[:source.index("AutoConfig.from_pretrained(")]
+    hub = re.search(r"hub_kwargs_names = \[(.*?)\]", before_config, re.S)
+    assert hub is not None
+    popped = set(re.findall(r'(?<![\w.])kwargs\.pop\("(\w+)"', before_config))
+    taken = set(re.findall(r'"(\w+)"', hub.group(1))) | popped
+    taken -= {"dtype", "torch_dtype", "quantization_config"}  # handled on their own (compat.config_overrides)
+    assert taken <= compat.AUTO_LOAD_KWARGS, sorted(taken - compat.AUTO_LOAD_KWARGS)
+
+
+def test_config_overrides_split_a_model_class_and_an_auto_class_load_as_transformers_does():
+    quantization = object()
+    kwargs = {"num_labels": 3, "device_map": "cpu", "revision": "main", "trust_remote_code": False,
+              "quantization_config": quantization}
+    assert compat.config_overrides({**kwargs, "dtype": "bfloat16"}, auto=False) == ({"num_labels": 3}, frozenset())
+    # An Auto class offers its config more, but never an "auto" dtype or the caller's quantization_config.
+    assert compat.config_overrides({**kwargs, "dtype": "auto"}, auto=True) == (
+        {"num_labels": 3, "device_map": "cpu"}, frozenset()
+    )
+    assert compat.config_overrides({**kwargs, "torch_dtype": "float16"}, auto=True) == (
+        {"num_labels": 3, "device_map": "cpu", "torch_dtype": "float16"}, frozenset({"torch_dtype"})
+    )
