@@ -1,17 +1,26 @@
 # Shared set-up for scripts/demo.sh and scripts/test.sh: one virtual environment per
 # transformers line, created on first use, reused while its requirements are unchanged.
+#
+# torch (~900 MB unpacked) is installed once, into .venvs/_torch, and every other environment
+# sees it through a .pth file instead of unpacking its own copy: pip finds it there and installs
+# nothing for `torch==2.13.0`, and each environment still has its own transformers, quantizers
+# and tools ahead of it on sys.path. The core and the plugins are installed editable without
+# build isolation (setuptools comes from .venvs/_torch too), which saves a build environment per
+# distribution per environment.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="torch==2.13.0"
+BASE_SPEC="$TORCH_SPEC setuptools>=77 wheel"
 TF4_SPEC="transformers>=4.57,<4.58"
 TF5_SPEC="transformers>=5,<6"
 TEST_SPEC="pytest>=8 hypothesis>=6.100 accelerate>=1.0 peft>=0.17"
 TOOLS_SPEC="$TEST_SPEC ruff>=0.6 mypy>=1.10 mkdocs>=1.6 mkdocstrings[python]>=0.26"
 # The quantizers users bring, as the quantization tests run them: in environments of their own (with
 # torchao installed, transformers imports it on every load, ~0.5 s, and its warnings reach stderr).
-QUANT_SPEC="torchao bitsandbytes optimum-quanto"
+# Pinned to the releases checked (their ranges and the private names read: fusion_quantization/compat.py).
+QUANT_SPEC="torchao==0.18.0 bitsandbytes==0.50.2 optimum-quanto==0.2.7"
 # The minors between 4.57 and the newest 5.x that CI runs the range subset on (tests marked `range`):
 # the first 5.x release and minors spread across the line, each the newest patch of its minor.
 RANGE_SPECS=("transformers>=5.0,<5.1" "transformers>=5.8,<5.9" "transformers>=5.16,<5.17" "transformers>=5.22,<5.23")
@@ -22,20 +31,41 @@ range_env_name() {
     echo "tf${minor%%,*}"
 }
 
+# site_packages PYTHON -> its purelib directory
+site_packages() {
+    "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'
+}
+
+# ensure_base -> prints the shared torch environment's site-packages (created on first use)
+ensure_base() {
+    local venv="$ROOT/.venvs/_torch"
+    if [[ ! -x "$venv/bin/python" ]] || [[ "$(cat "$venv/.fusion-base" 2>/dev/null)" != "$BASE_SPEC" ]]; then
+        echo "setting up $venv ($TORCH_SPEC)" >&2
+        rm -rf "$venv"
+        "$PYTHON" -m venv "$venv" >&2
+        "$venv/bin/python" -m pip install -q --upgrade pip >&2
+        # The CPU wheel on this machine's disk, never a multi-GB CUDA build: pip with torch pinned.
+        "$venv/bin/python" -m pip install -q $BASE_SPEC >&2
+        echo "$BASE_SPEC" > "$venv/.fusion-base"
+    fi
+    site_packages "$venv/bin/python"
+}
+
 # ensure_env NAME TRANSFORMERS_SPEC [TOOLS] -> prints the environment's python (TOOLS: default TOOLS_SPEC)
 ensure_env() {
     local name="$1" tf_spec="$2" tools="${3:-$TOOLS_SPEC}"
     local venv="$ROOT/.venvs/$name"
-    local base_want="$TORCH_SPEC|$tf_spec|$tools"
+    local base_site
+    base_site="$(ensure_base)"
+    local base_want="$BASE_SPEC|$tf_spec|$tools"
     local pkg_want
     pkg_want="$(cat "$ROOT/pyproject.toml" "$ROOT"/fusion_plugins/*/pyproject.toml | cksum)"
     if [[ ! -x "$venv/bin/python" ]] || [[ "$(cat "$venv/.fusion-base" 2>/dev/null)" != "$base_want" ]]; then
         echo "setting up $venv ($tf_spec)" >&2
-        rm -rf "$venv"
+        rm -rf "$venv" "$venv.fusion-packages"
         "$PYTHON" -m venv "$venv" >&2
+        echo "$base_site" > "$(site_packages "$venv/bin/python")/_fusion_shared_torch.pth"
         "$venv/bin/python" -m pip install -q --upgrade pip >&2
-        # torch first and pinned: the CPU wheel on this machine, never a multi-GB CUDA build.
-        "$venv/bin/python" -m pip install -q "$TORCH_SPEC" >&2
         "$venv/bin/python" -m pip install -q "$TORCH_SPEC" "$tf_spec" $tools >&2
         echo "$base_want" > "$venv/.fusion-base"
     fi
@@ -45,7 +75,7 @@ ensure_env() {
         for plugin in "$ROOT"/fusion_plugins/*/; do
             editables+=(-e "$plugin")
         done
-        "$venv/bin/python" -m pip install -q "$TORCH_SPEC" "$tf_spec" "${editables[@]}" >&2
+        "$venv/bin/python" -m pip install -q --no-build-isolation "$TORCH_SPEC" "$tf_spec" "${editables[@]}" >&2
         echo "$pkg_want" > "$venv/.fusion-packages"
     fi
     echo "$venv/bin/python"

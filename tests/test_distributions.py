@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+# The packaging contract does not depend on the transformers line: it runs on the newest line only.
+pytestmark = pytest.mark.once
+
 ROOT = Path(__file__).resolve().parents[1]
 
 THIRD_PARTY_PYPROJECT = """
@@ -89,15 +92,22 @@ def fresh_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     mirror = root / "mirror"
     mirror.mkdir()
     site = Path(sysconfig.get_paths()["purelib"])
+    shared = [mirror]
     for entry in site.iterdir():
         lowered = entry.name.lower()
-        if lowered.startswith(("fusion", "__editable__", "acme")) or lowered.endswith(".pth"):
+        if lowered.startswith(("fusion", "__editable__", "acme")):
+            continue
+        if lowered.endswith(".pth"):
+            # Directories a .pth adds (scripts/_env.sh shares one torch installation this way) are
+            # dependencies too (the fusion distributions' editable .pth files were left out above).
+            shared += [Path(line) for line in entry.read_text().splitlines()
+                       if line and not line.startswith(("#", "import")) and Path(line).is_dir()]
             continue
         (mirror / entry.name).symlink_to(entry)
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True)
     python = root / "venv" / "bin" / "python"
     fresh_site = Path(_run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
-    (fresh_site / "_shared_dependencies.pth").write_text(f"{mirror}\n")
+    (fresh_site / "_shared_dependencies.pth").write_text("".join(f"{path}\n" for path in shared))
     _pip(python, str(ROOT))
     return python
 
