@@ -183,6 +183,27 @@ def _transforms(family: RegisteredFamily, config: Any, options: FamilyOptions) -
     return transforms
 
 
+def _module_transforms(family: RegisteredFamily, where: str, path: str, module: nn.Module, config: Any,
+                       options: FamilyOptions) -> tuple[WeightTransform, ...] | None:
+    """The family's transforms for this one module (its optional ``module_transforms`` member), checked."""
+    try:
+        own = spec_member(family.spec, "module_transforms")(module, config, options)
+    except Exception as exc:
+        raise DiscoveryError(
+            f"{where}: module_transforms raised {type(exc).__name__} on module {path!r} "
+            f"({type(module).__name__}): {exc}"
+        ) from exc
+    if own is None:
+        return None
+    own = tuple(own)
+    for transform in own:
+        if not isinstance(transform, WeightTransform):
+            raise DiscoveryError(
+                f"{where}: module_transforms returned {transform!r} for {path!r}, not a WeightTransform"
+            )
+    return own
+
+
 def _discover(
     model_cls: Any, config: Any, families: list[tuple[RegisteredFamily, FamilyOptions]]
 ) -> Discovery:
@@ -241,8 +262,10 @@ def _discover(
                     f"{original.__qualname__} (module {path!r})"
                 )
             leaves = module.state_dict(keep_vars=True)
+            own = _module_transforms(family, where, path, module, config, options)
             try:
-                bound = bind_transforms(family.name, path, {k: tuple(v.shape) for k, v in leaves.items()}, transforms)
+                bound = bind_transforms(family.name, path, {k: tuple(v.shape) for k, v in leaves.items()},
+                                        transforms if own is None else own)
             except PlanError as exc:
                 raise PlanError(f"{exc} [{family.source}]") from None
             plans.append(ModulePlan(family.name, path, original, fused, bound, tuple(leaves),

@@ -126,6 +126,20 @@ class ModuleFusionSpec(Protocol[OptionsT]):
         """
         ...
 
+    def module_transforms(
+        self, module: nn.Module, config: PretrainedConfig, options: OptionsT
+    ) -> Sequence[WeightTransform] | None:
+        """The transforms of one module ``is_fusable`` accepted, when they depend on the instance; None: the
+        family's :meth:`make_transforms`.
+
+        For a family whose modules name or shape their tensors differently from instance to instance
+        (``qkv``: ``query``/``key``/``value`` in BERT, a bias on ``q_proj`` and ``v_proj`` but not
+        ``k_proj`` in Whisper), where one family-wide list would have to hold every variant and
+        every variant's sources would be partly present on most modules. Called on meta-device
+        instances, once per fused module. Default: None.
+        """
+        ...
+
     def sample_inputs(self, module: nn.Module, generator: torch.Generator) -> list[Inputs]:
         """Example ``(args, kwargs)`` calls of the *original* ``module`` for ``fusion check`` and the kit.
 
@@ -150,11 +164,16 @@ def _no_refusal(module: nn.Module, options: Any) -> str | None:
     return None
 
 
+def _no_module_transforms(module: nn.Module, config: Any, options: Any) -> Sequence[WeightTransform] | None:
+    return None
+
+
 OPTIONAL_MEMBERS: dict[str, Any] = {
     "tensor_parallel": None,
     "owns_submodules": False,
     "sample_inputs": _no_sample_inputs,
     "refusal": _no_refusal,
+    "module_transforms": _no_module_transforms,
 }
 """Each optional member of :class:`ModuleFusionSpec` and the value a spec without it gets."""
 
@@ -199,6 +218,12 @@ class FusionFamily(Generic[OptionsT]):
 
     def refusal(self, module: nn.Module, options: OptionsT) -> str | None:
         """See :meth:`ModuleFusionSpec.refusal`: no reason by default."""
+        return None
+
+    def module_transforms(
+        self, module: nn.Module, config: PretrainedConfig, options: OptionsT
+    ) -> Sequence[WeightTransform] | None:
+        """See :meth:`ModuleFusionSpec.module_transforms`: the family's :meth:`make_transforms` by default."""
         return None
 
     fused_mixin: ClassVar[type | None] = None

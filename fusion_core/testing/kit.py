@@ -29,7 +29,7 @@ from fusion_core.compare import TOLERANCES, Comparison, compare_outputs, relativ
 from fusion_core.compat import transformers as compat
 from fusion_core.layout import fuse_instance
 from fusion_core.plugins import validate_spec
-from fusion_core.spec import FamilyOptions, ModuleFusionSpec
+from fusion_core.spec import FamilyOptions, ModuleFusionSpec, spec_member
 from fusion_core.transforms import BoundTransform, FusionPlan, ModulePlan, Shape, TransformOp, bind_transforms
 from fusion_core.wrapped import is_torch_tensor, same_bits
 
@@ -122,14 +122,21 @@ def module_factory(model: ModelSource, path: str, seed: int = 0, config: Any = N
 
 
 # -- one module --------------------------------------------------------------------------------
-def _transforms(spec: ModuleFusionSpec[Any], config: Any, options: FamilyOptions) -> list[Any]:
-    try:
-        return list(spec.make_transforms(config, options))
-    except Exception as exc:
-        hint = (" With config=None: if the family reads the model config, pass config= to the kit "
-                "(kit.model_config(model) gives the one a real load uses)") if config is None else ""
-        message = f"family {spec.name!r}: make_transforms raised {type(exc).__name__}: {exc}.{hint}"
-        raise AssertionError(message) from exc
+def _transforms(spec: ModuleFusionSpec[Any], config: Any, options: FamilyOptions, module: nn.Module) -> list[Any]:
+    """What discovery binds to ``module``: the family's ``module_transforms`` for it, else ``make_transforms``."""
+    own = spec_member(spec, "module_transforms")
+    for method, build in (("module_transforms", lambda: own(module, config, options)),
+                          ("make_transforms", lambda: spec.make_transforms(config, options))):
+        try:
+            transforms = build()
+        except Exception as exc:
+            hint = (" With config=None: if the family reads the model config, pass config= to the kit "
+                    "(kit.model_config(model) gives the one a real load uses)") if config is None else ""
+            message = f"family {spec.name!r}: {method} raised {type(exc).__name__}: {exc}.{hint}"
+            raise AssertionError(message) from exc
+        if transforms is not None:
+            return list(transforms)
+    return []
 
 
 def fuse_module(
@@ -144,7 +151,7 @@ def fuse_module(
     fused = copy.deepcopy(module)
     leaves = fused.state_dict(keep_vars=True)
     bound = bind_transforms(spec.name, path, {k: tuple(v.shape) for k, v in leaves.items()},
-                            _transforms(spec, config, options))
+                            _transforms(spec, config, options, module))
     fused_cls = spec.make_fused_class(type(module), options)
     fuse_instance(fused, ModulePlan(spec.name, path, type(module), fused_cls, bound, tuple(leaves)))
     return fused
@@ -233,7 +240,7 @@ def assert_transform_round_trip(
     options = options if options is not None else spec.options_model()
     state = module.state_dict()
     bound = bind_transforms(spec.name, "", {k: tuple(v.shape) for k, v in state.items()},
-                            _transforms(spec, config, options))
+                            _transforms(spec, config, options, module))
     for transform in bound:
         sources = [state[s.name] for s in transform.sources]
         assert_transform_op(transform.op, [s.shape for s in transform.sources], dtypes=[sources[0].dtype],

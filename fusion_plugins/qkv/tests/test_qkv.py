@@ -177,12 +177,11 @@ def _refused(mutate) -> nn.Module:
         (lambda a: setattr(a, "q_proj", _CustomLinear(32, 32)), "plain nn.Linear"),
         (lambda a: setattr(a, "v_proj", nn.Conv1d(32, 16, 1)), "plain nn.Linear"),
         (lambda a: a.k_proj.to(torch.bfloat16), "dtype"),
-        (lambda a: a.k_proj.register_parameter("bias", None), "bias on some"),
         (lambda a: setattr(a, "v_proj", a.k_proj), "share"),
         (lambda a: setattr(a, "qkv_proj", nn.Linear(32, 64)), "already has"),
-        (lambda a: delattr(a, "q_proj"), "no q_proj"),
+        (lambda a: delattr(a, "q_proj"), "no q/k/v projection"),
     ],
-    ids=["is_cross_attention", "kv-width", "custom-forward", "conv1d", "dtype", "partial-bias", "shared",
+    ids=["is_cross_attention", "kv-width", "custom-forward", "conv1d", "dtype", "shared",
          "existing-qkv_proj", "no-q_proj"],
 )
 def test_refuses_what_it_cannot_compute_exactly_or_usefully(mutate, reason):
