@@ -40,6 +40,12 @@ def fused_layout() -> Iterator[None]:
         _PRESENT_FUSED.reset(token)
 
 
+def presenting_fused() -> bool:
+    """Whether ``state_dict()`` runs inside :func:`fused_layout` now: a plugin's hook that presents more of the
+    original layout (a quantizer's module over fused tensors) stands aside then, as the core's does."""
+    return _PRESENT_FUSED.get()
+
+
 def module_plan(module: nn.Module) -> ModulePlan | None:
     """The plan a fused instance was built from, or None for a module fusion did not touch."""
     plan = attached_plan(module)

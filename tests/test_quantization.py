@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 import fusion_core
 from fusion_core import FusedModule, FusionFamily, Transpose, WeightTransform
 from fusion_core.compare import TOLERANCES, relative_error
-from fusion_core.testing.tiny_models import TINY_MODELS, TinyModel, TinyTextModel, save_tiny_model
+from fusion_core.testing.tiny_models import TEXT_MODELS, TINY_MODELS, TinyModel, TinyTextModel, save_tiny_model
 
 for _library in ("torchao", "bitsandbytes", "optimum.quanto"):
     pytest.importorskip(_library, reason=f"{_library} is not installed here: scripts/test.sh runs this module in the "
@@ -86,6 +86,15 @@ def llama_4bit(checkpoint_root: Path) -> Path:
     directory = checkpoint_root / "llama-4bit"
     if not directory.exists():
         save_tiny_model(TinyTextModel("llama", "AutoModelForCausalLM", _llama_4bit_config), directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def llama_bias(checkpoint_root: Path) -> Path:
+    """A tiny Llama whose projections have biases (split by the core, beside a quantizer's entries); built once."""
+    directory = checkpoint_root / "llama-bias"
+    if not directory.exists():
+        save_tiny_model(TEXT_MODELS["llama_bias"], directory)
     return directory
 
 
@@ -869,6 +878,59 @@ def test_quanto_quantize_after_a_fused_load_quantizes_the_merged_weights(llama: 
     assert attention.q_proj.merged.merged_gemms > 0 and attention.q_proj.merged.own_gemms == 0
     with pytest.raises(fusion_core.FusionError, match=r"its merged 'qkv_proj' was replaced by QLinear \(optimum\)"):
         fusion_core.unfuse(fused)
+
+
+@pytest.mark.parametrize(("checkpoint", "weights", "frozen"), [
+    ("llama", "qint8", True), ("llama", "qfloat8", True), ("llama", "qint4", False), ("llama_bias", "qint8", True),
+], ids=["int8", "float8", "int4-before-freeze", "int8-biases"])
+def test_quanto_after_a_fused_load_saves_the_unfused_models_keys_and_bytes(
+        request: pytest.FixtureRequest, tmp_path: Path, checkpoint: str, weights: str, frozen: bool) -> None:
+    """quanto's quantize (and freeze) on a fused model saves what the unfused quantized model saves: each part's
+    8-bit rows and per-row scales (before freeze, its float rows), and its own copy of the merged layer's activation
+    scales (ones: activations are not quantized), in the unfused model's key order, byte for byte; the file reloads
+    into the unfused model with quanto's requantize to the unfused quantized model's logits."""
+    quanto = pytest.importorskip("optimum.quanto")
+    from safetensors.torch import load_file
+
+    directory = request.getfixturevalue(checkpoint)
+    plain = AutoModelForCausalLM.from_pretrained(directory)
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, directory, fusion_config=ALL_TEXT)
+    for model in (plain, fused):
+        quanto.quantize(model, weights=getattr(quanto, weights))
+        if frozen:
+            quanto.freeze(model)
+    assert list(fused.state_dict()) == list(plain.state_dict())
+    _runs_merged_and_saves_what_the_unfused_model_saves(fused, plain, tmp_path)
+    reloaded = AutoModelForCausalLM.from_config(plain.config)  # how quanto reloads: the plain model, requantized
+    quanto.requantize(reloaded, load_file(tmp_path / "fused" / "model.safetensors"), quanto.quantization_map(plain))
+    with torch.no_grad():
+        assert torch.equal(reloaded(_ids()).logits, plain(_ids()).logits)
+
+
+@pytest.mark.parametrize(("kwargs", "reason"), [
+    ({"weights": "qint8", "activations": "qint8"},
+     r"it quantizes activations too \(qint8\): the merged layer has one output_scale, calibrated over every part's"),
+    ({"weights": "qint4"}, r"its frozen weight is a WeightQBitsTensor, which fusion-core does not split back"),
+], ids=["int8-activations", "int4"])
+def test_quanto_after_a_fused_load_refuses_by_name_to_save_what_it_cannot_split(
+        llama: Path, tmp_path: Path, kwargs: dict[str, str], reason: str) -> None:
+    """Calibrated activation scales (one output_scale over all the parts' outputs) and packed int4 rows cannot be
+    written as the unfused model's: the save is refused naming the module before anything is written; the fused
+    layout (save_original_format=False) is saved as it is."""
+    quanto = pytest.importorskip("optimum.quanto")
+
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT)
+    quanto.quantize(fused, **{name: getattr(quanto, value) for name, value in kwargs.items()})
+    with quanto.Calibration(), torch.no_grad():
+        fused(_ids())
+    quanto.freeze(fused)
+    with pytest.raises(fusion_core.SaveError, match=r"family 'qkv', module 'model\.layers\.0\.self_attn': quanto's "
+                                                    r"QLinear replaced its merged 'qkv_proj' \(the parts \['q_proj', "
+                                                    r"'k_proj', 'v_proj'\]\), and " + reason):
+        fusion_core.save_pretrained(fused, tmp_path / "fused")
+    assert not (tmp_path / "fused").exists()
+    fusion_core.save_pretrained(fused, tmp_path / "fused-layout", save_original_format=False)
+    assert (tmp_path / "fused-layout" / "model.safetensors").exists()
 
 
 @pytest.mark.parametrize("weights", ["int8", "float8"])

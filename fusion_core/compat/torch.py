@@ -45,3 +45,12 @@ def remove_layout_hooks(module: nn.Module, state_dict_post: Callable[..., Any], 
     for table, hook in ((module._state_dict_hooks, state_dict_post), (module._load_state_dict_pre_hooks, load_pre)):
         for key in [k for k, h in table.items() if getattr(h, "hook", h) is hook]:
             del table[key]
+
+
+def remove_state_dict_post_hooks(module: nn.Module, function: Callable[..., Any]) -> None:
+    """Remove the state-dict post-hooks of ``module`` that call ``function``, directly or as a
+    ``functools.partial`` of it (a plugin's hook bound to its data), found in ``nn.Module._state_dict_hooks``
+    as :func:`remove_layout_hooks` finds them."""
+    table = module._state_dict_hooks
+    for key in [k for k, h in table.items() if getattr(h, "func", h) is function]:
+        del table[key]

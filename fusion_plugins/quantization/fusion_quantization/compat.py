@@ -225,6 +225,9 @@ QUANTO_SAVED = ("weight._data", "weight._scale")
 """The entries a frozen ``QLinear`` saves for its ``WeightQBytesTensor`` (its inner tensors, by attribute name)."""
 QUANTO_SAVED_SCALES = ("input_scale", "output_scale")
 """The activation-scale buffers a ``QLinear`` saves (per layer, not per row)."""
+QUANTO_SAVE_ORDER = ("weight", "bias", *QUANTO_SAVED_SCALES)
+"""The order ``QModuleMixin._save_to_state_dict`` writes a ``QLinear``'s entries in (``weight`` and, once frozen,
+its inner tensors ``weight._data``, ... first)."""
 
 
 def read_quanto(layer: nn.Module) -> QuantoBytes | None:
@@ -236,6 +239,13 @@ def read_quanto(layer: nn.Module) -> QuantoBytes | None:
     qtype = _read(QUANTO, weight, "qtype")
     return QuantoBytes(_read(QUANTO, weight, "_data"), _read(QUANTO, weight, "_scale"), _read(QUANTO, weight, "axis"),
                        qtype, str(_read(QUANTO, qtype, "name")), _read(QUANTO, layer, "activation_qtype"))
+
+
+def quanto_activations(layer: nn.Module) -> str | None:
+    """The name of the type a ``QLinear`` quantizes its activations to (``"qint8"``, ...), or None when it leaves
+    them in floating point."""
+    qtype = _read(QUANTO, layer, "activation_qtype")
+    return None if qtype is None else str(_read(QUANTO, qtype, "name"))
 
 
 def quanto_linear(data: torch.Tensor, scale: torch.Tensor, qtype: Any, bias: bool) -> nn.Module:

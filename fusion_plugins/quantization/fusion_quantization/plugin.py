@@ -13,7 +13,9 @@ never left unquantized without a word: any other quantizing load, before any wei
 (:func:`at_load_refusal` says why); ``fusion_core.fuse`` of a model that is quantized already; a
 fused tensor a quantizer left alone while it quantized the rest of the model because it could not
 see them (:mod:`fusion_quantization.guard`), on the first forward and on save; ``unfuse`` of a
-container a quantizer replaced by its own module. Families that move no ``nn.Linear`` tensor
+container a quantizer replaced by its own module. quanto's ``QLinear`` over a merged container saves the
+parts' entries, or the save is refused by name before anything is written
+(:mod:`fusion_quantization.quanto_split`). Families that move no ``nn.Linear`` tensor
 (``patch_embeddings``: a ``Conv3d``) load, fuse and quantize as the unfused model does.
 """
 
@@ -28,6 +30,7 @@ from fusion_core.errors import FusionLoadError, SaveError
 from fusion_core.hookspecs import hookimpl
 from fusion_core.integration import Integration
 from fusion_core.integration_needs import load_quantization
+from fusion_core.layout import presenting_fused
 from fusion_core.transforms import Concat, FusionPlan, ModulePlan
 from fusion_quantization.bnb_4bit import BLOCKSIZE, fills_whole_blocks, take_packed
 from fusion_quantization.bnb_4bit import install as install_4bit
@@ -45,7 +48,10 @@ from fusion_quantization.guard import attach_guard, containers, fused_linears, g
 from fusion_quantization.quanto_bytes import MERGED_WEIGHTS as QUANTO_MERGED_WEIGHTS
 from fusion_quantization.quanto_bytes import install as install_quanto
 from fusion_quantization.quanto_bytes import take_rows
-from fusion_quantization.replaced import quantized_parts
+from fusion_quantization.quanto_split import attach as attach_quanto_split
+from fusion_quantization.quanto_split import detach as detach_quanto_split
+from fusion_quantization.quanto_split import save_refusal as quanto_save_refusal
+from fusion_quantization.replaced import quantized_parts, weight_rows
 from fusion_quantization.schemes import config_field, part_schemes
 
 INTEGRATION = Integration(
@@ -159,6 +165,18 @@ def fusion_convert_loaded(
 
 
 @hookimpl
+def fusion_module_fused(module: nn.Module, plan: ModulePlan) -> None:
+    layouts = weight_rows(plan)
+    if layouts:  # quanto's quantize may replace the merged containers later: their entries are saved as the parts'
+        attach_quanto_split(module, layouts)
+
+
+@hookimpl
+def fusion_module_unfused(module: nn.Module, plan: ModulePlan) -> None:
+    detach_quanto_split(module)
+
+
+@hookimpl
 def fusion_fuse_refusal(model: nn.Module) -> str | None:
     for name, module in model.named_modules():
         if (isinstance(module, nn.Linear) or "base_layer" in module._modules
@@ -184,5 +202,7 @@ def fusion_unfuse_refusal(module: nn.Module, plan: ModulePlan) -> str | None:
 def fusion_save_kwargs(model: nn.Module, save_kwargs: MutableMapping[str, Any]) -> None:
     guard = guard_of(model)
     reason = guard.refusal(model, "this save") if guard is not None else None
+    if reason is None and not presenting_fused():  # the fused layout is saved as it is
+        reason = quanto_save_refusal(model)
     if reason is not None:
         raise SaveError(reason)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion_core.transforms import BoundTransform, ModulePlan
+from fusion_core.transforms import BoundTransform, Concat, ModulePlan
 from fusion_quantization.detect import package_of
 
 #: Packages whose layers replace ``nn.Linear`` at load (bitsandbytes' ``Linear8bitLt`` / ``Linear4bit``, quanto's
@@ -59,12 +59,26 @@ class QuantizedParts:
 
     @property
     def layout(self) -> PartsLayout:
-        return PartsLayout(self.bound.targets[0].name.rpartition(".")[0], self.names,
-                           tuple(int(spec.shape[0]) for spec in self.bound.sources))
+        return layout_of(self.bound)
 
     def of(self, is_layer: Callable[[nn.Module], bool]) -> bool:
         """Whether one of the parts is a layer ``is_layer`` recognises."""
         return any(is_layer(layer) for layer in self.layers)
+
+
+def layout_of(bound: BoundTransform) -> PartsLayout:
+    """Where the parts of one weight concatenation (``q_proj.weight``, ... -> ``qkv_proj.weight``) are."""
+    return PartsLayout(bound.targets[0].name.rpartition(".")[0],
+                       tuple(spec.name.rpartition(".")[0] for spec in bound.sources),
+                       tuple(int(spec.shape[0]) for spec in bound.sources))
+
+
+def weight_rows(plan: ModulePlan) -> tuple[PartsLayout, ...]:
+    """The layouts of ``plan``'s concatenations of weight rows (``Concat`` along dim 0 of ``.weight`` tensors): the
+    merged containers a quantizer may replace by its own module, as it replaces the parts on the unfused model."""
+    return tuple(layout_of(bound) for bound in plan.transforms
+                 if isinstance(bound.op, Concat) and bound.op.dim == 0 and bound.sources
+                 and all(spec.name.endswith(".weight") for spec in (*bound.sources, *bound.targets)))
 
 
 def quantized_parts(module: nn.Module, plan: ModulePlan) -> list[QuantizedParts]:
