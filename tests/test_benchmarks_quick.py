@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.once
 def test_quick_benchmark_runs_and_prints_its_tables(tmp_path: Path) -> None:
+    """~2.5 min on a 2-core CI machine (every section at toy sizes, compiled rows too): once, on the newest line."""
     results, markdown = tmp_path / "results.json", tmp_path / "table.md"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--json", str(results),

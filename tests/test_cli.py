@@ -1,4 +1,9 @@
-"""The ``fusion`` command driven as a user drives it: subprocesses on real tiny checkpoints.
+"""The ``fusion`` command on real tiny checkpoints: its arguments, exit codes and output.
+
+Most tests call the command's entry point in this process (:func:`fusion`), with its own stdout
+and stderr captured: a subprocess per call paid ~4 s of imports each, most of this module's time.
+What only a real process shows (the installed ``fusion`` found through its entry points, a closed
+pipe, the progress bars on a terminal's stderr) runs in one (:func:`fusion_process`).
 
 ``fusion plan`` is compared with what a fused load actually does (``get_fusion_plan``),
 ``fusion check`` must fail on a family that computes something else, and ``fusion convert``
@@ -7,6 +12,8 @@ must give what ``save_pretrained(save_original_format=False)`` gives, and come b
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -28,11 +35,28 @@ PATCH = "patch_embeddings"
 
 
 def fusion(*args: str, check: bool | None = True) -> subprocess.CompletedProcess[str]:
+    """``fusion ARGS...`` by its entry point in this process (argparse's usage errors give their exit status)."""
+    argv = [str(arg) for arg in args]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(argv)
+        except SystemExit as exc:  # argparse's own refusals
+            code = exc.code if isinstance(exc.code, int) else 1
+    return _checked(subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue()), check)
+
+
+def fusion_process(*args: str, check: bool | None = True) -> subprocess.CompletedProcess[str]:
+    """``python -m fusion_core ARGS...`` in a fresh process, as a user runs it (no FUSION_CORE_* settings)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FUSION_CORE_")}
     result = subprocess.run([sys.executable, "-m", "fusion_core", *map(str, args)], capture_output=True, text=True,
                             env=env, timeout=600)
+    return _checked(result, check)
+
+
+def _checked(result: subprocess.CompletedProcess[str], check: bool | None) -> subprocess.CompletedProcess[str]:
     if check and result.returncode != 0:
-        raise AssertionError(f"fusion {args} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+        raise AssertionError(f"fusion {result.args} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
     return result
 
 
@@ -250,15 +274,15 @@ def test_convert_refuses_and_leaves_nothing_behind(tiny_checkpoint, tmp_path, mo
 
 def test_convert_shows_progress_on_request(tiny_checkpoint, tmp_path):
     directory, _ = tiny_checkpoint("videomae")
-    result = fusion("convert", directory, tmp_path / "out", "-f", PATCH, "--progress")
+    result = fusion_process("convert", directory, tmp_path / "out", "-f", PATCH, "--progress")
     assert "convert to fused" in result.stderr and "shard" in result.stderr
-    quiet = fusion("convert", directory, tmp_path / "out2", "-f", PATCH)
+    quiet = fusion_process("convert", directory, tmp_path / "out2", "-f", PATCH)
     assert quiet.stderr == ""
 
 
 # -- list ----------------------------------------------------------------------------------------
 def test_list_shows_where_each_family_comes_from():
-    _, listing = fusion_json("list")
+    listing = json.loads(fusion_process("list", "--json").stdout)  # the installed command, as users run it
     family = next(f for f in listing["families"] if f["name"] == PATCH)
     assert family["distribution"] == "fusion-patch-embeddings" and family["version"]
     assert family["module"] == "fusion_patch_embeddings.family" and family["spec_class"] == "PatchEmbeddingsFamily"
