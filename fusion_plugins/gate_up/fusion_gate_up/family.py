@@ -1,52 +1,55 @@
-"""``gate_up``: gated MLPs run their ``gate_proj``/``up_proj`` as one merged GEMM.
+"""``gate_up``: gated MLPs run their gate and up projections as one merged GEMM.
 
-A gated MLP ``down_proj(act(gate_proj(x)) * up_proj(x))`` (SwiGLU, GeGLU: Llama, Mistral,
-Qwen, Gemma and most decoder LLMs) reads ``x`` twice; the fused module computes
-``x @ [Wgate; Wup]^T`` once. The family does not copy any MLP ``forward``: the fused class keeps
-the original one, and its ``fusion_finalize`` replaces ``gate_proj`` and ``up_proj`` by slices
-of one merged projection (see :mod:`fusion_core.merged`). The two calls on the same input
-share one GEMM; any other call is answered from that projection's own rows, so the activation,
-the product and ``down_proj`` run exactly as before. ``down_proj`` is untouched.
+A gated MLP ``down(act(gate(x)) * up(x))`` (SwiGLU, GeGLU: Llama, Mistral, Qwen, Gemma, Mixtral's
+experts, T5 v1.1 / MT5 / UMT5 and most decoder LLMs) reads ``x`` twice; the fused module computes
+``x @ [Wgate; Wup]^T`` once. The projections are found by structure, not by name
+(:mod:`fusion_gate_up.recognition`): two children that the class's ``forward`` combines as
+``act(gate(x)) * up(x)`` (``gate_proj``/``up_proj``, ``w1``/``w3``, ``wi_0``/``wi_1``, ...). The
+family does not copy any MLP ``forward``: the fused class keeps the original one, and its
+``fusion_finalize`` replaces the gate and up children by slices of one merged projection (see
+:mod:`fusion_core.merged`), under their original names (PEFT targets them as before). The two
+calls on the same input share one GEMM; any other call is answered from that projection's own
+rows, so the activation, the product and the down projection run exactly as before.
 
 Why slices rather than a new ``forward`` (``down(act(gu[:, :n]) * gu[:, n:])``): a rewritten
 forward is only right for MLPs whose forward is exactly that expression, which cannot be
 checked on a module instance (some scale, clamp, drop out or route between the calls). The
 slices are exact for any forward; the cost is a Python-level cache check per projection call.
 
-Checkpoint layout: ``gate_proj.weight`` and ``up_proj.weight`` are concatenated along dim 0
-into ``gate_up_proj.weight`` on load and split back on save; the biases likewise when both
-have one.
+Checkpoint layout: the gate and up ``.weight`` s are concatenated along dim 0 into
+``gate_up_proj.weight`` on load and split back on save; the biases likewise when both have one.
 
 Refused (``is_fusable`` is False):
 
 - activations the family does not know as elementwise (anything but the activations of
   ``transformers.activations``, the elementwise ``torch.nn`` activations and the matching
-  ``torch.nn.functional`` functions; see :func:`is_elementwise_activation`), or no activation
-  attribute at all (``act_fn``, ``act``, ``activation_fn``, ``activation``): the module is not
-  a recognised gated MLP;
-- shapes that are not a gated MLP (gate and up of different widths or inputs, ``down_proj``
-  not reading their width);
+  ``torch.nn.functional`` functions; see :func:`is_elementwise_activation`), or an activation
+  attribute the instance does not have: the module is not a recognised gated MLP;
+- a ``forward`` without exactly one gated product of two children, or whose source cannot be
+  read; gate and up applied to different inputs;
+- shapes that are not a gated MLP (gate and up of different widths or inputs, no other
+  ``nn.Linear`` child reading their width);
 - projections that are not plain ``nn.Linear``, or are shared; tensors of different dtypes; a
   bias on one of gate/up but not the other;
-- modules that already have a ``gate_up_proj`` (Phi-3 style MLPs are not matched at all: they
-  have no ``gate_proj``).
+- modules that already have a ``gate_up_proj`` (Phi-3 style MLPs, which split one projection
+  with ``chunk``, are not matched at all).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from fusion_core import Concat, FamilyOptions, FusionFamily, WeightTransform
-from fusion_core.merged import MergedProjectionsMixin, is_plain_linear, merge_refusal
+from fusion_core.merged import MergedProjectionsMixin, is_plain_linear, merge_children, merge_refusal
 from fusion_core.parallel.rules import PackedColwise
+from fusion_gate_up.recognition import gated_products, resolve_activation
 
 PROJECTIONS = ("gate_proj", "up_proj")
 MERGED = "gate_up_proj"
-ACTIVATION_ATTRIBUTES = ("act_fn", "act", "activation_fn", "activation")
 
 #: Elementwise ``torch.nn`` activations (``GLU``, ``Softmax`` and friends are not elementwise).
 TORCH_ACTIVATIONS: tuple[type[nn.Module], ...] = (
@@ -72,33 +75,37 @@ def is_elementwise_activation(act: Any) -> bool:
     return any(act is fn for fn in TORCH_FUNCTIONS)
 
 
-
-def activation(module: nn.Module) -> Any:
-    for name in ACTIVATION_ATTRIBUTES:
-        act = getattr(module, name, None)
-        if act is not None:
-            return act
-    return None
+def gate_up(module: nn.Module) -> tuple[str, str] | None:
+    """The names of ``module``'s gate and up children, when its ``forward`` has exactly one gated product."""
+    products = gated_products(module)
+    return (products[0].gate, products[0].up) if len(products) == 1 else None
 
 
 def refusal(module: nn.Module) -> str | None:
     """Why ``module`` cannot run a merged gate/up projection exactly and usefully; None when it can."""
-    gate, up, down = (module._modules.get(name) for name in ("gate_proj", "up_proj", "down_proj"))
-    if gate is None or up is None or down is None:
-        return "no gate_proj/up_proj/down_proj children"
-    if not all(is_plain_linear(m) for m in (gate, up, down)):
-        return "a projection is not a plain nn.Linear"
-    act = activation(module)
+    products = gated_products(module)
+    if not products:
+        return "no gated product act(gate(x)) * up(x) of two children in forward: not a gated MLP"
+    if len(products) > 1:
+        return f"several gated products in forward: {[(p.gate, p.up) for p in products]}"
+    product = products[0]
+    gate, up = (cast(nn.Linear, module._modules[name]) for name in (product.gate, product.up))
+    if not (is_plain_linear(gate) and is_plain_linear(up)):
+        return f"a projection ({product.gate}/{product.up}) is not a plain nn.Linear"
+    act = resolve_activation(module, product)
     if act is None:
-        return f"no activation attribute ({', '.join(ACTIVATION_ATTRIBUTES)})"
+        return f"no activation {'.'.join(product.activation)}"
     if not is_elementwise_activation(act):
         return f"unknown activation {type(act).__qualname__}: not a recognised gated MLP"
+    if not product.same_input:
+        return f"{product.owner.__qualname__}.forward applies {product.gate} and {product.up} to different inputs"
     if gate is up or gate.weight is up.weight:
         return "gate and up share a module or a weight"
     if gate.in_features != up.in_features or gate.out_features != up.out_features:
         return "gate and up differ in shape (not a gated MLP)"
-    if down.in_features != gate.out_features:
-        return "down_proj does not read the gate/up width"
+    others = [child for name, child in module._modules.items() if name not in (product.gate, product.up)]
+    if not any(is_plain_linear(child) and cast(nn.Linear, child).in_features == gate.out_features for child in others):
+        return "no down projection reads the gate/up width (not a gated MLP)"
     if (gate.bias is None) != (up.bias is None):
         return "a bias on one of gate/up but not the other"
     return merge_refusal(module, (gate, up), MERGED)
@@ -107,8 +114,14 @@ def refusal(module: nn.Module) -> str | None:
 class GateUpMixin(MergedProjectionsMixin):
     """The fused behaviour mixed into an MLP subclass: gate and up share one merged GEMM."""
 
-    projections = PROJECTIONS
     container = MERGED
+
+    def fusion_finalize(self) -> None:
+        """Replace the instance's own gate and up children (whatever their names) by slices of ``gate_up_proj``."""
+        names = gate_up(self)
+        if names is None:
+            raise RuntimeError(f"{type(self).__name__}: no single gate/up pair to merge into {MERGED}")
+        self.__dict__["_fusion_merged"] = merge_children(self, names, MERGED)
 
 
 class GateUpFamily(FusionFamily[GateUpOptions]):
@@ -125,13 +138,25 @@ class GateUpFamily(FusionFamily[GateUpOptions]):
         return refusal(module) is None
 
     def refusal(self, module: nn.Module, options: GateUpOptions) -> str | None:
-        """The reason for a module with the projections this family merges; None for the rest."""
-        return refusal(module) if all(name in module._modules for name in (*PROJECTIONS, "down_proj")) else None
+        """The reason for a module whose ``forward`` has a gated product of its children; None for the rest."""
+        return refusal(module) if gated_products(module) else None
 
     def make_transforms(self, config: Any, options: GateUpOptions) -> list[WeightTransform]:
+        """The transforms of ``gate_proj``/``up_proj`` (what tensor-parallel plans name); every fused module
+        gets its own from :meth:`module_transforms`."""
         return [
             WeightTransform(tuple(f"{p}.weight" for p in PROJECTIONS), (f"{MERGED}.weight",), Concat(n=2, dim=0)),
             WeightTransform(
                 tuple(f"{p}.bias" for p in PROJECTIONS), (f"{MERGED}.bias",), Concat(n=2, dim=0), optional=True
             ),
         ]
+
+    def module_transforms(self, module: nn.Module, config: Any, options: GateUpOptions) -> list[WeightTransform]:
+        """The transforms of this module's gate/up pair, under its own names."""
+        names = gate_up(module)
+        if names is None:
+            raise ValueError(f"{type(module).__name__} has no single gate/up pair")
+        weights = WeightTransform(tuple(f"{p}.weight" for p in names), (f"{MERGED}.weight",), Concat(n=2, dim=0))
+        if cast(nn.Linear, module._modules[names[0]]).bias is None:
+            return [weights]
+        return [weights, WeightTransform(tuple(f"{p}.bias" for p in names), (f"{MERGED}.bias",), Concat(n=2, dim=0))]

@@ -12,6 +12,7 @@ from fusion_gate_up.family import refusal
 from torch import nn
 
 import fusion_core
+from fusion_core.compare import compare_checkpoints
 from fusion_core.merged import MergedSlice
 from fusion_core.testing import kit
 from fusion_core.testing.kit import (
@@ -78,8 +79,16 @@ class _UpFirstMLP(nn.Module):
 
 
 class _TwoInputMLP(_UpFirstMLP):
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x.flip(0)))
+    """Reads one input per the source (``other`` may be ``x``), but may be given two at run time."""
+
+    def forward(self, x, other=None):
+        other = x if other is None else other
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(other))
+
+
+class _CrossInputMLP(_UpFirstMLP):
+    def forward(self, x, other):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(other))
 
 
 @pytest.mark.parametrize("cls", [_UpFirstMLP, _TwoInputMLP])
@@ -93,7 +102,7 @@ def test_two_input_forward_stops_merging():
     fused = fuse_module(original, FAMILY)
     for _ in range(3):
         x = torch.randn(3, 16)
-        assert torch.allclose(fused(x), original(x), atol=1e-6)
+        assert torch.allclose(fused(x, x.flip(0)), original(x, x.flip(0)), atol=1e-6)
     assert fused.fused_projection.merging is False and fused.fused_projection.merged_gemms == 1
 
 
@@ -140,15 +149,15 @@ def _mutated(mutate) -> nn.Module:
         (lambda m: setattr(m, "act_fn", nn.GLU()), "unknown activation"),
         (lambda m: setattr(m, "act_fn", nn.Softmax(-1)), "unknown activation"),
         (lambda m: _set_act(m, lambda x: x * 2), "unknown activation"),
-        (lambda m: delattr(m, "act_fn"), "no activation"),
+        (lambda m: delattr(m, "act_fn"), "no activation self.act_fn"),
         (lambda m: setattr(m, "up_proj", _CustomLinear(32, 64)), "plain nn.Linear"),
         (lambda m: setattr(m, "up_proj", nn.Linear(32, 48)), "differ in shape"),
-        (lambda m: setattr(m, "down_proj", nn.Linear(32, 32)), "down_proj"),
+        (lambda m: setattr(m, "down_proj", nn.Linear(32, 32)), "no down projection"),
         (lambda m: m.up_proj.to(torch.float16), "dtype"),
         (lambda m: m.up_proj.register_parameter("bias", None), "bias on one"),
         (lambda m: setattr(m, "up_proj", m.gate_proj), "share"),
         (lambda m: setattr(m, "gate_up_proj", nn.Linear(32, 128)), "already has"),
-        (lambda m: delattr(m, "down_proj"), "no gate_proj"),
+        (lambda m: delattr(m, "down_proj"), "no down projection"),
     ],
     ids=["custom-activation", "glu", "softmax", "lambda", "no-activation", "custom-linear", "gate-up-shapes",
          "down-width", "dtype", "partial-bias", "shared", "existing-gate_up_proj", "no-down_proj"],
@@ -203,3 +212,51 @@ def test_discovery_plans_every_mlp(name):
 def test_fused_load_through_the_kit(tiny, tmp_path):
     comparison = kit.assert_fused_load(FAMILY, tiny, tmp_path)
     assert comparison.modules and all("language_model" in m.module for m in comparison.modules)
+
+
+def test_refuses_gate_and_up_of_different_inputs():
+    mlp = _CrossInputMLP()
+    assert FAMILY.is_fusable(mlp, OPTIONS) is False
+    assert "applies gate_proj and up_proj to different inputs" in refusal(mlp)
+
+
+def _t5_gated() -> tuple[type, transformers.PretrainedConfig]:
+    return transformers.T5ForConditionalGeneration, transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_decoder_layers=1, num_heads=4,
+        feed_forward_proj="gated-gelu", decoder_start_token_id=0)
+
+
+def _lfm2() -> tuple[type, transformers.PretrainedConfig]:
+    return transformers.Lfm2ForCausalLM, transformers.Lfm2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["conv", "full_attention"], block_auto_adjust_ff_dim=False)
+
+
+@pytest.mark.parametrize(
+    ("make", "mlps", "names"),
+    [(_t5_gated, ["encoder.block.0.layer.1.DenseReluDense", "decoder.block.0.layer.2.DenseReluDense"],
+      ("wi_0", "wi_1")),
+     (_lfm2, ["model.layers.0.feed_forward", "model.layers.1.feed_forward"], ("w1", "w3"))],
+    ids=["t5-gated-gelu", "lfm2"],
+)
+def test_other_namings_load_fused_exactly_and_save_back(make, mlps, names, tmp_path):
+    model_cls, config = make()
+    torch.manual_seed(0)
+    model_cls(config).save_pretrained(tmp_path / "source")
+    plain = model_cls.from_pretrained(tmp_path / "source").eval()
+    with kit.registered(FAMILY):
+        fused = fusion_core.from_pretrained(model_cls, tmp_path / "source", fusion_config={"gate_up": True}).eval()
+    assert sorted(m.path for m in fusion_core.get_fusion_plan(fused).modules) == sorted(mlps)
+    for path in mlps:  # fused under the original child names, which PEFT targets
+        mlp = fused.get_submodule(path)
+        assert isinstance(mlp, GateUpMixin) and all(isinstance(getattr(mlp, n), MergedSlice) for n in names)
+    fusion_core.save_pretrained(fused, tmp_path / "saved")
+    assert compare_checkpoints(tmp_path / "source", tmp_path / "saved").ok  # byte for byte
+    reloaded = model_cls.from_pretrained(tmp_path / "saved").eval()
+    ids = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(2))
+    extra = {"decoder_input_ids": ids[:, :3]} if config.is_encoder_decoder else {}
+    with torch.no_grad():
+        expected = plain(input_ids=ids, **extra).logits
+        # the merged GEMM may round differently from two GEMMs (LFM2: 4e-8), within float32 noise
+        torch.testing.assert_close(fused(input_ids=ids, **extra).logits, expected, atol=1e-6, rtol=0)
+        assert torch.equal(reloaded(input_ids=ids, **extra).logits, expected)
