@@ -23,6 +23,8 @@ DOCS = ROOT / "docs"
 
 @pytest.mark.parametrize("page", ["index.md", "writing-a-family.md", "recipes.md", "tiny-models.md", "interop.md"])
 def test_python_snippets_run(page, tmp_path):
+    """Each page's blocks as one user script in a fresh process; interop.md's (torch.compile, PEFT, a
+    routed load) take about a minute of CI on each line, which is what keeping that page runnable costs."""
     assert python_blocks(page), f"{page} has no python block"
     result = run_python_blocks(page, tmp_path)
     assert result.returncode == 0, f"{page}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
