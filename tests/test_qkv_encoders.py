@@ -92,10 +92,20 @@ def _fused(model: torch.nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, QkvMixin)]
 
 
+def _takes_separate_inputs(name: str) -> bool:
+    """transformers 4.57's DistilBERT attention is ``forward(query, key, value, ...)``: only its caller
+    passes one tensor three times, so its own forward cannot show q, k and v read one input."""
+    return name == "distilbert" and transformers.__version__.startswith("4.")
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_encoder_attention_fuses_exactly_and_saves_the_source(name, tmp_path):
     model_cls, _, inputs, expected = CASES[name]
     reference = _save(name, tmp_path / "source")
+    if _takes_separate_inputs(name):
+        with pytest.raises(fusion_core.errors.DiscoveryError, match="applies the projections to different inputs"):
+            fusion_core.from_pretrained(model_cls, tmp_path / "source", fusion_config={"qkv": True})
+        return
     model, info = fusion_core.from_pretrained(model_cls, tmp_path / "source", fusion_config={"qkv": True},
                                               output_loading_info=True)
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
@@ -139,6 +149,10 @@ def test_cross_attention_is_declined_by_its_forward():
     layer = model.encoder.layer[0]
     assert FAMILY.is_fusable(layer.attention.self, OPTIONS) is True
     cross = layer.crossattention.self
+    if type(cross) is type(layer.attention.self):
+        pytest.skip(f"transformers {transformers.__version__} builds BERT's self- and cross-attention from one class "
+                    "whose forward picks its input at run time: only the path tells them apart (discovery leaves "
+                    "crossattention out; test_bert_decoder_with_cross_attention_fuses_only_self_attention loads one)")
     assert FAMILY.is_fusable(cross, OPTIONS) is False
     cross.is_cross_attention = False  # not the flag: the forward's inputs, or its class name, decide
     reason = refusal(cross)
