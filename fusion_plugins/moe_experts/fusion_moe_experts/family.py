@@ -1,13 +1,14 @@
 """``moe_experts``: sparse MoE blocks that loop over ``nn.ModuleList`` experts run them as grouped GEMMs.
 
 On transformers 4.57 a sparse MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, PhiMoE,
-DeepSeek-V2, and the blocks that copy their code) keeps one small gated MLP per expert and runs
-them in a Python loop, one to three GEMMs per expert per layer; OLMoE and PhiMoE visit every
-expert even when no token was routed to it. The fused block keeps the original router module,
-top-k, normalisation, jitter, shared expert and its gate, and output (``(hidden, router_logits)``
-where the original returns it), and replaces only the loop: the experts' weights live stacked as
-``experts.gate_up_proj`` ``[E, 2I, H]`` and ``experts.down_proj`` ``[E, H, I]`` (transformers 5.x's
-own leaf names and shapes), and :mod:`fusion_moe_experts.dispatch` runs them in two grouped GEMMs.
+DeepSeek-V2, DeepSeek-V3, Ernie 4.5 MoE, Hunyuan-V1-MoE, Jamba, and the blocks that copy their
+code) keeps one small gated MLP per expert and runs them in a Python loop, one to three GEMMs per
+expert per layer; OLMoE and PhiMoE visit every expert even when no token was routed to it. The
+fused block keeps the original router module, top-k, normalisation, jitter, shared expert and its
+gate, and output (``(hidden, router_logits)`` where the original returns it), and replaces only the
+loop: the experts' weights live stacked as ``experts.gate_up_proj`` ``[E, 2I, H]`` and
+``experts.down_proj`` ``[E, H, I]`` (transformers 5.x's own leaf names and shapes), and
+:mod:`fusion_moe_experts.dispatch` runs them in two grouped GEMMs.
 
 **What is recognised, exactly.** A block is fusable when the code of its methods is one of the
 :data:`TEMPLATES` (by fingerprint, :mod:`fusion_moe_experts.recognise`: a copy under another
@@ -63,7 +64,7 @@ EXPERT_COUNT_ATTRIBUTES = ("num_local_experts", "num_experts", "n_routed_experts
 EXPERT_FORWARDS: dict[str, str] = {
     "6f8ea681646fa37f": "w1",        # MixtralBlockSparseTop2MLP, PhimoeBlockSparseTop2MLP, MiniMax's
     "92f836a144251e0e": "gate_proj",  # Qwen2MoeMLP
-    "ddc6573590c67a46": "gate_proj",  # Qwen3MoeMLP, OlmoeMLP, DeepseekV2MLP, FlexOlmo's, Qwen3-Next's
+    "ddc6573590c67a46": "gate_proj",  # Qwen3MoeMLP, OlmoeMLP, DeepseekV2MLP, DeepseekV3MLP, FlexOlmo's, Qwen3-Next's
 }
 
 #: Activation classes accepted: the elementwise activations of transformers and torch.
@@ -79,6 +80,10 @@ class Template:
     mixin: type
     children: tuple[str, ...]
     """The child modules its forward calls besides ``experts``."""
+    router: str = "gate"
+    """The child that computes the routing (called as a module, as the original forward calls it)."""
+    router_module: bool = False
+    """Whether the router is the model's own router module, of any class, rather than a plain ``nn.Linear``."""
 
 
 class MoeExpertsOptions(FamilyOptions):
@@ -275,6 +280,69 @@ class DeepseekV2StyleMixin(StackedExpertsMixin):
         return combined.view(*orig_shape) + self.shared_experts(residuals)
 
 
+class DeepseekV3StyleMixin(StackedExpertsMixin):
+    """DeepSeek-V3's block (GLM-4-MoE's, dots1's): its gate module routes (group-limited, bias-corrected sigmoid,
+    run as it is); each expert's weighted outputs are accumulated in the weights' dtype, expert after expert."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        residuals = hidden_states
+        orig_shape = hidden_states.shape
+        topk_indices, topk_weights = self.gate(hidden_states)
+        x = hidden_states.view(-1, hidden_states.shape[-1])
+        outputs, routed = self._fusion_experts(x, topk_indices)
+        weighted = outputs * topk_weights.reshape(-1)[routed.order, None]
+        combined = torch.zeros_like(x, dtype=topk_weights.dtype).index_add(0, routed.token, weighted)
+        return combined.type(x.dtype).view(*orig_shape) + self.shared_experts(residuals)
+
+
+class Ernie45StyleMixin(StackedExpertsMixin):
+    """Ernie 4.5 MoE's block: float32 softmax router, top-k chosen on the scores plus its ``moe_statics`` correction
+    bias (called as a module) but weighted by the uncorrected ones, renormalised with a floor; optional shared
+    experts added."""
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        x = hidden_states.view(-1, hidden_dim)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        device_type = x.device.type if x.device.type != "mps" else "cpu"
+        with torch.autocast(device_type=device_type, enabled=False):  # the original routes in float32
+            router_logits = self.gate(x.float())
+            scores = F.softmax(router_logits, dim=1, dtype=torch.float)
+            _, selected = torch.topk(self.moe_statics(scores), self.top_k, dim=-1)
+            weights = torch.gather(scores, dim=-1, index=selected)
+            weights = (weights / torch.clamp(weights.sum(dim=-1, keepdim=True), min=self.norm_min)).to(x.dtype)
+        out = self._fusion_combine(x, selected, weights)
+        if shared is not None:
+            out = out + shared
+        return out.reshape(batch_size, sequence_length, hidden_dim), router_logits
+
+
+class HunYuanStyleMixin(StackedExpertsMixin):
+    """Hunyuan-V1-MoE's block: its ``gate`` module gives the logits (float32 when its weight is), softmax, top-k
+    renormalised; ``shared_mlp`` of the input added; no router logits returned."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        shared = self.shared_mlp(hidden_states)
+        router_logits = self.gate(hidden_states)
+        x = hidden_states.view(-1, hidden_dim)
+        weights, selected = _softmax_top_k(router_logits, self.top_k, True, x.dtype)
+        out = self._fusion_combine(x, selected, weights)
+        return out.reshape(batch_size, sequence_length, hidden_dim) + shared
+
+
+class JambaStyleMixin(StackedExpertsMixin):
+    """Jamba's block: ``router`` (nn.Linear), softmax, top-k not renormalised."""
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        x = hidden_states.view(-1, hidden_dim)
+        router_logits = self.router(x)
+        weights, selected = _softmax_top_k(router_logits, self.top_k, False, x.dtype)
+        out = self._fusion_combine(x, selected, weights)
+        return out.reshape(batch_size, sequence_length, hidden_dim), router_logits
+
+
 #: The recognised block forwards (fingerprints of transformers 4.57.6's code).
 TEMPLATES: tuple[Template, ...] = (
     Template("mixtral", {"forward": "77d0e5eaa3b5a611"}, MixtralStyleMixin, ("gate",)),  # Mixtral, MiniMax
@@ -284,7 +352,13 @@ TEMPLATES: tuple[Template, ...] = (
     Template("olmoe", {"forward": "0ad5eefe377fa1f0"}, TopKStyleMixin, ("gate",)),  # OLMoE, FlexOlmo
     Template("phimoe", {"forward": "98138e0745b938cb"}, PhimoeStyleMixin, ("gate",)),
     Template("deepseek_v2", {"forward": "fa8619a31437a423", "moe": "e7b317f10cd8ebf7"}, DeepseekV2StyleMixin,
-             ("gate", "shared_experts")),
+             ("gate", "shared_experts"), router_module=True),
+    Template("deepseek_v3", {"forward": "4dc47bf6568977b9", "moe": "6b6916c0a00750e5"}, DeepseekV3StyleMixin,
+             ("gate", "shared_experts"), router_module=True),  # DeepSeek-V3, GLM-4-MoE, GLM-4.5V's text, dots1
+    Template("ernie4_5_moe", {"forward": "a61014d03d9f8c09"}, Ernie45StyleMixin, ("gate", "moe_statics")),
+    Template("hunyuan_v1_moe", {"forward": "1731962f37ee63ee"}, HunYuanStyleMixin, ("gate", "shared_mlp"),
+             router_module=True),
+    Template("jamba", {"forward": "c4b5494715ec3d00"}, JambaStyleMixin, ("router",), router="router"),
 )
 
 _template_cache: dict[type, Template | None] = {}
@@ -338,7 +412,8 @@ def refusal(module: nn.Module) -> str | None:
     """Why ``module`` is not a sparse MoE block this family computes exactly; None when it is."""
     experts = module._modules.get("experts")
     if not isinstance(experts, nn.ModuleList):
-        return "no experts ModuleList (transformers 5.x blocks hold their experts stacked already)"
+        return (f"no experts ModuleList (transformers 5.x blocks hold their experts stacked already; this block's "
+                f"experts is a {type(experts).__qualname__})")
     template = template_for(type(module))
     if template is None:
         return f"the forward of {type(module).__qualname__} is not one this family reproduces (see TEMPLATES)"
@@ -347,11 +422,14 @@ def refusal(module: nn.Module) -> str | None:
     missing = [name for name in template.children if module._modules.get(name) is None]
     if missing:
         return f"no {'/'.join(missing)} child (the original forward calls it)"
-    if template.name != "deepseek_v2" and type(module._modules["gate"]) is not nn.Linear:
-        return "the router gate is not a plain nn.Linear"
+    if not template.router_module and type(module._modules[template.router]) is not nn.Linear:
+        return f"the router {template.router} is not a plain nn.Linear"
     if template.name == "deepseek_v2" and (getattr(module, "ep_rank", None) != 0
                                            or getattr(module, "experts_per_rank", None) != len(experts)):
         return "expert parallelism (ep_rank / experts_per_rank) is not supported"
+    if template.name == "hunyuan_v1_moe" and not isinstance(getattr(getattr(module, "config", None), "num_experts",
+                                                                    None), int):
+        return "num_experts is a per-layer list in the config (the stacked layout takes one expert count)"
     if GATE_UP in experts._parameters or DOWN in experts._parameters:
         return "the experts already hold stacked tensors"
     return _expert_refusal(experts)

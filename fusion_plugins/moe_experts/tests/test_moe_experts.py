@@ -58,8 +58,27 @@ CONFIGS = {
                                              n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=16,
                                              q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
                                              head_dim=8, topk_method="greedy", n_group=1, topk_group=1)),
+    # two groups of two experts, one group kept: the group limit leaves out half the experts of every token
+    "deepseek_v3": ("DeepseekV3Config", dict(intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4,
+                                             n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=16,
+                                             q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                                             head_dim=8, n_group=2, topk_group=1)),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(intermediate_size=64, moe_num_experts=4, moe_intermediate_size=32,
+                                                moe_num_shared_experts=1, moe_layer_start_index=0,
+                                                moe_layer_interval=1, head_dim=8)),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(intermediate_size=64, num_experts=4, moe_topk=2, head_dim=8)),
+    # every layer attention (no Mamba mixer: its CPU path is slow) and every layer MoE
+    "jamba": ("JambaConfig", dict(intermediate_size=64, num_experts=4, expert_layer_period=1, expert_layer_offset=0,
+                                  attn_layer_period=1, attn_layer_offset=0, use_mamba_kernels=False)),
 }
-BLOCK = {"mixtral": "block_sparse_moe", "phimoe": "block_sparse_moe"}
+BLOCK = {"mixtral": "block_sparse_moe", "phimoe": "block_sparse_moe", "jamba": "feed_forward"}
+#: The architectures whose experts name their projections ``w1``/``w3``/``w2``.
+W1_NAMES = {"mixtral", "phimoe"}
+#: The blocks that return no router logits (their models compute no auxiliary loss).
+NO_ROUTER_LOGITS = {"deepseek_v2", "deepseek_v3", "hunyuan_v1_moe"}
+#: Ernie 4.5's router runs in float32 (transformers' loader keeps ``gate`` and ``moe_statics`` float32,
+#: ``_keep_in_fp32_modules_strict``): a block cast whole to bfloat16 fails in the original forward itself.
+FLOAT32_ROUTER = {"ernie4_5_moe"}
 ARCHS = list(CONFIGS)
 
 
@@ -80,7 +99,8 @@ def _model(name: str, seed: int = 0) -> nn.Module:
 
 
 def _block_path(name: str, layer: int = 0) -> str:
-    return f"model.layers.{layer}.{BLOCK.get(name, 'mlp') if PER_EXPERT else 'mlp'}"  # 5.x renamed it
+    renamed = not PER_EXPERT and name != "jamba"  # 5.x renamed Mixtral's and PhiMoE's block_sparse_moe, not Jamba's
+    return f"model.layers.{layer}.{'mlp' if renamed else BLOCK.get(name, 'mlp')}"
 
 
 def _inputs(dtype: torch.dtype):
@@ -242,6 +262,14 @@ def test_refuses_what_it_does_not_reproduce(mutate, reason):
 
 
 @needs_per_expert_blocks
+def test_refuses_hunyuan_with_per_layer_expert_counts():
+    block = _model("hunyuan_v1_moe").get_submodule("model.layers.0.mlp")
+    block.config = copy.copy(block.config)
+    block.config.num_experts = [4, 4]
+    assert "num_experts is a per-layer list" in refusal(block)
+
+
+@needs_per_expert_blocks
 def test_refuses_an_expert_mlp_whose_forward_changed():
     block = _model("olmoe").get_submodule("model.layers.0.mlp")
     expert_cls = type(block.experts[0])
@@ -255,8 +283,22 @@ def test_refuses_an_expert_mlp_whose_forward_changed():
 def test_block_matches_the_original(name):
     errors = kit.assert_numerically_equivalent(
         kit.module_factory((transformers.AutoModelForCausalLM, _config(name)), _block_path(name)), _inputs, FAMILY,
-        dtypes=(torch.float32, torch.bfloat16), config=_config(name))
+        dtypes=(torch.float32,) if name in FLOAT32_ROUTER else (torch.float32, torch.bfloat16), config=_config(name))
     assert errors[torch.float32] <= TOLERANCES[torch.float32]
+
+
+@needs_per_expert_blocks
+def test_ernie_bfloat16_experts_under_its_float32_router_match_the_original():
+    """Ernie 4.5 as transformers loads it in bfloat16: experts bfloat16, ``gate`` and ``moe_statics`` float32."""
+    block = _model("ernie4_5_moe").get_submodule("model.layers.0.mlp").to(torch.bfloat16)
+    block.gate.float(), block.moe_statics.float()
+    block.moe_statics.e_score_correction_bias.data.normal_(generator=torch.Generator().manual_seed(4))
+    fused = kit.fuse_module(block, FAMILY, config=_config("ernie4_5_moe"))
+    x = _inputs(torch.bfloat16)[0]
+    with torch.no_grad():
+        for got, expected in zip(fused(x), block(x), strict=True):
+            assert got.dtype == expected.dtype
+            torch.testing.assert_close(got, expected, rtol=TOLERANCES[torch.bfloat16], atol=TOLERANCES[torch.bfloat16])
 
 
 @pytest.mark.parametrize("name", ARCHS)
@@ -267,7 +309,7 @@ def test_layout_and_state_dict_round_trip(name):
     bound = kit.assert_transform_round_trip(block, FAMILY, config=_config(name))
     assert [t.targets[0].name for t in bound] == ["experts.gate_up_proj", "experts.down_proj"]
     fused = kit.fuse_module(block, FAMILY, config=_config(name))
-    gate, up, down = (("w1", "w3", "w2") if name in BLOCK else ("gate_proj", "up_proj", "down_proj"))
+    gate, up, down = (("w1", "w3", "w2") if name in W1_NAMES else ("gate_proj", "up_proj", "down_proj"))
     assert torch.equal(fused.experts.gate_up_proj[2], torch.cat([getattr(block.experts[2], gate).weight,
                                                                   getattr(block.experts[2], up).weight]))
     assert torch.equal(fused.experts.down_proj[3], getattr(block.experts[3], down).weight)
@@ -386,7 +428,7 @@ def test_bf16_experts_are_upcast_on_a_cpu_without_native_bf16_only_where_it_pays
 def test_gradients_and_router_loss_equal_the_unfused_model(name):
     plain = _model(name).train()
     fused = _fused_model(plain).train()
-    kwargs = {"output_router_logits": True} if name != "deepseek_v2" else {}
+    kwargs = {"output_router_logits": True} if name not in NO_ROUTER_LOGITS else {}
     losses = []
     for model in (plain, fused):
         torch.manual_seed(3)  # PhiMoE's sparsemixer samples in training: same draws for both
@@ -397,13 +439,13 @@ def test_gradients_and_router_loss_equal_the_unfused_model(name):
     if kwargs:
         torch.testing.assert_close(losses[1].aux_loss, losses[0].aux_loss, rtol=1e-5, atol=1e-6)
     block, fused_block = plain.get_submodule(_block_path(name)), fused.get_submodule(_block_path(name))
-    gate, up, down = (("w1", "w3", "w2") if name in BLOCK else ("gate_proj", "up_proj", "down_proj"))
+    gate, up, down = (("w1", "w3", "w2") if name in W1_NAMES else ("gate_proj", "up_proj", "down_proj"))
     expected_gate_up = torch.stack([torch.cat([getattr(e, gate).weight.grad, getattr(e, up).weight.grad])
                                     for e in block.experts])
     expected_down = torch.stack([getattr(e, down).weight.grad for e in block.experts])
     torch.testing.assert_close(fused_block.experts.gate_up_proj.grad, expected_gate_up, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(fused_block.experts.down_proj.grad, expected_down, rtol=1e-4, atol=1e-6)
-    router = "gate.weight"
+    router = "router.weight" if name == "jamba" else "gate.wg.weight" if name == "hunyuan_v1_moe" else "gate.weight"
     torch.testing.assert_close(fused_block.get_parameter(router).grad, block.get_parameter(router).grad,
                                rtol=1e-4, atol=1e-6)
 
