@@ -46,6 +46,20 @@ def presenting_fused() -> bool:
     return _PRESENT_FUSED.get()
 
 
+def take_own_block(state_dict: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """Pop a module's own entries (``prefix``-relative names, in order) off the end of ``state_dict``.
+
+    When a module's ``state_dict`` post-hook runs, its own block of keys is the end of the dict: a
+    hook that rewrites the block takes it off with this and writes it back in the order it wants.
+    """
+    keys: list[str] = []
+    for key in reversed(state_dict):
+        if not key.startswith(prefix):
+            break
+        keys.append(key)
+    return {key[len(prefix):]: state_dict.pop(key) for key in reversed(keys)}
+
+
 def module_plan(module: nn.Module) -> ModulePlan | None:
     """The plan a fused instance was built from, or None for a module fusion did not touch."""
     plan = attached_plan(module)
@@ -148,14 +162,9 @@ def _present_original(
     plan = module_plan(module)
     if plan is None:
         return
-    # The module's own block of keys is at the end of the dict when its hook runs: take it off,
-    # transform it, and put it back in the original order so sharding stays what it was.
-    keys: list[str] = []
-    for key in reversed(state_dict):
-        if not key.startswith(prefix):
-            break
-        keys.append(key)
-    block = {key[len(prefix):]: state_dict.pop(key) for key in reversed(keys)}
+    # Transform the module's own block of keys and put it back in the original order, so sharding
+    # stays what it was.
+    block = take_own_block(state_dict, prefix)
     order = {name: i for i, name in enumerate(plan.original_leaves)}
     with torch.no_grad():
         for bound in plan.transforms:

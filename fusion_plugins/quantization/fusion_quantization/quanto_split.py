@@ -28,7 +28,7 @@ from typing import Any
 from torch import nn
 
 from fusion_core.compat.torch import remove_state_dict_post_hooks
-from fusion_core.layout import module_plan, presenting_fused
+from fusion_core.layout import module_plan, presenting_fused, take_own_block
 from fusion_core.wrapped import is_torch_tensor
 from fusion_quantization.compat import (
     QUANTO_SAVE_ORDER,
@@ -116,12 +116,7 @@ def present_parts(layouts: tuple[PartsLayout, ...], module: nn.Module, state_dic
     split = [layout for layout in layouts if _splits(module, layout, state_dict, prefix)]
     if not split:
         return
-    keys: list[str] = []
-    for key in reversed(state_dict):
-        if not key.startswith(prefix):
-            break
-        keys.append(key)
-    block = {key[len(prefix):]: state_dict.pop(key) for key in reversed(keys)}
+    block = take_own_block(state_dict, prefix)
     for layout in split:
         _split(layout, block)
     # The parts, and the module's other quanto layers (o_proj): the core orders the entries it does not know (a
