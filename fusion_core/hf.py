@@ -27,6 +27,7 @@ import json
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -133,13 +134,13 @@ def from_pretrained(
     with LOAD_LOCK, class_patch_scope(discovery.routes, on_built=on_built) as scope, _loading_reports() as reports:
         model = model_cls.from_pretrained(name_or_path, config=config, **kwargs)
     info = _report_of(model, reports)
-    _verify_build(model, scope, discovery)
-    _verify_loading_info(info, discovery.plan, fused_dir)
+    built, plan = _reconcile_build(model, scope, discovery, fusion, fused_dir)
+    _verify_loading_info(info, plan, fused_dir)
     for need in loaded_needs(model):
         registry.require_integration(need.integration, need.workflow)
 
-    convert_with_hooks(model, scope.built, fusion, lambda: _convert_built(scope, fused_dir, fusion.sources()))
-    mark_fused(model, fusion, discovery.plan)
+    convert_with_hooks(model, built, fusion, lambda: _convert_built(built, fused_dir, fusion.sources()))
+    mark_fused(model, fusion, plan)
     return (model, info) if want_info else model
 
 
@@ -251,10 +252,12 @@ def _verify_loading_info(info: dict[str, Any], plan: FusionPlan, fused_dir: bool
 
 
 # -- after transformers' load ---------------------------------------------------------------------
-def _convert_built(scope: BuildScope, fused_dir: bool, sources: dict[str, PluginSource]) -> None:
+def _convert_built(
+    built: list[tuple[nn.Module, ModulePlan]], fused_dir: bool, sources: dict[str, PluginSource]
+) -> None:
     """Bring every loaded fused instance into its fused layout and let it finalize; errors name the family."""
     verified: set[tuple[object, ...]] = set()
-    for module, plan in scope.built:
+    for module, plan in built:
         source = sources[plan.family]
         try:
             if not fused_dir:
@@ -280,23 +283,55 @@ def _convert_built(scope: BuildScope, fused_dir: bool, sources: dict[str, Plugin
             )
 
 
-def _verify_build(model: nn.Module, scope: BuildScope, discovery: Discovery) -> None:
+def _reconcile_build(
+    model: nn.Module, scope: BuildScope, discovery: Discovery, fusion: FusionConfig, fused_dir: bool
+) -> tuple[list[tuple[nn.Module, ModulePlan]], FusionPlan]:
+    """The fused instances that sit where discovery planned them, and the plan of this load.
+
+    A model whose construction differs between discovery's meta build and transformers' build
+    (an ``__init__`` that reads a global flag, the device or a random draw) can put a routed
+    instance at another path than planned, build fewer, or build more. A family with
+    ``required=False`` then leaves the planned modules it could not place unfused, with a
+    warning: the instances built for them are still in their original layout (only a routed
+    class switch happened, before any weight was read), so switching the class back leaves
+    exactly what plain transformers loaded. A required family, or any family in a fused-layout
+    checkpoint (whose tensors are stored fused and cannot load into an original module), raises.
+    """
     paths = {id(m): name for name, m in model.named_modules()}
-    built_paths = set()
+    built: list[tuple[nn.Module, ModulePlan]] = []
+    strays: dict[str, tuple[nn.Module, ModulePlan, str | None]] = {}
     for module, plan in scope.built:
         actual = paths.get(id(module))
-        if actual != plan.path:
-            raise FusionLoadError(
-                f"family {plan.family!r}: module planned at {plan.path!r} was built at {actual!r}; the model "
-                f"constructs {plan.original_class.__qualname__} instances in an order discovery could not predict"
-            )
-        built_paths.add(actual)
-    missing = [m for m in discovery.plan.modules if m.path not in built_paths]
-    if missing or scope.surplus:
-        raise FusionLoadError(
-            f"the model built by transformers differs from the one discovery planned: not fused "
-            f"{[m.path for m in missing]}, unplanned instances {[c.__qualname__ for c in scope.surplus]}"
-        )
+        if actual == plan.path:
+            built.append((module, plan))
+        else:
+            strays[plan.path] = (module, plan, actual)
+    placed = {plan.path for _, plan in built}
+    problems: list[tuple[str, str]] = []  # (family, what went wrong)
+    for plan in discovery.plan.modules:
+        if plan.path in placed:
+            continue
+        stray = strays.get(plan.path)
+        where = f"module planned at {plan.path!r} was built at {stray[2]!r}" if stray else (
+            f"no instance was built for module {plan.path!r}")
+        problems.append((plan.family, f"{where}; the model constructs {plan.original_class.__qualname__} instances "
+                                      "differently from the model discovery planned"))
+    for cls, count in scope.surplus.items():
+        family = next(p.family for p in scope.routes[cls].instances if p is not None)
+        problems.append((family, f"the model constructs {count} more {cls.__qualname__} instances than the model "
+                                 "discovery planned"))
+    required = {family.name: options.required for family, options in fusion.families()}
+    for family, what in problems:
+        if required[family] or fused_dir:
+            hint = "; a fused-layout checkpoint cannot leave it unfused" if fused_dir and not required[family] else ""
+            raise FusionLoadError(f"family {family!r}: {what}{hint}")
+    for family, what in problems:
+        logger.warning("fusion family %r: %s; left unfused (required=False)", family, what)
+    for module, plan, _ in strays.values():
+        module.__class__ = plan.original_class
+    kept = tuple(plan for _, plan in built)
+    gone = tuple(name for name in discovery.plan.families if not any(p.family == name for p in kept))
+    return built, replace(discovery.plan, modules=kept, skipped=discovery.plan.skipped + gone)
 
 
 def _meta_tensors(module: nn.Module) -> list[str]:
