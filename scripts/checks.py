@@ -7,8 +7,9 @@ fight over the cores. Every stage's output is kept in a log and printed whole wh
 so the CI log reads stage by stage, not interleaved.
 
 The closing summary is one table, a row per stage (environment creations, ruff, mypy, each pytest
-run) with its lane, its wall time and its test counts, each lane's total beside the run's wall
-time, then one line ``tests: N passed, N failed, N skipped`` over all pytest runs.
+run) with its lane, its wall time and its test counts (the deselected ones are the checks marked
+``once``, which run on the newest line only), each lane's total beside the run's wall time, then
+one line ``tests: N passed, N failed, N skipped`` over all pytest runs.
 
 ``python3 scripts/checks.py [--quick] [--lanes N] [-- PYTEST-ARGS...]``; ``scripts/test.sh`` is
 the entry point that the README and CI call.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -172,6 +174,8 @@ class Runner:
         stage.lane = lane
         if stage.junit is not None:
             stage.counts = junit_counts(stage.junit)
+            if stage.counts:
+                stage.counts["deselected"] = deselected(log.read_text(errors="replace"))
         with self.lock:
             verdict = "ok" if stage.returncode == 0 else f"FAILED (exit {stage.returncode})"
             print(f"== {stage.name} [lane {lane}, {stage.seconds:.0f} s]: {verdict}", flush=True)
@@ -191,13 +195,20 @@ def junit_counts(path: Path) -> dict[str, int]:
     return counts
 
 
+def deselected(pytest_output: str) -> int:
+    """How many tests pytest's closing line says it deselected (``-m "not once"`` on the older line)."""
+    found = re.findall(r"(\d+) deselected", pytest_output)
+    return int(found[-1]) if found else 0
+
+
 def print_table(stages: list[Stage], lanes: int, wall: float) -> None:
     print("\n== stages (wall seconds; the lanes run side by side, each lane's stages one after another)")
-    print(f"{'stage':<26} {'lane':>4} {'seconds':>8}  {'result':<8} {'passed':>6} {'failed':>6} {'skipped':>7}")
+    print(f"{'stage':<26} {'lane':>4} {'seconds':>8}  {'result':<8} {'passed':>6} {'failed':>6} {'skipped':>7} "
+          f"{'deselected':>10}")
     for stage in stages:
         result = "-" if stage.returncode is None else ("ok" if stage.returncode == 0 else "FAILED")
         c = stage.counts
-        counts = f"{c['passed']:>6} {c['failed']:>6} {c['skipped']:>7}" if c else ""
+        counts = f"{c['passed']:>6} {c['failed']:>6} {c['skipped']:>7} {c['deselected']:>10}" if c else ""
         print(f"{stage.name:<26} {stage.lane:>4} {stage.seconds:>8.0f}  {result:<8} {counts}")
     for lane in range(1, lanes + 1):
         total = sum(stage.seconds for stage in stages if stage.lane == lane)
