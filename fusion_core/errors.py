@@ -37,6 +37,10 @@ class FusionLoadError(FusionError, RuntimeError):
     """Loading finished in transformers, but a fused module did not get all of its weights."""
 
 
+class InsufficientMemoryError(FusionLoadError):
+    """A fused load onto the CPU would allocate more memory than is available; refused before any weight is read."""
+
+
 class SaveError(FusionError, RuntimeError):
     """Saving a fused model failed; the target directory was left as it was."""
 

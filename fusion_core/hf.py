@@ -34,13 +34,14 @@ from typing import Any
 
 from torch import nn
 
-from fusion_core.checkpoint import check_checkpoint, planned_tensors
+from fusion_core.checkpoint import check_checkpoint, planned_tensors, read_checkpoint_index
 from fusion_core.compat import transformers as compat
 from fusion_core.config import FusionConfig, parse_fusion_config
 from fusion_core.discovery import Discovery, discover
 from fusion_core.errors import CheckpointError, FusionError, FusionLoadError, SaveError
 from fusion_core.integration_needs import load_needs, loaded_needs, warn_unserved_libraries
 from fusion_core.layout import convert_to_fused, fuse_instance, fused_layout, module_plan
+from fusion_core.memory import check_memory
 from fusion_core.parallel.saving import gathered_save_kwargs, is_writer, rank_zero_directory
 from fusion_core.patching import LOAD_LOCK, BuildScope, class_patch_scope
 from fusion_core.plugins import PluginSource, get_registry
@@ -93,6 +94,13 @@ def from_pretrained(
     ``fusion_config`` (a mapping or :class:`FusionConfig`) wins over the one stored in the
     checkpoint's config; with neither, or with no family enabled, this is a plain load.
 
+    A load onto the CPU (no ``device_map``, or ``"cpu"``) from a local checkpoint is first checked
+    against the memory available (``/proc/meminfo``, the cgroup limit): the merged copies the
+    fused modules allocate plus the tensors cast to another dtype, from the plan and the
+    safetensors headers; a load that would not fit raises
+    :class:`~fusion_core.errors.InsufficientMemoryError` before any weight is read
+    (``FUSION_CORE_SKIP_MEMORY_CHECK=1`` skips the check; see :mod:`fusion_core.memory`).
+
     Raises ``pydantic.ValidationError`` for a bad ``fusion_config``, and a
     :class:`~fusion_core.errors.FusionError` naming the key, module and family for anything
     that would leave a fused parameter not loaded from the checkpoint.
@@ -127,9 +135,12 @@ def from_pretrained(
                   model_class=model_cls, config=config, load_kwargs=MappingProxyType(kwargs),
                   families=fusion.specs())
     if local.is_dir():
-        check_checkpoint(local / kwargs.get("subfolder", ""), discovery.plan, fused_dir,
-                         pre_quantized=getattr(config, "quantization_config", None) is not None,
+        directory = local / kwargs.get("subfolder", "")
+        pre_quantized = getattr(config, "quantization_config", None) is not None
+        check_checkpoint(directory, discovery.plan, fused_dir, pre_quantized=pre_quantized,
                          names=discovery.names, key_mapping=kwargs.get("key_mapping"))
+        if not pre_quantized:  # a quantizer stores and allocates in its own form
+            check_memory(read_checkpoint_index(directory), discovery.plan, fused_dir, kwargs)
     on_built = convert_to_fused if fused_dir else None
     with LOAD_LOCK, class_patch_scope(discovery.routes, on_built=on_built) as scope, _loading_reports() as reports:
         model = model_cls.from_pretrained(name_or_path, config=config, **kwargs)
