@@ -351,6 +351,28 @@ def _meta_tensors(module: nn.Module) -> list[str]:
 
 
 # -- saving -------------------------------------------------------------------------------------
+def _refuse_replaced_fused_modules(model: nn.Module) -> None:
+    """Refuse, before anything is written, a save that would drop the tensors of a fused module the model replaced.
+
+    Some models swap one of their own modules after loading (BigBird rebuilds its attention from the
+    q/k/v children when a short input switches it to full attention): the replacement holds the
+    fused module's slices but presents no tensors in any layout, so the save would silently lack them.
+    """
+    plan = get_fusion_plan(model)
+    if plan is None:
+        return
+    present = {own.path for m in model.modules() if (own := module_plan(m)) is not None}
+    gone = [m for m in plan.modules if m.path not in present]
+    if gone:
+        named = "; ".join(f"family {m.family!r}, module {m.path!r}" for m in gone[:3])
+        more = f" (and {len(gone) - 3} more)" if len(gone) > 3 else ""
+        raise SaveError(
+            f"{named}{more}: the model replaced the fused module after loading (it is no longer in the module "
+            "tree), so its tensors cannot be written in any layout; save before running the model, or load it "
+            f"without {gone[0].family!r}"
+        )
+
+
 def save_pretrained(
     model: nn.Module,
     directory: str | Path,
@@ -370,6 +392,7 @@ def save_pretrained(
     fused = get_fusion_plan(model) is not None or any(module_plan(m) is not None for m in model.modules())
     if not save_original_format and not fused:
         raise SaveError("save_original_format=False needs a fused model; this one has no fused module")
+    _refuse_replaced_fused_modules(model)
     target = Path(directory)
     with rank_zero_directory(target) as staging:
         with nullcontext() if save_original_format else fused_layout():

@@ -222,3 +222,20 @@ def test_saving_over_the_memory_mapped_source_directory_is_byte_identical(shards
         assert torch.equal(again.model.visual(**inputs)[0], expected[0])
     assert _leftovers(tmp_path) == []
 
+
+
+def test_a_fused_module_the_model_replaced_is_refused_before_anything_is_written(llama, tmp_path):
+    """BigBird swaps its own attention module after loading (a short input switches it to full attention,
+    rebuilt from the q/k/v children): the save would lack those tensors, so it is refused by name."""
+    from transformers import AutoModelForCausalLM
+
+    model = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config={"qkv": True})
+    layer = model.model.layers[0]
+    replacement = torch.nn.Module()
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        replacement.add_module(name, getattr(layer.self_attn, name))
+    layer.self_attn = replacement
+    with pytest.raises(fusion_core.SaveError, match=r"family 'qkv', module 'model.layers.0.self_attn': the model "
+                                                    r"replaced the fused module"):
+        fusion_core.save_pretrained(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
