@@ -1,0 +1,314 @@
+"""Census: what fusion-core does to every model type of transformers' model zoo, on tiny random models.
+
+For each model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (``--image-text`` adds
+``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES``; ``--encoders`` adds ``MODEL_FOR_MASKED_LM_MAPPING_NAMES``
+and the ``MODEL_MAPPING_NAMES`` types no other mapping covers) the census
+
+1. builds a tiny random model from the real config class: the class's defaults, shrunk generically
+   (every attribute of :data:`SHRINK` that the config or one of its sub-configs has is set; special
+   token ids are moved inside the small vocabulary), and saves it with ``save_pretrained``;
+2. loads it plain and fused (every installed family of :data:`FAMILIES`, ``required=False``) and
+   runs both on the same random inputs (:func:`fusion_core.compare.model_inputs`);
+3. saves the fused model with ``fusion_core.save_pretrained``, compares it byte for byte with the
+   source checkpoint, and reloads that save plainly (its outputs must match the plain model's too).
+
+Each row gets one outcome:
+
+- ``fused-exact``: something was fused, outputs within ``TOLERANCES[float32]``, the save identical;
+- ``nothing-to-fuse``: the plan is empty (and the outputs and the save still match);
+- ``refused``: fusion-core raised a :class:`fusion_core.FusionError` naming the problem;
+- ``SILENT``: outputs or saved bytes differ without an error: the worst outcome;
+- ``CRASH``: any other exception on the fused path while the plain model works;
+- ``plain-fails``: no tiny model could be built, or plain transformers fails on it (not counted).
+
+Why: the unit tests cover hand-picked architectures; the census shows, in a few minutes, how the
+families fare on everything else transformers ships, and finds silent mismatches early.
+
+Run it (``nice`` it on a shared machine)::
+
+    .venvs/tf5/bin/python benchmarks/census.py [--image-text] [--encoders] [--only llama qwen3_moe] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import io
+import json
+import logging
+import sys
+import tempfile
+import time
+import warnings
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import fusion_core
+from fusion_core.compare import TOLERANCES, compare_checkpoints, compare_outputs, model_inputs
+
+#: Attribute -> tiny value, set wherever the config (or a sub-config) has the attribute.
+SHRINK: dict[str, int] = {
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "out_hidden_size"), 64),
+    **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "decoder_ffn_dim", "encoder_ffn_dim"), 128),
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "depth", "decoder_layers",
+                     "encoder_layers"), 2),
+    **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "decoder_attention_heads",
+                     "encoder_attention_heads"), 4),
+    **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "multi_query_group_num"), 2),
+    "head_dim": 16,
+    "vocab_size": 256,
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx"), 128),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
+    "num_experts_per_tok": 2,
+    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size"), 64),
+    **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), 32),
+    **dict.fromkeys(("qk_rope_head_dim", "qk_nope_head_dim"), 8),
+    "v_head_dim": 16,
+    "rotary_dim": 8,
+}
+LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers")
+#: Attributes only shrunk when the default is an int (None means "feature off": keep it off).
+ONLY_IF_SET = ("q_lora_rank", "n_inner", "num_kv_heads", "head_dim")
+#: Families the census asks for when installed, each with ``required=False``.
+FAMILIES = ("qkv", "gate_up", "patch_embeddings", "moe_experts")
+TOLERANCE = TOLERANCES[torch.float32]
+
+
+@dataclass
+class Row:
+    model_type: str
+    auto_class: str
+    outcome: str = "plain-fails"
+    families: str = ""
+    max_rel_diff: float | None = None
+    note: str = ""
+
+
+# -- tiny models -------------------------------------------------------------------------------
+def _sub_configs(config: Any) -> list[tuple[str, Any]]:
+    from transformers import PretrainedConfig
+
+    return [(name, value) for name, value in vars(config).items() if isinstance(value, PretrainedConfig)]
+
+
+def _shrink_values(config: Any) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name, size in SHRINK.items():
+        current = getattr(config, name, None) if hasattr(config, name) else None
+        if not hasattr(config, name) or (current is None and name in ONLY_IF_SET):
+            continue
+        if isinstance(current, (int, type(None))) and not isinstance(current, bool):
+            values[name] = size
+    if "head_dim" in values and config.head_dim != _conventional_head_dim(config):
+        del values["head_dim"]  # derived from something else (DeepSeek: qk_rope_head_dim), or deliberate
+    layers = next((getattr(config, n) for n in LAYER_COUNTS if isinstance(getattr(config, n, None), int)), None)
+    for name, value in vars(config).items():  # per-layer lists (layer_types, attention_layers): first layers
+        if layers and name not in values and isinstance(value, list) and len(value) == layers:
+            values[name] = value[: SHRINK["num_hidden_layers"]]
+    return values
+
+
+def _conventional_head_dim(config: Any) -> int | None:
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+
+
+def _shrink(config: Any, vocab: int, constructed: bool) -> None:
+    """Set the :data:`SHRINK` attributes (unless ``__init__`` took them already, deriving what depends
+    on them, such as a ``head_dim`` that follows ``qk_rope_head_dim``), then fix per-layer lists."""
+    for name, value in ({} if constructed else _shrink_values(config)).items():
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            setattr(config, name, value)
+    layers = next((getattr(config, n) for n in LAYER_COUNTS if isinstance(getattr(config, n, None), int)), None)
+    for name, value in list(vars(config).items()):
+        if layers and name.endswith("layer_types") and isinstance(value, list) and len(value) > layers:
+            setattr(config, name, value[:layers])
+    _move_token_ids(config, vocab)
+    for _, sub in _sub_configs(config):
+        _shrink(sub, vocab, constructed)
+
+
+def _move_token_ids(config: Any, vocab: int) -> None:
+    """Special token ids beyond the small vocabulary are moved to its top (distinct ids, still special)."""
+    spare = iter(range(vocab - 1, vocab // 2, -1))
+    for name, value in list(vars(config).items()):
+        if not (name.endswith("token_id") or name.endswith("token_index") or name.endswith("token_ids")):
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value >= vocab:
+            setattr(config, name, next(spare))
+        elif isinstance(value, list) and any(isinstance(v, int) and v >= vocab for v in value):
+            setattr(config, name, [next(spare) if isinstance(v, int) and v >= vocab else v for v in value])
+
+
+def tiny_config(model_type: str) -> Any:
+    """The config class's defaults, shrunk: first through its ``__init__`` (so derived values follow)."""
+    from transformers import CONFIG_MAPPING
+
+    config_cls = CONFIG_MAPPING[model_type]
+    defaults = config_cls()
+    kwargs = _shrink_values(defaults)
+    for name, sub in _sub_configs(defaults):
+        kwargs[name] = {**sub.to_dict(), **_shrink_values(sub)}
+    try:
+        config, constructed = config_cls(**kwargs), True
+    except Exception:  # an __init__ that rejects some combination: shrink the defaults in place
+        config, constructed = defaults, False
+    _shrink(config, SHRINK["vocab_size"], constructed)
+    return config
+
+
+def build_checkpoint(auto_cls: Any, model_type: str, target: Path) -> None:
+    torch.manual_seed(0)
+    model = auto_cls.from_config(tiny_config(model_type))
+    model.save_pretrained(target)
+
+
+# -- one model ---------------------------------------------------------------------------------
+def _run(model: Any, inputs: dict[str, torch.Tensor]) -> Any:
+    extra = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    with torch.no_grad():
+        return model.eval()(**inputs, **extra)
+
+
+def _inputs(model: Any) -> dict[str, torch.Tensor]:
+    found = model_inputs(model, torch.Generator().manual_seed(0))
+    if found is None:
+        raise ValueError("no inputs the census can build for this model's forward")
+    return found
+
+
+def _message(error: BaseException) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"[:300]
+
+
+def _fused_families(model: Any) -> str:
+    plan = fusion_core.get_fusion_plan(model)
+    counts = Counter(module.family for module in plan.modules) if plan is not None else Counter()
+    return ", ".join(f"{family}×{count}" for family, count in counts.items())
+
+
+def census_one(model_type: str, auto_cls: Any, fusion_config: dict[str, Any], work: Path) -> Row:
+    row = Row(model_type, auto_cls.__name__)
+    source, saved = work / f"{model_type}-source", work / f"{model_type}-saved"
+    try:
+        build_checkpoint(auto_cls, model_type, source)
+    except Exception as error:
+        row.note = f"could not build a tiny model: {_message(error)}"
+        return row
+    try:
+        plain = auto_cls.from_pretrained(source)
+        inputs = _inputs(plain)
+        expected = _run(plain, inputs)
+    except Exception as error:
+        row.note = f"plain transformers fails: {_message(error)}"
+        return row
+    stage = "fused load"
+    try:
+        fused = fusion_core.from_pretrained(auto_cls, source, fusion_config=fusion_config)
+        row.families = _fused_families(fused)
+        stage = "fused forward"
+        _, row.max_rel_diff = compare_outputs(expected, _run(fused, inputs))
+        stage = "fused save"
+        fusion_core.save_pretrained(fused, saved)
+        trip = compare_checkpoints(source, saved)
+        stage = "plain reload of the fused save"
+        _, reload_diff = compare_outputs(expected, _run(auto_cls.from_pretrained(saved), inputs))
+    except fusion_core.FusionError as error:
+        row.outcome, row.note = "refused", f"{stage}: {_message(error)}"
+        return row
+    except AssertionError as error:  # compare_outputs: different output structure
+        row.outcome, row.note = "SILENT", f"{stage}: {_message(error)}"
+        return row
+    except Exception as error:
+        row.outcome, row.note = "CRASH", f"{stage}: {_message(error)}"
+        return row
+    problems = [] if row.max_rel_diff <= TOLERANCE else [f"outputs differ ({row.max_rel_diff:.2e} > {TOLERANCE})"]
+    problems += [] if trip.ok else [f"save differs: {'; '.join(trip.problems[:3])}"]
+    problems += [] if reload_diff <= TOLERANCE else [f"reloaded save differs ({reload_diff:.2e})"]
+    if problems:
+        row.outcome, row.note = "SILENT", "; ".join(problems)
+    else:
+        row.outcome = "fused-exact" if row.families else "nothing-to-fuse"
+    return row
+
+
+# -- the zoo -----------------------------------------------------------------------------------
+def zoo(image_text: bool, encoders: bool) -> list[tuple[str, Any]]:
+    """(model type, Auto class) for every type of the chosen mappings, each type once."""
+    import transformers
+    from transformers.models.auto import modeling_auto as names
+
+    chosen: list[tuple[str, Any]] = [(t, transformers.AutoModelForCausalLM)
+                                     for t in names.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+    if image_text:
+        chosen += [(t, transformers.AutoModelForImageTextToText)
+                   for t in names.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES]
+    if encoders:
+        chosen += [(t, transformers.AutoModelForMaskedLM) for t in names.MODEL_FOR_MASKED_LM_MAPPING_NAMES]
+        covered = {*names.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, *names.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+                   *names.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}
+        chosen += [(t, transformers.AutoModel) for t in names.MODEL_MAPPING_NAMES if t not in covered]
+    seen: set[str] = set()
+    return [(t, cls) for t, cls in chosen if not (t in seen or seen.add(t))]  # type: ignore[func-returns-value]
+
+
+def _fusion_config() -> dict[str, Any]:
+    installed = set(fusion_core.get_registry().names())
+    return {name: {"required": False} for name in FAMILIES if name in installed}
+
+
+def _print_table(rows: list[Row]) -> None:
+    header = ("model type", "outcome", "families fused", "max rel diff", "note")
+    cells = [(r.model_type, r.outcome, r.families or "-",
+              "-" if r.max_rel_diff is None else f"{r.max_rel_diff:.1e}", r.note) for r in rows]
+    widths = [max(len(str(c[i])) for c in [header, *cells]) for i in range(4)]
+    for line in [header, *cells]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(line[:4], widths, strict=True)) + "  " + line[4])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--image-text", action="store_true", help="add MODEL_FOR_IMAGE_TEXT_TO_TEXT types")
+    parser.add_argument("--encoders", action="store_true", help="add masked-LM and other base-model types")
+    parser.add_argument("--only", nargs="+", metavar="TYPE", help="run only these model types")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the rows as JSON")
+    parser.add_argument("--quiet", action="store_true", help="no per-model progress on stderr")
+    args = parser.parse_args(argv)
+    import transformers
+
+    transformers.logging.set_verbosity(logging.CRITICAL)
+    transformers.logging.disable_progress_bar()
+    logging.getLogger("fusion_core").setLevel(logging.ERROR)
+    warnings.simplefilter("ignore")
+    chosen = zoo(args.image_text, args.encoders)
+    if args.only:
+        unknown = sorted(set(args.only) - {t for t, _ in chosen})
+        if unknown:
+            parser.error(f"not in the chosen mappings: {', '.join(unknown)}")
+        chosen = [(t, cls) for t, cls in chosen if t in args.only]
+    fusion_config = _fusion_config()
+    rows: list[Row] = []
+    start = time.perf_counter()
+    for model_type, auto_cls in chosen:
+        if not args.quiet:
+            print(f"[{len(rows) + 1}/{len(chosen)}] {model_type}", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory(prefix="fusion-census-") as tmp, \
+                contextlib.redirect_stdout(io.StringIO()):  # models that print while building
+            rows.append(census_one(model_type, auto_cls, fusion_config, Path(tmp)))
+    _print_table(rows)
+    counts = Counter(row.outcome for row in rows)
+    print(f"\ntransformers {transformers.__version__}, families {sorted(fusion_config)}, {len(rows)} model types "
+          f"in {time.perf_counter() - start:.0f} s: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    if args.json:
+        args.json.write_text(json.dumps({"transformers": transformers.__version__, "fusion_config": fusion_config,
+                                         "counts": dict(counts), "rows": [asdict(r) for r in rows]}, indent=1))
+    return 1 if counts["SILENT"] or counts["CRASH"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
