@@ -30,6 +30,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import test_summary  # scripts/ is this script's directory, first on sys.path
+
 ROOT = Path(__file__).resolve().parent.parent
 ENV_SH = ROOT / "scripts" / "_env.sh"
 
@@ -184,15 +186,7 @@ class Runner:
 
 
 def junit_counts(path: Path) -> dict[str, int]:
-    if not path.exists():
-        return {}
-    counts = {"tests": 0, "failed": 0, "skipped": 0}
-    for suite in ET.parse(path).getroot().iter("testsuite"):
-        counts["tests"] += int(suite.get("tests", 0))
-        counts["failed"] += int(suite.get("failures", 0)) + int(suite.get("errors", 0))
-        counts["skipped"] += int(suite.get("skipped", 0))
-    counts["passed"] = counts["tests"] - counts["failed"] - counts["skipped"]
-    return counts
+    return dict(test_summary.counts(ET.parse(path).getroot())) if path.exists() else {}
 
 
 def deselected(pytest_output: str) -> int:

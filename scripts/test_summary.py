@@ -13,32 +13,35 @@ from collections import Counter
 from pathlib import Path
 
 
+def counts(root: ET.Element) -> Counter[str]:
+    """A JUnit report's tests, failed (failures and errors), skipped and passed."""
+    found = Counter[str]()
+    for suite in root.iter("testsuite"):
+        found["tests"] += int(suite.get("tests", 0))
+        found["failed"] += int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+        found["skipped"] += int(suite.get("skipped", 0))
+    found["passed"] = found["tests"] - found["failed"] - found["skipped"]
+    return found
+
+
 def main(paths: list[str]) -> None:
     totals = Counter[str]()
     for path in paths:
         root = ET.parse(path).getroot()
-        counts = Counter[str]()
+        run = counts(root)
         skips = Counter[str]()
-        release = "?"
-        for suite in root.iter("testsuite"):
-            counts["tests"] += int(suite.get("tests", 0))
-            counts["failed"] += int(suite.get("failures", 0)) + int(suite.get("errors", 0))
-            counts["skipped"] += int(suite.get("skipped", 0))
-            for prop in suite.iter("property"):
-                if prop.get("name") == "transformers":
-                    release = prop.get("value", "?")
+        release = next((prop.get("value", "?") for prop in root.iter("property")
+                        if prop.get("name") == "transformers"), "?")
         for case in root.iter("testcase"):
             skipped = case.find("skipped")
             if skipped is not None:
                 skips[(skipped.get("message") or "no reason").splitlines()[0][:160]] += 1
-        passed = counts["tests"] - counts["failed"] - counts["skipped"]
-        print(f"{Path(path).stem}: transformers {release}: {passed} passed, {counts['failed']} failed, "
-              f"{counts['skipped']} skipped")
+        print(f"{Path(path).stem}: transformers {release}: {run['passed']} passed, {run['failed']} failed, "
+              f"{run['skipped']} skipped")
         for reason, n in sorted(skips.items()):
             print(f"    skipped {n}x: {reason}")
-        totals.update(counts)
-    passed = totals["tests"] - totals["failed"] - totals["skipped"]
-    print(f"tests: {passed} passed, {totals['failed']} failed, {totals['skipped']} skipped")
+        totals.update(run)
+    print(f"tests: {totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped")
 
 
 if __name__ == "__main__":
