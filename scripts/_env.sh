@@ -25,12 +25,6 @@ QUANT_SPEC="torchao==0.18.0 bitsandbytes==0.50.2 optimum-quanto==0.2.7"
 # the first 5.x release and minors spread across the line, each the newest patch of its minor.
 RANGE_SPECS=("transformers>=5.0,<5.1" "transformers>=5.8,<5.9" "transformers>=5.16,<5.17" "transformers>=5.22,<5.23")
 
-# range_env_name "transformers>=5.8,<5.9" -> tf5.8
-range_env_name() {
-    local minor="${1#transformers>=}"
-    echo "tf${minor%%,*}"
-}
-
 # site_packages PYTHON -> its purelib directory
 site_packages() {
     "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'

@@ -107,7 +107,7 @@ def range_specs() -> list[str]:
 
 
 def range_env_name(spec: str) -> str:
-    """``transformers>=5.8,<5.9`` -> ``tf5.8`` (as ``range_env_name`` in _env.sh)."""
+    """``transformers>=5.8,<5.9`` -> ``tf5.8``: the range environment's name."""
     return "tf" + spec.removeprefix("transformers>=").split(",")[0]
 
 

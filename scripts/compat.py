@@ -104,7 +104,7 @@ peft 0.21.2 and accelerate 1.15.0 (torchao is not installed: with it, every tran
 |---|---|
 | 4.57.6 (newest 4.57.x) | the whole suite; the matrix above |
 | 5.24.0 (newest 5.x) | the whole suite; the matrix above |
-| 5.0.0, 5.8.1, 5.16.1, 5.22.2 | the range subset (`RANGE_TESTS` in `scripts/test.sh`) |
+| 5.0.0, 5.8.1, 5.16.1, 5.22.2 | the range subset (`RANGE_TESTS` in `scripts/checks.py`) |
 | 5.12.1, 5.20.2 | the range subset, once by hand (not in CI) |
 | 5.2.0, 5.4.0 | the range subset less tensor parallelism, once by hand (not in CI) |
 
