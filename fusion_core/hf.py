@@ -41,6 +41,7 @@ from fusion_core.discovery import Discovery, discover
 from fusion_core.errors import CheckpointError, FusionError, FusionLoadError, SaveError
 from fusion_core.integration_needs import load_needs, loaded_needs, warn_unserved_libraries
 from fusion_core.layout import convert_to_fused, fuse_instance, fused_layout, module_plan
+from fusion_core.mapped_files import MappedFiles
 from fusion_core.memory import check_memory
 from fusion_core.parallel.saving import gathered_save_kwargs, is_writer, rank_zero_directory
 from fusion_core.patching import LOAD_LOCK, BuildScope, class_patch_scope
@@ -268,6 +269,7 @@ def _convert_built(
 ) -> None:
     """Bring every loaded fused instance into its fused layout and let it finalize; errors name the family."""
     verified: set[tuple[object, ...]] = set()
+    files = MappedFiles.snapshot() if not fused_dir else None
     for module, plan in built:
         source = sources[plan.family]
         try:
@@ -278,7 +280,7 @@ def _convert_built(
                         f"family {plan.family!r}, module {plan.path!r}: tensors {unloaded} are on the meta device "
                         "after loading (offloaded to disk?); fused modules must be loaded onto a real device"
                     )
-            fuse_instance(module, plan, verified, convert=not fused_dir)
+            fuse_instance(module, plan, verified, convert=not fused_dir, files=files)
         except FusionLoadError as exc:
             raise FusionLoadError(f"{exc} [{source}]") from None
         except Exception as exc:  # the family's fusion_finalize or op, on real data

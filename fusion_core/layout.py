@@ -20,8 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from fusion_core import streaming
+from fusion_core.aliases import split_views
 from fusion_core.compat import torch as torch_compat
 from fusion_core.errors import FusionError, FusionLoadError
+from fusion_core.mapped_files import MappedFiles
 from fusion_core.plugins import get_registry
 from fusion_core.spec import FusedModule
 from fusion_core.transforms import ModulePlan, attach_plan, attached_plan
@@ -99,9 +102,15 @@ def _pop_leaf(module: nn.Module, leaf: str) -> tuple[torch.Tensor, bool, bool]:
     raise AttributeError(f"{leaf!r} is neither a parameter nor a buffer")
 
 
-def convert_to_fused(module: nn.Module, plan: ModulePlan, verified: set[tuple[object, ...]] | None = None) -> None:
+def convert_to_fused(
+    module: nn.Module, plan: ModulePlan, verified: set[tuple[object, ...]] | None = None,
+    files: MappedFiles | None = None,
+) -> None:
     """Apply ``plan``'s forward transforms to ``module``'s tensors in place (meta tensors too).
 
+    A transform whose target is its sources back to back is built by :func:`fusion_core.streaming.merge`
+    (each byte written once; read from the checkpoint file where ``files``, the load's snapshot of
+    mapped files, shows a source is a clean view of one), any other by the op's ``forward``.
     With ``verified`` (a set kept for one load), the first conversion of each (family, op, shapes,
     dtype) is run backwards and compared bit for bit with the loaded tensors: an op whose inverse
     loses data fails the load instead of a later save silently writing other bytes.
@@ -125,7 +134,8 @@ def convert_to_fused(module: nn.Module, plan: ModulePlan, verified: set[tuple[ob
             tensors.append(tensor)
             kinds.append((is_param, requires_grad))
         with torch.no_grad():
-            outputs = bound.op.forward(tensors)
+            merged = streaming.merge(bound.op, tensors, files)
+            outputs = (merged,) if merged is not None else bound.op.forward(tensors)
             if verified is not None:
                 _verify_inverse(plan, bound, tensors, outputs, verified)
         is_param = kinds[0][0]
@@ -171,7 +181,9 @@ def _present_original(
             if not all(t.name in block for t in bound.targets):
                 continue
             fused = [block.pop(t.name) for t in bound.targets]
-            originals = bound.op.inverse(fused, [s.shape for s in bound.sources])
+            shapes = [s.shape for s in bound.sources]
+            # No copy where the parts can be aliases of the merged tensor's bytes: a save holds no second copy.
+            originals = split_views(bound.op, fused, shapes) or bound.op.inverse(fused, shapes)
             for spec, tensor in zip(bound.sources, originals, strict=True):
                 presented = _presented(module, spec.name)
                 order[presented] = order[spec.name]
@@ -253,13 +265,14 @@ def finalize(module: nn.Module, plan: ModulePlan) -> None:
 
 
 def fuse_instance(
-    module: nn.Module, plan: ModulePlan, verified: set[tuple[object, ...]] | None = None, *, convert: bool = True
+    module: nn.Module, plan: ModulePlan, verified: set[tuple[object, ...]] | None = None, *, convert: bool = True,
+    files: MappedFiles | None = None,
 ) -> None:
     """Fuse one built instance in place, as ``plan`` says: the one code path for "fuse one module".
 
     Switches ``module`` to ``plan.fused_class`` (a routed build already did), moves its tensors
     into the fused layout (``convert=False`` when they were loaded in that layout already; see
-    :func:`convert_to_fused` for ``verified``), attaches the hooks that present the original
+    :func:`convert_to_fused` for ``verified`` and ``files``), attaches the hooks that present the original
     layout, calls the fused class's ``fusion_finalize``, and then the
     :func:`~fusion_core.hookspecs.fusion_module_fused` hook of every plugin. Raises
     :class:`~fusion_core.errors.FusionLoadError` for an instance of another class or with
@@ -273,7 +286,7 @@ def fuse_instance(
             )
         module.__class__ = plan.fused_class
     if convert:
-        convert_to_fused(module, plan, verified)
+        convert_to_fused(module, plan, verified, files)
     finalize(module, plan)
     get_registry().hook.fusion_module_fused(module=module, plan=plan)
 

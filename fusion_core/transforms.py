@@ -68,6 +68,18 @@ class TransformOp(ABC):
     ) -> tuple[torch.Tensor, ...]:
         """Fused layout -> original layout, given the source shapes recorded in the plan."""
 
+    def flat_offsets(self, shapes: Sequence[Shape]) -> tuple[int, ...] | None:
+        """Where each source lies whole in the one target, when the target is only its sources back to back.
+
+        The element offset, in the target's row-major order, at which each (contiguous) source's
+        elements start, when ``forward`` places every source whole in a single target
+        (``Concat`` along dim 0, ``Stack``); None when it does not (the default). A load then writes
+        each source straight into the target, or finds it already in place
+        (:mod:`fusion_core.streaming`), instead of calling ``forward``; what it builds must be
+        ``forward``'s output bit for bit, which :func:`fusion_core.testing.kit.assert_transform_op` checks.
+        """
+        return None
+
 
 @dataclass(frozen=True)
 class Identity(TransformOp):
@@ -157,6 +169,11 @@ class Concat(TransformOp):
         # concat: a quantizer's per-row weights (tensor subclasses) too, exactly or refused.
         return (concat(tensors, self.dim),)
 
+    def flat_offsets(self, shapes: Sequence[Shape]) -> tuple[int, ...] | None:
+        if any(size != 1 for size in shapes[0][:self.dim]):  # rows of parts interleave
+            return None
+        return _back_to_back(shapes)
+
     def inverse(
         self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]
     ) -> tuple[torch.Tensor, ...]:
@@ -195,6 +212,15 @@ class Split(TransformOp):
         return (concat(tensors, self.dim),)
 
 
+def _back_to_back(shapes: Sequence[Shape]) -> tuple[int, ...]:
+    """The element offset of each of ``shapes`` placed one after the other."""
+    offsets, start = [], 0
+    for shape in shapes:
+        offsets.append(start)
+        start += math.prod(shape)
+    return tuple(offsets)
+
+
 def _require_parts(op: Stack | Unstack) -> None:
     if op.n < 1:  # an empty stack has no shape to restore on save
         raise ValueError(f"{type(op).__name__}(n={op.n}): n must be at least 1")
@@ -228,6 +254,11 @@ class Stack(TransformOp):
 
     def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return (torch.stack(list(tensors), dim=self.dim),)
+
+    def flat_offsets(self, shapes: Sequence[Shape]) -> tuple[int, ...] | None:
+        if any(size != 1 for size in shapes[0][:self.dim]):
+            return None
+        return _back_to_back(shapes)
 
     def inverse(
         self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]

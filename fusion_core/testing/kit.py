@@ -15,6 +15,7 @@ family whose transforms read the config needs ``config=`` there (:func:`model_co
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -271,6 +272,27 @@ def _check_views(op: TransformOp, what: str, inputs: Sequence[torch.Tensor], out
                 )
 
 
+def _check_flat_offsets(op: TransformOp, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    """What :meth:`~fusion_core.TransformOp.flat_offsets` claims is what ``forward`` does: a load builds the
+    target from it (:func:`fusion_core.streaming.merge`) instead of calling ``forward``."""
+    offsets = op.flat_offsets([tuple(t.shape) for t in inputs])
+    if offsets is None:
+        return
+    if len(offsets) != len(inputs) or len(outputs) != 1:
+        raise AssertionError(f"{op!r}: flat_offsets gave {len(offsets)} offset(s) for {len(inputs)} source(s) and "
+                             f"{len(outputs)} target(s); it places every source in one target")
+    flat = outputs[0].reshape(-1)
+    covered = sorted((offset, offset + t.numel()) for offset, t in zip(offsets, inputs, strict=True))
+    if covered[0][0] != 0 or covered[-1][1] != flat.numel() or any(
+        a[1] != b[0] for a, b in itertools.pairwise(covered)
+    ):
+        raise AssertionError(f"{op!r}: flat_offsets {offsets} do not tile the target of {flat.numel()} elements")
+    for i, (offset, source) in enumerate(zip(offsets, inputs, strict=True)):
+        if not same_bits(flat.narrow(0, offset, source.numel()), source.reshape(-1)):
+            raise AssertionError(f"{op!r}: flat_offsets places source {i} at element {offset}, but forward put "
+                                 "other values there")
+
+
 def assert_transform_op(
     op: TransformOp,
     shapes: Sequence[Shape],
@@ -329,6 +351,7 @@ def assert_transform_op(
         for i, (original, restored) in enumerate(zip(originals, back, strict=True)):
             if not same_bits(original, restored):
                 raise AssertionError(f"{op!r}: source {i} ({dtype}) is not restored bit for bit by the inverse")
+        _check_flat_offsets(op, inputs, outputs)
     if bad_shapes is not None:
         try:
             op.forward_shapes([tuple(s) for s in bad_shapes])

@@ -16,6 +16,7 @@ parameters. Plain tensors take the shipped path unchanged.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -74,6 +75,11 @@ class StackPairs(TransformOp):
     def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         halves = [self._stack.forward(tensors[: self.n])[0], self._stack.forward(tensors[self.n :])[0]]
         return self._concat.forward(halves)
+
+    def flat_offsets(self, shapes: Sequence[Shape]) -> tuple[int, ...] | None:
+        # Expert e's block of the target is [gate_e; up_e]: gate_e at the block's start, up_e after it.
+        size = math.prod(shapes[0])
+        return tuple(2 * e * size for e in range(self.n)) + tuple((2 * e + 1) * size for e in range(self.n))
 
     def inverse(self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]) -> tuple[torch.Tensor, ...]:
         halves = [self._stack.forward_shapes(source_shapes[: self.n])[0],

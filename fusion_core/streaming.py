@@ -1,0 +1,140 @@
+"""Building a merged tensor at load with each byte written once: straight from the checkpoint, or not at all.
+
+A fused load lets transformers load the original parts (``q_proj.weight``, ``k_proj.weight``, ...)
+and then merges them. ``torch.cat`` over parts that transformers left memory-mapped reads every
+part through the shard's mapping, one page fault at a time on one thread, and the parts' pages stay
+resident for as long as any tensor of their shard lives: the fused model holds its merged
+projections twice (see :mod:`fusion_core.mapped_files`). For an op whose target is its sources
+placed whole, back to back (:meth:`~fusion_core.transforms.TransformOp.flat_offsets`: ``Concat``
+along dim 0, ``Stack``, the experts' gate/up pairs), :func:`merge` does better:
+
+- **no copy at all** when the loaded parts already lie back to back in memory in the merged order,
+  in one storage or one mapped checkpoint file (``gate_proj`` then ``up_proj`` in a shard
+  transformers wrote, where tensors are sorted by name): the merged tensor is a view of that
+  memory, as the parts were;
+- otherwise one destination tensor, and each part's bytes go into it once: read with ``pread`` from
+  the checkpoint file when the part is a clean view of it (its mapping is never touched, so its
+  pages never become resident), split into chunks read on a few threads as transformers' own loader
+  reads shards; or copied from the part where it is not file-backed (a dtype conversion, a quantizer,
+  an accelerator).
+
+Everything else (other ops, tensor subclasses, DTensors, mixed dtypes or devices) returns None and
+the op's own ``forward`` runs. The result is the op's forward output bit for bit: the parts' bytes,
+in the op's order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from fusion_core.aliases import alias
+from fusion_core.mapped_files import FileExtent, MappedFiles, clean, open_checked
+from fusion_core.transforms import TransformOp
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: Bytes one thread reads at a time: big enough that a thread's start costs nothing, small enough that
+#: a 30 MB projection is shared by the workers.
+_CHUNK = 8 << 20
+_WORKERS = max(1, min(8, os.cpu_count() or 1))
+_pool: ThreadPoolExecutor | None = None
+
+
+def merge(op: TransformOp, tensors: Sequence[torch.Tensor], files: MappedFiles | None) -> torch.Tensor | None:
+    """``op.forward(tensors)[0]`` built in place (see the module docs), or None where this does not apply.
+
+    ``files`` is the load's snapshot of mapped checkpoint files (None: copy every part from memory).
+    """
+    if op.arity[1] != 1 or not tensors:
+        return None
+    offsets = op.flat_offsets([tuple(t.shape) for t in tensors])
+    first = tensors[0]
+    if offsets is None or first.device.type == "meta" or not all(
+        type(t) in _PLAIN and t.dtype == first.dtype and t.device == first.device and t.is_contiguous()
+        for t in tensors
+    ):
+        return None
+    (shape,) = op.forward_shapes([tuple(t.shape) for t in tensors])
+    in_place = _already_merged(tensors, offsets, shape, files)
+    if in_place is not None:
+        return in_place
+    merged = torch.empty(shape, dtype=first.dtype, device=first.device)
+    flat = merged.view(-1)
+    descriptors: dict[tuple[str, int], int | None] = {}
+    jobs: list[tuple[int, int, int, int]] = []  # (fd, file offset, target address, length)
+    try:
+        for tensor, offset in zip(tensors, offsets, strict=True):
+            target = flat.narrow(0, offset, tensor.numel())
+            extent = files.file_extent(tensor) if files is not None else None
+            fd = _descriptor(extent, descriptors) if extent is not None and clean(tensor) else None
+            if extent is None or fd is None:
+                target.copy_(tensor.reshape(-1))
+                continue
+            address = target.data_ptr()
+            for start in range(0, extent.length, _CHUNK):
+                jobs.append((fd, extent.offset + start, address + start, min(_CHUNK, extent.length - start)))
+        if len(jobs) == 1:
+            _read(*jobs[0])
+        elif jobs:
+            list(_executor().map(lambda job: _read(*job), jobs))
+    finally:
+        for fd in descriptors.values():
+            if fd is not None:
+                os.close(fd)
+    return merged
+
+
+def _descriptor(extent: FileExtent, opened: dict[tuple[str, int], int | None]) -> int | None:
+    """The (cached) descriptor of the extent's file; None when its path no longer names the mapped file."""
+    key = (extent.path, extent.inode)
+    if key not in opened:
+        opened[key] = open_checked(extent)
+    return opened[key]
+
+
+def _already_merged(
+    tensors: Sequence[torch.Tensor], offsets: Sequence[int], shape: tuple[int, ...], files: MappedFiles | None
+) -> torch.Tensor | None:
+    """The merged tensor as a view of the parts' own memory, when they lie there back to back in the merged order:
+    in one storage, or in one file mapping (transformers gives each tensor of a shard its own storage over the
+    shard's one mapping)."""
+    first = tensors[0]
+    size = first.element_size()
+    base = first.data_ptr() - offsets[0] * size
+    if any(t.data_ptr() != base + offset * size for t, offset in zip(tensors, offsets, strict=True)):
+        return None
+    storage = first.untyped_storage()
+    start = first.storage_offset() - offsets[0]
+    if start >= 0 and all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in tensors):
+        view = torch.empty(0, dtype=first.dtype, device=first.device)
+        return view.set_(storage, start, shape, torch.empty(shape, device="meta").stride())
+    length = math.prod(shape) * size
+    if files is None or first.device.type != "cpu" or not files.maps_whole(base, length):
+        return None
+    return alias(base, first.dtype, shape, tuple(tensors))  # keeps the parts, so the mapping under them, alive
+
+
+def _read(fd: int, offset: int, address: int, length: int) -> None:
+    """``length`` bytes of the file at ``offset`` into memory at ``address`` (``preadv`` releases the GIL)."""
+    buffer = memoryview((ctypes.c_char * length).from_address(address)).cast("B")
+    done = 0
+    while done < length:
+        count = os.preadv(fd, [buffer[done:]], offset + done)
+        if count <= 0:
+            raise OSError(f"short read: {done} of {length} bytes at offset {offset}")
+        done += count
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="fusion-core-merge")
+    return _pool
+
+
+__all__ = ["merge"]
