@@ -1,13 +1,15 @@
 """The pre-read memory check of a fused load onto the CPU: refuse a load that would not fit, before reading.
 
 A fused load keeps the checkpoint's parts memory-mapped (page cache the kernel can drop) while it
-writes every merged tensor (a qkv or gate_up concatenation, a stack of experts) into new anonymous
-memory. The plan knows every merged tensor's shape and the safetensors headers every stored
-tensor's dtype and shape, so the bytes the load will newly allocate are known before any weight
-is read. The estimate is deliberately simple and conservative:
+writes merged tensors (a qkv or gate_up concatenation, a stack of experts) into new anonymous
+memory (:mod:`fusion_core.streaming`). The plan knows every merged tensor's shape and the
+safetensors headers every stored tensor's dtype and shape, so an upper bound of the bytes the load
+will newly allocate is known before any weight is read. The estimate is deliberately simple and
+conservative:
 
 - **merged copies**: every tensor a transform produces, in the target dtype (a reshape that ends
-  up a view of the loaded storage is counted too);
+  up a view of the loaded storage is counted too, and so is a merge whose parts lie back to back in
+  the checkpoint, which becomes a view of them);
 - **casts**: every stored floating-point tensor whose dtype differs from the target dtype, in the
   target dtype (a cast cannot stay mapped; a tensor kept in its stored dtype is assumed to).
 

@@ -18,6 +18,7 @@ CORE = ROOT / "fusion_core"
 FOUNDATIONS = {
     "errors", "patterns", "hookspecs", "integration", "spec", "transforms", "merge_policy", "merged", "wrapped",
     "forward_source", "parallel", "parallel.rules", "compat", "compat.transformers", "compat.peft", "compat.torch",
+    "mapped_files", "streaming", "aliases",
 }
 #: The pipeline's stages in data-flow order; a module imports only foundations and earlier stages.
 STAGES: list[set[str]] = [

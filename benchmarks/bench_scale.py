@@ -1,0 +1,225 @@
+"""Fused loads at the sizes people load: time to first token, peak memory and save, plain vs fused.
+
+    python benchmarks/bench_scale.py                       # Qwen2.5-1.5B shapes, qkv + gate_up, 3 rounds
+    python benchmarks/bench_scale.py --shape 7b --rounds 1 # Qwen2.5-7B shapes (~15 GB of bf16 on disk)
+    python benchmarks/bench_scale.py --shape olmoe         # OLMoE-1B-7B widths, moe_experts (4.57)
+    python benchmarks/bench_scale.py --shape qwen2vl       # a Qwen2-VL-2B-sized checkpoint, patch_embeddings
+
+Random bf16 weights at the real shapes and vocabulary, saved by transformers itself in shards of
+1 GB (built once, cached under ``$FUSION_BENCH_CHECKPOINTS`` or /tmp/fusion-bench). Every
+measurement is a fresh process (``bench_io.run_worker``): imports and the model's modeling module
+first, then the peak-RSS mark is reset (``/proc/self/clear_refs``) and the process loads
+(``from_pretrained`` with ``dtype=torch.bfloat16``), runs one 16-token forward, and for the save rows
+saves to a fresh directory. Contenders alternate order from round to round; ``plain (A/A)`` is a
+second plain contender: its ratio to plain is the harness's own noise. Peak RSS is VmHWM (file
+pages of the mapped checkpoint included, as the kernel counts them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_io import CHECKPOINT_ROOT, checkpoint_bytes, peak_rss_mb, reset_peak_rss, rotate, rss_mb  # noqa: E402
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "1.5b": {"auto": "AutoModelForCausalLM", "config": "Qwen2Config", "fusion": {"qkv": True, "gate_up": True},
+             "kwargs": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                            num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
+                            max_position_embeddings=32768)},
+    "7b": {"auto": "AutoModelForCausalLM", "config": "Qwen2Config", "fusion": {"qkv": True, "gate_up": True},
+           "kwargs": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                          num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False,
+                          max_position_embeddings=32768)},
+    "olmoe": {"auto": "AutoModelForCausalLM", "config": "OlmoeConfig", "fusion": {"moe_experts": True},
+              "kwargs": dict(hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
+                             num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, vocab_size=50304)},
+    "qwen2vl": {"auto": "AutoModelForImageTextToText", "config": "Qwen2VLConfig", "fusion": {"patch_embeddings": True},
+                "kwargs": dict(
+                    text_config=dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                     num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                                     tie_word_embeddings=True, rope_scaling={"type": "mrope",
+                                                                             "mrope_section": [16, 24, 24]}),
+                    vision_config=dict(depth=32, embed_dim=1280, hidden_size=1536, num_heads=16, mlp_ratio=4,
+                                       in_channels=3, patch_size=14, temporal_patch_size=2, spatial_merge_size=2),
+                    vision_start_token_id=151652, vision_end_token_id=151653, image_token_id=151655,
+                    video_token_id=151656, tie_word_embeddings=True)},
+}
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def build_checkpoint(shape: str) -> Path:
+    """Random bf16 weights at ``shape``, saved by transformers in 1 GB shards; cached by shape.
+
+    One checkpoint serves both transformers lines (a 7B one is 15 GB): every release saves the original
+    per-module layout (5.x converts its stacked experts back when it saves)."""
+    import torch
+    import transformers
+
+    spec = SHAPES[shape]
+    directory = CHECKPOINT_ROOT / f"scale-{shape}"
+    if (directory / "config.json").is_file():
+        return directory
+    _log(f"building {directory} (once)")
+    start = time.perf_counter()
+    config = getattr(transformers, spec["config"])(**spec["kwargs"])
+    with torch.device("meta"):
+        model = getattr(transformers, spec["auto"]).from_config(config, dtype=torch.bfloat16)
+    model = model.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.02, generator=generator)
+        for buffer in model.buffers():
+            if buffer.is_floating_point():
+                buffer.zero_()
+    staging = Path(f"{directory}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, max_shard_size="1GB")
+    staging.rename(directory)
+    _log(f"  built in {time.perf_counter() - start:.0f} s: {checkpoint_bytes(directory) / 1e9:.2f} GB")
+    return directory
+
+
+# --------------------------------------------------------------------------- worker side
+
+def worker(args: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    import fusion_core
+
+    spec = SHAPES[args["shape"]]
+    auto = getattr(transformers, spec["auto"])
+    config = transformers.AutoConfig.from_pretrained(args["path"])
+    auto._model_mapping[type(config)]  # the modeling module, imported before the clock starts
+    tokens = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
+    out: dict[str, Any] = {}
+    reset_peak_rss()
+    start = time.perf_counter()
+    if args["kind"] == "fused":
+        model = fusion_core.from_pretrained(auto, args["path"], fusion_config=spec["fusion"], dtype=torch.bfloat16)
+    else:
+        model = auto.from_pretrained(args["path"], dtype=torch.bfloat16)
+    out["load_s"] = time.perf_counter() - start
+    with torch.no_grad():
+        model(input_ids=tokens)
+    out["first_token_s"] = time.perf_counter() - start
+    out["peak_mb"] = peak_rss_mb()
+    out["rss_mb"] = rss_mb()
+    if args.get("save"):
+        target = Path(args["save"])
+        shutil.rmtree(target, ignore_errors=True)
+        start = time.perf_counter()
+        if args["kind"] == "fused":
+            fusion_core.save_pretrained(model, target)
+        else:
+            model.save_pretrained(target)
+        out["save_s"] = time.perf_counter() - start
+        out["save_peak_mb"] = peak_rss_mb()
+        out["saved"] = sorted(p.name for p in target.iterdir() if "safetensors" in p.name)
+        shutil.rmtree(target, ignore_errors=True)
+    return out
+
+
+def run_worker(args: dict[str, Any], python: str = sys.executable) -> dict[str, Any]:
+    import subprocess
+
+    cmd = [python, str(Path(__file__).resolve()), "worker", json.dumps(args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker {args} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+# --------------------------------------------------------------------------- parent side
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1.5b")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-save", action="store_true", help="load and first token only")
+    parser.add_argument("--anchor", metavar="PYTHON", default=None,
+                        help="the python of another transformers environment: its plain load is one more contender "
+                             "(transformers 5.x's own stacked experts beside a fused 4.57 load)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    import subprocess
+
+    import transformers
+    from bench_common import Summary, Table, machine_info, ratios
+
+    path = build_checkpoint(args.shape)
+    # name -> (what the worker does, the python that runs it)
+    contenders = {"plain": ("plain", sys.executable), "fused": ("fused", sys.executable),
+                  "plain (A/A)": ("plain", sys.executable)}
+    if args.anchor:
+        version = subprocess.run([args.anchor, "-c", "import transformers; print(transformers.__version__)"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+        contenders[f"plain, transformers {version}"] = ("plain", args.anchor)
+    save_root = Path(tempfile.mkdtemp(prefix="fusion-bench-scale-", dir=path.parent))
+    samples: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
+    try:
+        run_worker({"kind": "plain", "path": str(path), "shape": args.shape})  # page cache warm for all alike
+        for r in range(args.rounds):
+            for name in rotate(list(contenders), r):
+                kind, python = contenders[name]
+                save = None if args.no_save else str(save_root / "out")
+                samples[name].append(run_worker({"kind": kind, "path": str(path), "shape": args.shape,
+                                                 "save": save}, python))
+            _log(f"  round {r + 1}/{args.rounds} done")
+    finally:
+        shutil.rmtree(save_root, ignore_errors=True)
+    fusion = SHAPES[args.shape]["fusion"]
+    table = Table(
+        f"{args.shape} shapes, {checkpoint_bytes(path) / 1e9:.1f} GB bf16 in "
+        f"{len(list(path.glob('*.safetensors')))} shards, {fusion}, transformers {transformers.__version__}: "
+        f"median [p10-p90] of {args.rounds} fresh processes each",
+        ["loader", "load s", "first token s", "peak RSS GB", "save s", "save peak RSS GB",
+         "first token vs plain", "peak RSS vs plain", "save vs plain", "save peak vs plain"],
+    )
+    plain = samples["plain"]
+    for name in contenders:
+        runs = samples[name]
+
+        def col(key: str, runs: list[dict[str, Any]] = runs) -> list[float]:
+            return [x[key] for x in runs]
+
+        saving = not args.no_save
+        row = [name, Summary.of(col("load_s")).fmt(digits=2), Summary.of(col("first_token_s")).fmt(digits=2),
+               Summary.of(col("peak_mb")).fmt(1e-3, 2),
+               Summary.of(col("save_s")).fmt(digits=2) if saving else "-",
+               Summary.of(col("save_peak_mb")).fmt(1e-3, 2) if saving else "-"]
+        row += [ratios(col(k), [x[k] for x in plain]).fmt(digits=3, unit="x") if saving or "save" not in k else "-"
+                for k in ("first_token_s", "peak_mb", "save_s", "save_peak_mb")]
+        table.rows.append(row)
+        if saving and runs[0]["saved"] != plain[0]["saved"]:
+            table.notes.append(f"{name} wrote other files than plain: {runs[0]['saved']} vs {plain[0]['saved']}")
+    print(table.text())
+    print()
+    print(table.markdown())
+    if args.json is not None:
+        args.json.write_text(json.dumps({"machine": machine_info(), "samples": samples}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "worker":
+        print("RESULT " + json.dumps(worker(json.loads(sys.argv[2]))), flush=True)
+    else:
+        sys.exit(main())
