@@ -118,14 +118,16 @@ def test_the_kit_catches_an_op_whose_flat_offsets_disagree_with_its_forward() ->
         kit.assert_transform_op(Reversed(2), [(3, 4), (3, 4)])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("dtype", "device_map"), [(torch.bfloat16, None), (torch.float32, None),
+                                                   (torch.bfloat16, "cpu")])
 def test_sharded_loads_with_and_without_a_dtype_conversion_compute_what_plain_loads_do(
-    llama_bf16: Path, tmp_path: Path, dtype: torch.dtype
+    llama_bf16: Path, tmp_path: Path, dtype: torch.dtype, device_map: str | None
 ) -> None:
     sharded = tmp_path / "sharded"
     _plain(llama_bf16).save_pretrained(sharded, max_shard_size="100KB")  # gate and up in different shards too
     assert len(list(sharded.glob("*.safetensors"))) > 3
-    fused, plain = _fused(sharded, dtype=dtype), _plain(sharded, dtype=dtype)
+    kwargs = {"dtype": dtype, "device_map": device_map}
+    fused, plain = _fused(sharded, **kwargs), _plain(sharded, **kwargs)
     tokens = torch.randint(0, plain.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert same_bits(fused(tokens).logits, plain(tokens).logits)
