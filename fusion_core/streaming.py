@@ -42,7 +42,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 #: parts of one merge (a 5 MB q_proj, two 1 MB k/v) keep every worker busy.
 _CHUNK = 2 << 20
 _WORKERS = max(1, min(8, os.cpu_count() or 1))
-_pool: ThreadPoolExecutor | None = None
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that started it, the pool)
 
 
 def merge(op: TransformOp, tensors: Sequence[torch.Tensor], files: MappedFiles | None) -> torch.Tensor | None:
@@ -131,10 +131,12 @@ def _read(fd: int, offset: int, address: int, length: int) -> None:
 
 
 def _executor() -> ThreadPoolExecutor:
+    """The reading threads, started on first use; a forked child (whose copy of the pool has no threads) starts
+    its own."""
     global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="fusion-core-merge")
-    return _pool
+    if _pool is None or _pool[0] != os.getpid():
+        _pool = (os.getpid(), ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="fusion-core-merge"))
+    return _pool[1]
 
 
 __all__ = ["merge"]

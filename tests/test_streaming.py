@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import filecmp
 import json
+import multiprocessing
 import os
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -153,3 +155,21 @@ def test_a_fused_save_writes_what_a_plain_save_writes(llama_bf16: Path, tmp_path
     assert written == sorted(p.name for p in (tmp_path / "fused").glob("*.safetensors*"))
     for name in written:
         assert filecmp.cmp(tmp_path / "plain" / name, tmp_path / "fused" / name, shallow=False), name
+
+
+_FORKED_PARTS: list[torch.Tensor] = []
+
+
+def _merge_in_forked_child() -> bool:
+    merged = streaming.merge(Concat(3), _FORKED_PARTS, MappedFiles.snapshot())
+    return merged is not None and same_bits(merged, torch.cat(_FORKED_PARTS))
+
+
+def test_a_forked_child_reads_with_threads_of_its_own(llama_bf16: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forked child inherits the parent's pool object but none of its threads: it must start its own."""
+    attn = _plain(llama_bf16).model.layers[1].self_attn
+    parts = [attn.q_proj.weight.detach(), attn.k_proj.weight.detach(), attn.v_proj.weight.detach()]
+    assert streaming.merge(Concat(3), parts, MappedFiles.snapshot()) is not None  # the parent's threads started
+    monkeypatch.setattr(sys.modules[__name__], "_FORKED_PARTS", parts)
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        assert pool.apply_async(_merge_in_forked_child).get(timeout=60)
