@@ -347,6 +347,11 @@ def _leave_nested_to_outer(
     the order of ``fusion_config``. Any other two plans that claim the same tensor, nested or not,
     are still a conflict (:func:`~fusion_core.transforms.check_conflicts`). Returns the kept plans
     and (dropped plan, the plan that contains it) pairs.
+
+    A plan that moves no tensor (it only changes the class: ``linear_kernels`` on an ``nn.Linear``)
+    is likewise left to an enclosing plan of another family that moves that module's tensors (its
+    :attr:`~fusion_core.transforms.ModulePlan.moved_linears`: ``qkv`` merging ``q_proj``), whatever
+    that family declares: the module it would fuse is emptied and replaced by the enclosing fusion.
     """
     by_path: dict[str, list[ModulePlan]] = {}
     for plan in plans:
@@ -356,12 +361,17 @@ def _leave_nested_to_outer(
         keys = set(inner.original_keys)
         parts = inner.path.split(".")
         ancestors = (".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1))  # innermost first; "" is the root
-        outer = next((o for a in ancestors for o in by_path.get(a, ()) if o.family in owners
-                      and o.family != inner.family and keys & set(o.original_keys)), None)
+        outer = next((o for a in ancestors for o in by_path.get(a, ()) if o.family != inner.family and (
+            (o.family in owners and keys & set(o.original_keys)) or (not keys and _moves(o, inner.path)))), None)
         if outer is not None:
             nested.append((inner, outer))
     dropped = {id(inner) for inner, _ in nested}
     return [p for p in plans if id(p) not in dropped], nested
+
+
+def _moves(plan: ModulePlan, path: str) -> bool:
+    """Whether ``plan`` moves the tensors of the ``nn.Linear`` at ``path`` (a module inside its own)."""
+    return any(plan.full_key(linear) == path for linear in plan.moved_linears if linear)
 
 
 def _rehearse(meta_model: nn.Module, plan: FusionPlan, sources: Mapping[str, PluginSource]) -> None:

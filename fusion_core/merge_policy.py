@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Literal, get_args
 
@@ -144,13 +144,33 @@ def _measurable(input: torch.Tensor) -> bool:
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
-def _merged_is_faster(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      bounds: tuple[tuple[int, int], ...]) -> bool:
-    """Time the merged GEMM against one GEMM per part on the real tensors: best of interleaved calls."""
-    device = input.device
+def best_times(ways: Sequence[Callable[[], object]], device: torch.device) -> list[float]:
+    """Seconds of the fastest of three interleaved timed calls of each of ``ways``, in their order.
+
+    The one timer of fusion-core's measured choices (this module's merge decision, and any family
+    that picks among kernels, such as ``linear_kernels``): one untimed call of each way first, then
+    three rounds, each calling every way once, in alternating order (so neither way always runs on
+    caches the other warmed), synchronised on an accelerator. Callers run it under ``torch.no_grad``.
+    """
     wait: Callable[[], None] = (
         (lambda: None) if device.type == "cpu" else (lambda: torch.accelerator.synchronize(device))
     )
+    best = [float("inf")] * len(ways)
+    order = list(range(len(ways)))
+    for round_ in range(_TIMED_ROUNDS + 1):
+        for index in order if round_ % 2 else reversed(order):
+            wait()
+            start = time.perf_counter()
+            ways[index]()
+            wait()
+            if round_:  # round 0 warms every way up
+                best[index] = min(best[index], time.perf_counter() - start)
+    return best
+
+
+def _merged_is_faster(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      bounds: tuple[tuple[int, int], ...]) -> bool:
+    """Time the merged GEMM against one GEMM per part on the real tensors: best of interleaved calls."""
     x = input.detach()
     parts = [(row_slice(weight, start, stop), None if bias is None else bias[start:stop]) for start, stop in bounds]
 
@@ -161,15 +181,7 @@ def _merged_is_faster(input: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         for part_weight, part_bias in parts:
             F.linear(x, part_weight, part_bias)
 
-    best = {merged: float("inf"), separate: float("inf")}
     with torch.no_grad():
-        for round_ in range(_TIMED_ROUNDS + 1):
-            for way in (merged, separate) if round_ % 2 else (separate, merged):
-                wait()
-                start = time.perf_counter()
-                way()
-                wait()
-                if round_:  # round 0 warms both ways up
-                    best[way] = min(best[way], time.perf_counter() - start)
+        merged_time, separate_time = best_times((merged, separate), input.device)
     # A tie goes to the merged GEMM: it dispatches fewer operators, which one timed GEMM does not show.
-    return best[merged] <= best[separate] * _TIE
+    return merged_time <= separate_time * _TIE

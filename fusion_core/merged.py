@@ -53,7 +53,7 @@ layer for it. ``copy.deepcopy`` and pickling keep the slices tied to the copied 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, cast
 
 import torch
@@ -69,6 +69,10 @@ _MEMO_SIZE = 64
 
 #: Set on a merged container (``qkv_proj``): the names of the projections it holds, for messages.
 PARTS_ATTRIBUTE = "fusion_merged_parts"
+
+LinearKernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+"""What :attr:`MergedLinear.kernel` holds: ``kernel(input, weight, bias)``, computing ``F.linear(input, weight,
+bias)``."""
 
 
 def _version(tensor: torch.Tensor) -> int:
@@ -90,6 +94,11 @@ class MergedLinear:
     ``gate_up_proj`` container) at every call, so ``.to()``, ``load_state_dict`` and device maps
     that replace the parameters are seen at once.
     """
+
+    kernel: LinearKernel | None = None
+    """The extension point for the eager GEMMs of a plain container: None runs ``F.linear``; a family that picks
+    faster kernels (``linear_kernels``) sets a picklable callable computing the same projection. Never called
+    under ``torch.compile``, nor for a container a quantizer replaced by its own module."""
 
     def __init__(self, owner: nn.Module, sizes: tuple[int, ...], parent: nn.Module | None = None,
                  container: str | None = None) -> None:
@@ -167,10 +176,11 @@ class MergedLinear:
             self._cache = None
             self.merging = False
         weight, bias = self.weight, self.bias
+        linear = self.kernel or F.linear
         if not (self.merging and self._merge_pays(input, weight, bias)):
             self.own_gemms += 1
-            return F.linear(input, self.rows(weight, index), self.part(bias, index))
-        output = F.linear(input, weight, bias)
+            return linear(input, self.rows(weight, index), self.part(bias, index))
+        output = linear(input, weight, bias)
         self.merged_gemms += 1
         grad = torch.is_grad_enabled()
         # Without autograd one split makes every part's view in one operator. With autograd, each

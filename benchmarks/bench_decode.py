@@ -1,0 +1,201 @@
+"""Decode at the memory-bandwidth floor: plain vs fused with and without ``linear_kernels``, beside the floor.
+
+Greedy decode reads every weight once per token, so its floor is the bytes a step reads over the
+read bandwidth of this machine, measured in the same run (two ways: a reduction over a cold 1 GiB
+buffer, and one ``torch.mv`` over each of the plain model's own linear weights in turn, the decode's
+own read pattern; the floor uses the faster). Contenders, loaded from one checkpoint and run in
+interleaved rounds whose order rotates (see :mod:`bench_common`):
+
+- ``plain`` and ``plain (2nd load)`` (the A/A control: the same operators, so its ratio shows the noise);
+- ``qkv+gate_up`` (the merged projections), ``linear_kernels`` alone, and ``qkv+gate_up+linear_kernels``.
+
+Each round runs a greedy ``generate`` (``--prompt`` tokens, then ``--new-tokens``; decode ms/token is
+first to last new token) and a ``--prefill``-token forward (logits of the last position). Speed is the
+per-round ratio plain time / contender time, median [min-max]; ``vs qkv+gate_up`` is the same against
+the merged-only model. The last tables list the kernel ``linear_kernels`` chose for each kind of call on a dense
+weight, and which weight kinds it holds prepacked (oneDNN's layout) with the timings that decided it.
+
+    python benchmarks/bench_decode.py --model qwen2-0.5b --dtype bf16 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from bench_common import Summary, Table, machine_info
+from bench_e2e import generate_call, load, paired_rounds, prefill_call
+from bench_models import QWEN2_05B, build_checkpoint
+from torch import nn
+
+#: Llama-3.2-1B's geometry (hidden 2048, 32/8 heads, MLP 8192, vocabulary 128256, tied embeddings).
+LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
+                   head_dim=64, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=8192,
+                   rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001)
+MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
+    "qwen2-0.5b": ("Qwen2Config", QWEN2_05B, 24),
+    "llama-3.2-1b": ("LlamaConfig", LLAMA_32_1B, 16),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+CONTENDERS: dict[str, str | None] = {
+    "plain": None,
+    "qkv+gate_up": "qkv+gate_up",
+    "linear_kernels": "linear_kernels",
+    "qkv+gate_up+linear_kernels": "qkv+gate_up+linear_kernels",
+    "plain (2nd load)": None,
+}
+
+
+def config_of(model: str, layers: int | None) -> Any:
+    import transformers
+
+    class_name, geometry, depth = MODELS[model]
+    return getattr(transformers, class_name)(num_hidden_layers=layers or depth, **geometry)
+
+
+def bytes_per_token(model: nn.Module) -> int:
+    """Bytes of the parameters one decode step reads: each tensor once (tied ones once), the embedding table
+    only where it is the LM head too (otherwise a step reads one row of it)."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is embedding
+    seen: set[int] = set()
+    total = 0
+    for param in model.parameters():
+        if id(param) in seen or (param is embedding and not tied):
+            continue
+        seen.add(id(param))
+        total += param.numel() * param.element_size()
+    return total
+
+
+def read_bandwidth(model: nn.Module, rounds: int = 3) -> dict[str, float]:
+    """Bytes per second read from memory, two ways (see the module docs); best of ``rounds`` each."""
+    buffer = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB, far beyond any cache
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    vectors = {w.shape[1]: torch.randn(w.shape[1], dtype=w.dtype) for w in weights}
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    best = {"reduction": float("inf"), "mv over the weights": float("inf")}
+    with torch.inference_mode():
+        for _ in range(rounds + 1):
+            start = time.perf_counter()
+            buffer.sum()
+            best["reduction"] = min(best["reduction"], time.perf_counter() - start)
+            start = time.perf_counter()
+            for w in weights:
+                torch.mv(w, vectors[w.shape[1]])
+            best["mv over the weights"] = min(best["mv over the weights"], time.perf_counter() - start)
+    del buffer
+    return {"reduction": (1 << 30) / best["reduction"],
+            "mv over the weights": weight_bytes / best["mv over the weights"]}
+
+
+def own_memory(model: nn.Module) -> nn.Module:
+    """Copy every parameter out of the checkpoint's memory map into the process's own memory.
+
+    A plain load may leave weights as views of the mapped safetensors file; on a VM that reclaims cold
+    file-backed pages (this benchmark's 2-core Firecracker guest does), a decode step then times disk
+    reads for the plain model but not for a fused one whose merged tensors are new memory. Copying every
+    contender's parameters (tied ones stay tied: the shared Parameter is copied once) compares kernels.
+    """
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.is_mkldnn:  # a prepacked weight (linear_kernels) is the process's own memory already
+                param.data = param.data.clone()
+    return model
+
+
+def speed(samples: dict[str, list[dict[str, float]]], name: str, against: str, metric: str) -> Summary:
+    return Summary.of([a[metric] / b[metric] for a, b in zip(samples[against], samples[name], strict=True)])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen2-0.5b")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--layers", type=int, default=None, help="fewer decoder layers than the released model")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--prompt", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prefill", type=int, default=256)
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, from: "
+                        + ", ".join(CONTENDERS))
+    args = parser.parse_args(argv)
+    log: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731
+    info = machine_info()
+    log(f"{info['cpu']} {info['cpu_flags']}, {info['torch_threads']} threads, torch {info['torch']}, "
+        f"transformers {info['transformers']}")
+
+    dtype = DTYPES[args.dtype]
+    path = build_checkpoint(config_of(args.model, args.layers), "AutoModelForCausalLM",
+                            f"decode-{args.model}-{args.layers or 'all'}", log)
+    names = [n.strip() for n in args.contenders.split(",") if n.strip()]
+    models = {name: own_memory(load("AutoModelForCausalLM", path, CONTENDERS[name], dtype, "cpu")) for name in names}
+    plain = models["plain"]
+    per_token = bytes_per_token(plain)
+    bandwidth = read_bandwidth(plain)
+    floor_ms = per_token / max(bandwidth.values()) * 1e3
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = plain.config.vocab_size
+    prompt = torch.randint(3, vocab, (1, args.prompt), generator=generator)
+    long_prompt = torch.randint(3, vocab, (1, args.prefill), generator=generator)
+    calls, tokens = {}, {}
+    for name, model in models.items():
+        decode, tokens[name] = generate_call(model, prompt, args.new_tokens, "cpu")
+        prefill, _ = prefill_call(model, long_prompt, "cpu")
+
+        def call(decode: Callable[[], dict[str, float]] = decode,
+                 prefill: Callable[[], dict[str, float]] = prefill) -> dict[str, float]:
+            out = decode()
+            return {"decode": out["decode"] / (args.new_tokens - 1), "prefill": prefill()["total"]}
+
+        calls[name] = call
+    samples, first = paired_rounds(calls, args.rounds, warmup=2)
+
+    table = Table(f"Decode and prefill, {args.model} ({args.layers or MODELS[args.model][2]} layers), {args.dtype}, "
+                  "eager, batch 1", ["contender", "decode ms/token", "x floor", "decode vs plain",
+                                     "decode vs qkv+gate_up", f"prefill {args.prefill} ms", "prefill vs plain",
+                                     "same tokens"])
+    for name in names:
+        decode = Summary.of([s["decode"] for s in samples[name]])
+        prefill = Summary.of([s["prefill"] for s in samples[name]])
+        merged = speed(samples, name, "qkv+gate_up", "decode").fmt_range() if "qkv+gate_up" in samples else "-"
+        table.rows.append([
+            name, decode.fmt_range(1e3), f"{decode.median * 1e3 / floor_ms:.2f}",
+            speed(samples, name, "plain", "decode").fmt_range(), merged,
+            prefill.fmt_range(1e3, 1), speed(samples, name, "plain", "prefill").fmt_range(),
+            str(tokens[name] == tokens["plain"]),
+        ])
+    table.notes += [
+        f"floor {floor_ms:.1f} ms/token: {per_token / 1e9:.3f} GB read per token over "
+        + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bandwidth.items()) + " (the faster), measured in this run",
+        f"{args.rounds} interleaved rounds; prompt {args.prompt}, {args.new_tokens} new tokens; first calls (s): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in first.items()),
+    ]
+    log(table.text())
+    try:
+        from fusion_linear_kernels import decisions
+    except ImportError:
+        return
+    chosen = Table("linear_kernels decisions (kind -> kernel)", ["dtype", "weight", "bias", "rows", "exact", "kernel"])
+    for (_, kind_dtype, shape, _, bias, rows, exact), kernel in sorted(decisions().items(), key=str):
+        chosen.rows.append([str(kind_dtype)[6:], "x".join(map(str, shape)), str(bias), str(rows), str(exact), kernel])
+    log(chosen.text())
+    from fusion_linear_kernels import pack_decisions
+
+    packed = Table("linear_kernels packing (kind -> layout)", ["dtype", "weight", "exact", "layout", "measured"])
+    for (shape, kind_dtype, exact), (is_packed, why) in sorted(pack_decisions().items(), key=str):
+        packed.rows.append([str(kind_dtype)[6:], "x".join(map(str, shape)), str(exact),
+                            "prepacked" if is_packed else "dense", why])
+    log(packed.text())
+    models.clear()
+    gc.collect()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Which candidate kernel each kind of linear call runs: measured once per kind on the real input.
+
+A *kind* is what a kernel's speed depends on: the device, the dtype, the weight's shape and
+strides, whether there is a bias, the input's row count (1 to :data:`MAX_ROWS`) and the mode
+(exact or within the bound). The first eager call of a kind computes every applicable candidate
+(:data:`fusion_linear_kernels.kernels.CANDIDATES`) on its real input, admits those whose output
+stands for ``F.linear``'s (:mod:`fusion_linear_kernels.tolerance`), times the admitted ones with
+fusion-core's one timer (:func:`fusion_core.merge_policy.best_times`: best of three interleaved
+calls) and keeps the fastest for the kind; ``F.linear`` keeps a kind unless another candidate was
+more than 2% faster. Every layer of a model shares its kinds, so a decoder measures each shape once.
+
+Where the choice does not apply, the call runs ``F.linear``, the original kernel, without
+measuring (:func:`runs_original`): more than :data:`MAX_ROWS` rows (prefill, where every kernel is
+a GEMM), autograd (an input or parameter that requires grad while grad is enabled: training),
+devices other than the CPU, tensors that are not torch's own (a quantizer's weight keeps its
+quantizer's kernel; DTensors), dtype mixes. Under ``torch.compile`` the fused module calls
+``F.linear`` before it gets here (:mod:`fusion_linear_kernels.family`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.nn import functional as F
+
+from fusion_core.merge_policy import best_times
+from fusion_linear_kernels import kernels
+from fusion_linear_kernels.kernels import LINEAR, Candidate
+from fusion_linear_kernels.tolerance import admission_bound, admitted
+
+MAX_ROWS = 4
+"""Inputs of at most this many rows (tokens times batch) choose a kernel: decode steps, small batches."""
+
+#: A candidate is taken over ``F.linear`` only when it measured faster by more than this factor.
+_TIE = 1.02
+
+Kind = tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...], bool, int, bool]
+"""(device, dtype, weight shape, weight strides, has bias, rows, exact)."""
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_DECISIONS: dict[Kind, Candidate] = {}
+
+
+def rows_of(input: torch.Tensor) -> int:
+    """The number of rows ``F.linear`` sees: every dimension but the last, multiplied."""
+    return input.numel() // max(int(input.shape[-1]), 1)
+
+
+def runs_original(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether this call runs ``F.linear`` without choosing (see the module docs for each case)."""
+    if type(input) not in _PLAIN or type(weight) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN):
+        return True
+    if input.device.type != "cpu" or weight.device.type != "cpu" or weight.dim() != 2 or input.dim() == 0:
+        return True
+    if input.layout != torch.strided or weight.layout != torch.strided:
+        return True
+    if input.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        return True
+    if torch.is_grad_enabled() and (
+        input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        return True
+    return not 0 < rows_of(input) <= MAX_ROWS
+
+
+def kind_of(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, exact: bool) -> Kind:
+    """The kind a call's decision is filed under."""
+    return (str(input.device), input.dtype, tuple(weight.shape), tuple(weight.stride()), bias is not None,
+            rows_of(input), exact)
+
+
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, exact: bool = False) -> torch.Tensor:
+    """``F.linear(input, weight, bias)``, run by the kernel chosen for this kind of call."""
+    if runs_original(input, weight, bias):
+        return F.linear(input, weight, bias)
+    kind = kind_of(input, weight, bias, exact)
+    candidate = _DECISIONS.get(kind)
+    if candidate is None:
+        candidate = _DECISIONS[kind] = choose(input, weight, bias, exact)
+    return candidate.run(input, weight, bias)
+
+
+def linear_within_bound(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`linear` in the default mode: candidates within the bound of :mod:`fusion_linear_kernels.tolerance`."""
+    return linear(input, weight, bias, exact=False)
+
+
+def linear_exact(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`linear` in exact mode (only candidates bit-identical to ``F.linear``)."""
+    return linear(input, weight, bias, exact=True)
+
+
+def choose(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, exact: bool,
+           candidates: Sequence[Candidate] | None = None) -> Candidate:
+    """The fastest of ``candidates`` (default: :data:`~fusion_linear_kernels.kernels.CANDIDATES`) admitted on this
+    input; ``F.linear`` when none beats it by 2%."""
+    candidates = kernels.CANDIDATES if candidates is None else candidates
+    x = input.detach()
+    with torch.no_grad():
+        reference = F.linear(x, weight, bias)
+        bound = admission_bound(x, weight, reference)
+        taken = [LINEAR] + [
+            c for c in candidates if c is not LINEAR and c.applies(x, weight, bias)
+            and admitted(c.run(x, weight, bias), reference, bound, exact)
+        ]
+        if len(taken) == 1:
+            return LINEAR
+        times = best_times([_call(c, x, weight, bias) for c in taken], x.device)
+    best = min(range(len(taken)), key=times.__getitem__)
+    return taken[best] if times[best] * _TIE < times[0] else LINEAR
+
+
+def _call(candidate: Candidate, x: torch.Tensor, weight: torch.Tensor,
+          bias: torch.Tensor | None) -> Callable[[], object]:
+    return lambda: candidate.run(x, weight, bias)
+
+
+def decisions() -> dict[Kind, str]:
+    """The candidate chosen for each kind measured in this process, by name."""
+    return {kind: candidate.name for kind, candidate in _DECISIONS.items()}
+
+
+def clear_decisions() -> None:
+    """Forget every decision: the next call of each kind measures again."""
+    _DECISIONS.clear()

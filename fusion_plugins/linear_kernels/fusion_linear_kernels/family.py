@@ -1,0 +1,209 @@
+"""``linear_kernels``: every plain ``nn.Linear`` (the LM head included, tied or not) holds its weight in the
+runtime layout, and runs the kernel, measured fastest for its kind on this machine.
+
+Decode is bound by reading weights, and how close a GEMV gets to the memory's bandwidth depends
+on the layout the kernel reads and on the kernel: ``F.linear`` on a dense bfloat16 weight has oneDNN
+reorder the whole weight on every call. Two mechanisms, both measured, both within the documented
+numerical bound of ``F.linear`` (:mod:`fusion_linear_kernels.tolerance`), or bit-identical in exact mode:
+
+- **the layout** (:mod:`fusion_linear_kernels.packing`): the family's one transform,
+  :class:`~fusion_linear_kernels.packing.PrepackLinearWeight` from ``weight`` to ``weight`` (bound by
+  :func:`packing_plan` when a load converts, see :mod:`fusion_linear_kernels.plugin`), holds the
+  weight in oneDNN's prepacked layout *instead of* the dense tensor where that measured faster (memory
+  stays the plain model's; ``state_dict``, saves and ``unfuse`` present the dense weight, byte for byte),
+  and the forward calls the packed kernel at every row count;
+- **the kernel** (:func:`fusion_linear_kernels.choice.linear`), for a weight left dense: chosen once
+  per kind of call on the real input at few rows; prefill, training, other devices and quantized
+  weights run ``F.linear``; under ``torch.compile`` the forward is ``F.linear`` itself.
+
+The merged projections of ``qkv`` and ``gate_up`` (:class:`fusion_core.merged.MergedLinear`) get the
+same choice through their ``kernel`` extension point, set by this plugin's
+``fusion_convert_loaded`` hook when both families are enabled (:mod:`fusion_linear_kernels.plugin`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from pydantic import Field
+from torch import nn
+from torch.nn import functional as F
+
+from fusion_core.merged import LinearKernel, is_plain_linear
+from fusion_core.spec import FamilyOptions, FusedModule, FusionFamily, fused_subclass
+from fusion_core.transforms import ModulePlan, WeightTransform, attached_plan, bind_transforms
+from fusion_linear_kernels import packing
+from fusion_linear_kernels.choice import linear, linear_exact, linear_within_bound
+from fusion_linear_kernels.packing import PrepackLinearWeight, is_packed, unpack
+
+#: Set in a pickled (or deep-copied) fused module's state: the parameters it holds packed, pickled dense.
+_PACKED_STATE = "_fusion_linear_kernels_packed"
+#: In a fused layer's ``__dict__``: whether its weight is packed, for traced code (see ``LinearKernelsMixin.forward``).
+PACKED_FLAG = "_fusion_linear_kernels_weight_packed"
+
+
+class LinearKernelsOptions(FamilyOptions):
+    """Options of ``linear_kernels``."""
+
+    exact: bool = Field(
+        default=False,
+        description="True: take only kernels whose output is bit-identical to F.linear's on the real input, and "
+        "pack only weights whose probes were bit-identical (never a layer with a bias); "
+        "False: kernels and packed weights within the documented bound (fusion_linear_kernels.tolerance).",
+    )
+
+
+class LinearKernelsMixin(FusedModule):
+    """The fused behaviour mixed into an ``nn.Linear`` subclass: the packed kernel for a prepacked weight, the chosen
+    kernel at few rows for a dense one."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    exact: ClassVar[bool] = False
+    """Take only kernels bit-identical to ``F.linear`` (the family's ``exact`` option picks the subclass)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if torch.compiler.is_compiling():
+            # Traced code cannot see the layout (a fake tensor is strided): the flag set whenever the weight is
+            # packed or unpacked decides, and the custom operator checks the layout again when it runs.
+            if self.__dict__.get(PACKED_FLAG):
+                return packing.linear(input, weight, self.bias, self.fusion_path)
+            return F.linear(input, weight, self.bias)
+        if is_packed(weight):
+            return packing.linear(input, weight, self.bias, self.fusion_path)
+        return linear(input, weight, self.bias, self.exact)
+
+    @property
+    def fusion_path(self) -> str:
+        """The module's path in its model (from its fusion plan), for messages."""
+        plan = attached_plan(self)
+        return getattr(plan, "path", "") or ""
+
+    @property
+    def packed(self) -> bool:
+        """Whether the weight is held in oneDNN's prepacked layout (:mod:`fusion_linear_kernels.packing`)."""
+        return is_packed(self._parameters.get("weight"))
+
+    def fusion_mark_layout(self) -> None:
+        """Record whether the weight is packed where ``torch.compile`` reads it (see ``forward``)."""
+        self.__dict__[PACKED_FLAG] = self.packed
+
+    def extra_repr(self) -> str:
+        layout = ", weight=prepacked" if self.packed else ""
+        return f"{super().extra_repr()}, kernels={'exact' if self.exact else 'within bound'}{layout}"
+
+    # A packed weight has no storage Python can see: copies, pickles and .to() go through the dense weight.
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        packed = [name for name, p in self._parameters.items() if is_packed(p)]
+        if packed:
+            parameters = dict(self._parameters)
+            for name in packed:
+                dense = parameters[name]
+                parameters[name] = nn.Parameter(unpack(dense), requires_grad=bool(dense.requires_grad))
+            state["_parameters"], state[_PACKED_STATE] = parameters, tuple(packed)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        packed = state.pop(_PACKED_STATE, ())
+        super().__setstate__(state)
+        for name in packed:
+            self._repack(name)
+        if PACKED_FLAG in self.__dict__:
+            self.fusion_mark_layout()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        # A packed weight that fn leaves as it is (``.to("cpu")`` on the CPU) is kept as it is; any other is
+        # unpacked, converted by nn.Module, and packed again where it still may be (on an accelerator it stays dense).
+        parameters = self._parameters
+        kept: dict[str, nn.Parameter] = {}
+        unpacked: list[str] = []
+        for name, weight in list(parameters.items()):
+            if weight is None or not is_packed(weight):
+                continue
+            try:
+                unchanged = fn(weight) is weight
+            except (RuntimeError, NotImplementedError, TypeError):
+                unchanged = False
+            if unchanged:
+                kept[name], parameters[name] = weight, None
+            else:
+                unpacked.append(name)
+                parameters[name] = nn.Parameter(unpack(weight), requires_grad=weight.requires_grad)
+        try:
+            result = super()._apply(fn, recurse)
+        finally:
+            parameters.update(kept)  # the keys stayed in place (set to None), so the order is the original one
+        for name in unpacked:
+            self._repack(name)
+        self.fusion_mark_layout()
+        return result
+
+    def _repack(self, name: str) -> None:
+        dense = self._parameters[name]
+        if dense is None:
+            return
+        (out,) = PrepackLinearWeight(self.exact).forward([dense.detach()])
+        if is_packed(out):
+            self._parameters[name] = nn.Parameter(out, requires_grad=dense.requires_grad)
+
+
+class ExactLinearKernelsMixin(LinearKernelsMixin):
+    """:class:`LinearKernelsMixin` taking only kernels bit-identical to ``F.linear``."""
+
+    exact: ClassVar[bool] = True
+
+
+def kernel(exact: bool) -> LinearKernel:
+    """The picklable ``kernel(input, weight, bias)`` of a mode, for :attr:`fusion_core.merged.MergedLinear.kernel`."""
+    return linear_exact if exact else linear_within_bound
+
+
+def refusal(module: nn.Module) -> str | None:
+    """Why an ``nn.Linear`` is left alone; None for a plain one (and for modules that are not ``nn.Linear``)."""
+    if not isinstance(module, nn.Linear):
+        return None
+    if type(module).forward is not nn.Linear.forward:
+        return f"{type(module).__qualname__} overrides nn.Linear.forward"
+    if not is_plain_linear(module):
+        return "its weight is not a 2-D nn.Parameter"
+    return None
+
+
+class LinearKernelsFamily(FusionFamily[LinearKernelsOptions]):
+    """Each nn.Linear holds its weight prepacked where that measured faster, or runs the fastest kernel measured."""
+
+    name = "linear_kernels"
+    options_model = LinearKernelsOptions
+    target_modules_patterns = ()
+
+    def is_fusable(self, module: nn.Module, options: LinearKernelsOptions) -> bool:
+        return isinstance(module, nn.Linear) and is_plain_linear(module)
+
+    def refusal(self, module: nn.Module, options: LinearKernelsOptions) -> str | None:
+        return refusal(module)
+
+    def make_fused_class(self, original_cls: type[nn.Module], options: LinearKernelsOptions) -> type[nn.Module]:
+        return fused_subclass(ExactLinearKernelsMixin if options.exact else LinearKernelsMixin, original_cls)
+
+    # No make_transforms: discovery plans these layers without moving a tensor, so a layer whose weight an
+    # enclosing family merges (q_proj under qkv) is left to that family (FusionPlan.nested); the packing
+    # transform is bound to each remaining layer's plan when the load converts (see fusion_linear_kernels.plugin).
+
+
+def packing_plan(module: nn.Module, plan: ModulePlan) -> ModulePlan:
+    """``plan`` (a ``linear_kernels`` layer's) with the packing transform bound: ``weight`` -> ``weight`` in oneDNN's
+    prepacked layout where :func:`fusion_linear_kernels.packing.packs` says so (unchanged elsewhere); in exact mode
+    only for a layer without a bias."""
+    exact = bool(getattr(plan.fused_class, "exact", False))
+    if plan.transforms or module._parameters.get("weight") is None or (exact and module._parameters.get("bias")
+                                                                        is not None):
+        return plan  # exact mode packs no layer with a bias (see fusion_linear_kernels.packing)
+    shapes = {name: tuple(t.shape) for name, t in module._parameters.items() if t is not None}
+    bound = bind_transforms(plan.family, plan.path, shapes,
+                            [WeightTransform(("weight",), ("weight",), PrepackLinearWeight(exact=exact))])
+    return dataclasses.replace(plan, transforms=bound)

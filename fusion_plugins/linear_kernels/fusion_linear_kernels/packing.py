@@ -1,0 +1,238 @@
+"""A linear layer's weight held in oneDNN's prepacked layout *instead of* its dense ``[out, in]`` tensor.
+
+``F.linear`` on a bfloat16 CPU tensor hands oneDNN the dense weight, which oneDNN reorders into its
+blocked layout on every call: at one row (a decode step) that reorder costs as much as the GEMV
+itself. :class:`PrepackLinearWeight` is the invertible transform that does the reorder once, at
+load: its ``forward`` replaces ``weight`` by the packed tensor (:func:`fusion_linear_kernels.compat.pack`,
+same shape, dtype and device; the dense tensor is released, so memory stays the plain model's), its
+``inverse`` is ``to_dense()``, bit for bit, which is what ``state_dict`` / ``save_pretrained`` /
+``fusion_core.unfuse`` present and the core verifies once per kind at load.
+
+**Where it packs** (decided by :func:`packs`, once per kind = weight shape, dtype and mode, on the
+first layer of that kind a load converts; :func:`pack_decisions` lists them):
+
+- only torch's own dense, strided, 2-D CPU tensors (not a quantizer's tensor subclass, not a DTensor,
+  not on an accelerator or ``meta``: those are returned unchanged and keep ``F.linear``), of a
+  floating dtype, with oneDNN available in this build;
+- only where the packed kernel stands for ``F.linear``: on synthetic inputs of :data:`PROBE_ROWS`
+  rows its output must be bit-identical to ``F.linear``'s in exact mode (without a bias), within
+  :mod:`fusion_linear_kernels.tolerance`'s bound otherwise (with and without a bias). Measured here:
+  bfloat16 without a bias was bit-identical at every row count and weight tried; float32 at one row
+  differs in the last bits (packed in the default mode only); with a bias, the packed kernel adds
+  it in another order than ``F.linear``'s GEMM, which moved the last bit of about one bfloat16 output
+  in 20,000, so **exact mode packs no layer with a bias** (:func:`fusion_linear_kernels.family.packing_plan`).
+  The probes are evidence on synthetic inputs, not a proof for every input: exact mode's promise
+  (logits bit-identical to the model without this family) is what the tests check on whole models;
+- only where it is faster: timed with :func:`fusion_core.merge_policy.best_times` (twice, best of
+  each) against ``F.linear`` on the layer's own weight and a synthetic input, it must be more than
+  2% faster at :data:`DECODE_ROWS` row (decode) and no more than 2% slower at :data:`PREFILL_ROWS`
+  rows (a prompt: a packed weight has no dense copy to fall back on). Timing does not depend on the
+  values, so the decision is made at load, on synthetic inputs, not on the first real call.
+
+A weight shared with another module (a tied LM head: it is the embedding table) is never packed:
+the plugin's ``fusion_convert_loaded`` hook drops the transform from that module's plan.
+
+**At run time** (:func:`linear`) a packed layer calls the packed kernel for every row count; with
+autograd recording (an input or the bias that requires grad, or the weight's own ``requires_grad``
+while grad is enabled) it goes through the custom operator ``fusion_linear_kernels::packed_linear``,
+whose backward gives the input (and bias) gradients from a temporary dense copy and refuses a
+gradient for the weight by name (:func:`refusal`). Under ``torch.compile`` the same custom operator
+is traced (it has a fake implementation, so ``fullgraph=True`` compiles, Inductor included). An
+input of another dtype or device than the weight runs ``F.linear`` on a dense copy, as the original
+module would (with its errors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from fusion_core.merge_policy import best_times
+from fusion_core.transforms import Shape, TransformOp
+from fusion_linear_kernels import compat
+from fusion_linear_kernels.tolerance import admission_bound, admitted
+
+PROBE_ROWS = (1, 2, 3, 4, 16, 64)
+"""Row counts whose outputs the packed kernel must match (exactly, or within the bound) before a kind is packed."""
+DECODE_ROWS = 1
+"""The row count at which packing must be faster (one decode step)."""
+PREFILL_ROWS = 64
+"""The row count at which packing must not be slower (a prompt)."""
+
+#: Packing must win by more than this factor at decode, and may lose by no more than it at prefill.
+_TIE = 1.02
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+PackKind = tuple[tuple[int, ...], torch.dtype, bool]
+"""(weight shape, dtype, exact): what a packing decision is filed under."""
+_DECISIONS: dict[PackKind, tuple[bool, str]] = {}
+
+
+def is_packed(tensor: torch.Tensor | None) -> bool:
+    """Whether ``tensor`` is a weight :class:`PrepackLinearWeight` packed (oneDNN's layout)."""
+    return tensor is not None and tensor.is_mkldnn
+
+
+def unpack(tensor: torch.Tensor) -> torch.Tensor:
+    """The dense weight: ``to_dense()`` of a packed one (new memory, the original bytes), else ``tensor`` itself."""
+    return tensor.to_dense() if is_packed(tensor) else tensor
+
+
+def ineligible(weight: torch.Tensor) -> str | None:
+    """Why ``weight`` is never packed, whatever the measurements; None when it may be."""
+    if type(weight) not in _PLAIN:
+        return f"a {type(weight).__qualname__}, not torch's own tensor (a quantizer's or a DTensor keeps its kernel)"
+    if weight.device.type != "cpu":
+        return f"on {weight.device.type}, not the CPU"
+    if weight.layout != torch.strided or weight.dim() != 2 or weight.numel() == 0:
+        return "not a dense, non-empty 2-D tensor"
+    if not weight.is_floating_point() or weight.dtype == torch.float64:
+        return f"{weight.dtype}: oneDNN packs bfloat16, float16 and float32"
+    if not compat.available():
+        return "this torch build has no oneDNN prepacked linear"
+    return None
+
+
+def packs(weight: torch.Tensor, exact: bool, packed: torch.Tensor | None = None) -> bool:
+    """Whether weights of ``weight``'s kind are held packed (see the module docs); measured once per kind.
+
+    ``packed`` is ``weight`` already packed, when the caller has it (the measurement uses it).
+    """
+    if ineligible(weight) is not None:
+        return False
+    kind: PackKind = (tuple(weight.shape), weight.dtype, exact)
+    decision = _DECISIONS.get(kind)
+    if decision is None:
+        decision = _DECISIONS[kind] = _measure(weight.detach(), exact, packed)
+    return decision[0]
+
+
+def _measure(weight: torch.Tensor, exact: bool, packed: torch.Tensor | None) -> tuple[bool, str]:
+    """(pack?, why) for ``weight``'s kind: the numerical probes, then the timings (module docs)."""
+    out, inn = weight.shape
+    generator = torch.Generator().manual_seed(0)
+    try:
+        with torch.no_grad():
+            packed = compat.pack(weight) if packed is None else packed
+            bias = torch.randn(out, generator=generator).to(weight.dtype)
+            for rows in PROBE_ROWS:
+                x = torch.randn(1, rows, inn, generator=generator).to(weight.dtype)
+                for b in (None,) if exact else (None, bias):  # exact mode packs no layer with a bias
+                    reference = F.linear(x, weight, b)
+                    got = compat.packed_linear(x, packed, b)
+                    if not admitted(got, reference, admission_bound(x, weight, reference), exact):
+                        return False, f"not {'bit-identical to' if exact else 'within the bound of'} F.linear " \
+                                      f"at {rows} rows{' with a bias' if b is not None else ''}"
+            times = {}
+            for rows in sorted({DECODE_ROWS, PREFILL_ROWS}):
+                x = torch.randn(1, rows, inn, generator=generator).to(weight.dtype)
+                ways = (lambda x=x: F.linear(x, weight), lambda x=x: compat.packed_linear(x, packed, None))
+                first, second = best_times(ways, x.device), best_times(ways, x.device)
+                times[rows] = [min(a, b) for a, b in zip(first, second, strict=True)]
+    except (RuntimeError, NotImplementedError) as exc:  # a dtype or shape oneDNN does not pack here
+        return False, f"oneDNN refused it: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    (dense, fast), (dense_prefill, fast_prefill) = times[DECODE_ROWS], times[PREFILL_ROWS]
+    timing = (f"{DECODE_ROWS} row {dense * 1e3:.3f} -> {fast * 1e3:.3f} ms, "
+              f"{PREFILL_ROWS} rows {dense_prefill * 1e3:.3f} -> {fast_prefill * 1e3:.3f} ms")
+    if fast * _TIE >= dense:
+        return False, f"not faster at decode ({timing})"
+    if fast_prefill > dense_prefill * _TIE:
+        return False, f"slower at prefill ({timing})"
+    return True, timing
+
+
+def pack_decisions() -> dict[PackKind, tuple[bool, str]]:
+    """The packing decision of each kind measured in this process: (packed?, why or the timings)."""
+    return dict(_DECISIONS)
+
+
+def clear_pack_decisions() -> None:
+    """Forget every packing decision: the next weight of each kind is measured again."""
+    _DECISIONS.clear()
+
+
+@dataclass(frozen=True)
+class PrepackLinearWeight(TransformOp):
+    """``weight`` -> the same weight in oneDNN's prepacked layout, where :func:`packs` says so (else unchanged).
+
+    Inverse: ``to_dense()`` (bit for bit); a weight left dense passes through both ways. Meta
+    tensors (discovery's rehearsal) are returned unchanged, with their shape.
+    """
+
+    exact: bool = False
+
+    def forward_shapes(self, shapes: Sequence[Shape]) -> tuple[Shape, ...]:
+        shape = tuple(shapes[0])
+        if len(shape) != 2:
+            raise ValueError(f"a linear weight is 2-D; got shape {shape}")
+        return (shape,)
+
+    def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        (weight,) = tensors
+        if is_packed(weight) or ineligible(weight) is not None:
+            return (weight,)
+        known = _DECISIONS.get((tuple(weight.shape), weight.dtype, self.exact))
+        if known is not None and not known[0]:
+            return (weight,)
+        with torch.no_grad():
+            packed = compat.pack(weight)
+            return (packed,) if packs(weight, self.exact, packed) else (weight,)
+
+    def inverse(self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]) -> tuple[torch.Tensor, ...]:
+        return (unpack(tensors[0]),)
+
+
+def refusal(module: str) -> str:
+    """The error a gradient for a packed weight raises."""
+    return (f"linear_kernels holds the weight of {module or 'this linear layer'} prepacked for inference (oneDNN's "
+            "blocked layout, no dense copy), so it cannot be trained: freeze it (weight.requires_grad_(False), as "
+            "LoRA and other adapters do), or load the model without linear_kernels (or call fusion_core.unfuse(model)) "
+            "to train its weights")
+
+
+@torch.library.custom_op("fusion_linear_kernels::packed_linear", mutates_args=(),
+                         schema="(Tensor input, Tensor weight, Tensor? bias, str module) -> Tensor")
+def packed_linear_op(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     module: str) -> torch.Tensor:
+    """The packed kernel as a custom operator: traced by ``torch.compile``, differentiated by autograd (a dense
+    ``weight`` runs ``F.linear``: traced code cannot tell the layouts apart)."""
+    if not is_packed(weight):
+        return F.linear(input, weight, bias)
+    return compat.packed_linear(input, weight, bias)
+
+
+@packed_linear_op.register_fake
+def _packed_linear_fake(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        module: str) -> torch.Tensor:
+    return input.new_empty((*input.shape[:-1], weight.shape[0]))
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.weight, ctx.module = inputs[1], inputs[3]
+
+
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None, None]:
+    if ctx.needs_input_grad[1]:
+        raise RuntimeError(refusal(ctx.module))
+    grad_input = grad.matmul(unpack(ctx.weight)) if ctx.needs_input_grad[0] else None
+    grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[2] else None
+    return grad_input, None, grad_bias, None
+
+
+packed_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, module: str = "") -> torch.Tensor:
+    """``F.linear(input, dense, bias)`` for a packed ``weight`` (see the module docs for the paths)."""
+    if (input.dtype != weight.dtype or input.device != weight.device or type(input) not in _PLAIN
+            or (bias is not None and (bias.dtype != weight.dtype or type(bias) not in _PLAIN))):
+        return F.linear(input, unpack(weight), bias)
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+            input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))):
+        out: torch.Tensor = packed_linear_op(input, weight, bias, module)
+        return out
+    return compat.packed_linear(input, weight, bias)

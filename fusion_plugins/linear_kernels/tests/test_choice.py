@@ -1,0 +1,126 @@
+"""The kernel choice on its own: the admission bound, exact mode, and where the original kernel runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fusion_linear_kernels import choice, kernels
+from fusion_linear_kernels.kernels import LINEAR, Candidate
+from fusion_linear_kernels.tolerance import admission_bound, admitted
+from torch.nn import functional as F
+
+GEN = torch.Generator().manual_seed(0)
+SHAPES = [(96, 64), (40, 200), (256, 24)]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_decisions():
+    choice.clear_decisions()
+    yield
+    choice.clear_decisions()
+
+
+def _layer(out: int, inn: int, dtype: torch.dtype, bias: bool = True):
+    weight = (torch.randn(out, inn, generator=GEN) / inn**0.5).to(dtype)
+    return weight, (torch.randn(out, generator=GEN).to(dtype) if bias else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("out", "inn"), SHAPES)
+def test_mv_is_within_the_bound_of_f_linear(dtype, out, inn):
+    weight, bias = _layer(out, inn, dtype)
+    for b in (None, bias):
+        x = torch.randn(1, inn, generator=GEN).to(dtype)
+        reference = F.linear(x, weight, b)
+        bound = admission_bound(x, weight, reference)
+        got = kernels.CANDIDATES[1].run(x, weight, b)
+        assert admitted(got, reference, bound, exact=False)
+        # the bound is about the dtype's rounding, not the output's scale: a few units in the last place at most
+        assert bound < 8 * torch.finfo(dtype).eps * float(reference.abs().max()) + 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_bound_refuses_what_exceeds_it_and_exact_mode_refuses_any_difference(dtype):
+    weight, bias = _layer(64, 128, dtype)
+    x = torch.randn(1, 128, generator=GEN).to(dtype)
+    reference = F.linear(x, weight, bias)
+    bound = admission_bound(x, weight, reference)
+    off = reference.clone()
+    off[0, 3] = (off[0, 3].double() + 1.5 * bound).to(dtype)
+    assert not admitted(off, reference, bound, exact=False)
+    near = reference.clone()
+    near[0, 3] = torch.nextafter(near[0, 3].float(), torch.tensor(float("inf"))).to(dtype)
+    if not torch.equal(near, reference):
+        assert admitted(near, reference, bound, exact=False)
+        assert not admitted(near, reference, bound, exact=True)
+    assert admitted(reference.clone(), reference, bound, exact=True)
+    nan = reference.clone()
+    nan[0, 0] = float("nan")
+    assert not admitted(nan, reference, bound, exact=False)
+
+
+def _wrong(input, weight, bias):
+    out = F.linear(input, weight, bias)
+    return out + out.abs().max() * 0.1
+
+
+def _one_ulp_off(input, weight, bias):
+    out = F.linear(input, weight, bias)
+    return torch.nextafter(out, torch.full_like(out, float("inf")))
+
+
+def test_a_wrong_candidate_is_never_taken_however_fast(monkeypatch):
+    monkeypatch.setattr(choice, "best_times", lambda ways, device: [1.0] + [1e-9] * (len(ways) - 1))
+    weight, bias = _layer(96, 64, torch.float32)
+    x = torch.randn(1, 64, generator=GEN)
+    wrong = Candidate("wrong", _wrong, kernels._always)
+    assert choice.choose(x, weight, bias, exact=False, candidates=(LINEAR, wrong)) is LINEAR
+    off = Candidate("off", _one_ulp_off, kernels._always)
+    assert choice.choose(x, weight, bias, exact=True, candidates=(LINEAR, off)) is LINEAR
+    assert choice.choose(x, weight, bias, exact=False, candidates=(LINEAR, off)) is off
+
+
+def test_the_fastest_admitted_candidate_is_kept_per_kind(monkeypatch):
+    mv = kernels.CANDIDATES[1]
+    monkeypatch.setattr(choice, "best_times", lambda ways, device: [1.0] + [0.5] * (len(ways) - 1))
+    weight, bias = _layer(96, 64, torch.float32)
+    x = torch.randn(1, 1, 64, generator=GEN)
+    with torch.no_grad():
+        got = choice.linear(x, weight, bias)
+    assert choice.decisions() == {("cpu", torch.float32, (96, 64), (64, 1), True, 1, False): "mv"}
+    reference = F.linear(x, weight, bias)
+    assert got.shape == reference.shape and admitted(got, reference, admission_bound(x, weight, reference), False)
+    # a tie (within 2%) keeps F.linear
+    choice.clear_decisions()
+    monkeypatch.setattr(choice, "best_times", lambda ways, device: [1.0, 0.99])
+    assert choice.choose(x, weight, bias, exact=False, candidates=(LINEAR, mv)) is LINEAR
+
+
+def test_the_original_kernel_runs_for_prefill_training_and_other_tensors():
+    weight, bias = _layer(96, 64, torch.float32)
+    one = torch.randn(1, 64)
+    assert not choice.runs_original(one, weight, bias)
+    assert not choice.runs_original(torch.randn(2, 2, 64), weight, None)
+    assert choice.runs_original(torch.randn(1, choice.MAX_ROWS + 1, 64), weight, bias)  # prefill
+    trained = weight.clone().requires_grad_()
+    assert choice.runs_original(one, trained, bias)  # autograd
+    with torch.no_grad():
+        assert not choice.runs_original(one, trained, bias)  # the same layer at inference
+    assert choice.runs_original(one.requires_grad_(), weight, bias)
+    assert choice.runs_original(torch.randn(1, 64, dtype=torch.float64), weight, bias)  # a dtype mix
+    assert choice.runs_original(torch.randn(1, 64, device="meta"), weight.to("meta"), None)
+    assert choice.runs_original(one.detach(), weight, bias.to(torch.bfloat16))
+
+
+def test_a_training_step_measures_nothing(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured under autograd")
+
+    monkeypatch.setattr(choice, "choose", refuse)
+    weight, bias = _layer(96, 64, torch.float32)
+    weight.requires_grad_()
+    x = torch.randn(1, 64)
+    choice.linear(x, weight, bias).sum().backward()
+    expected = weight.detach().clone().requires_grad_()
+    F.linear(x, expected, bias).sum().backward()
+    assert torch.equal(weight.grad, expected.grad)

@@ -1,0 +1,357 @@
+"""The prepacked weight layout: held instead of the dense weight, saved back byte for byte, and a model that decodes,
+prefills, trains adapters, compiles, pickles and unfuses like the plain one.
+
+The packing timer is replaced by one that reports the packed kernel fastest (``packed``) or slowest, so which layers
+pack is decided by the numerical probes and the rules, never by a clock; every model test checks that the layers it
+expects packed really are, so a test cannot pass on dense weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fusion_linear_kernels import LinearKernelsFamily, LinearKernelsMixin, LinearKernelsOptions, compat, packing
+from fusion_linear_kernels.family import packing_plan
+from fusion_linear_kernels.packing import PrepackLinearWeight, is_packed
+from safetensors.torch import load_file
+from torch import nn
+from torch.nn import functional as F
+from transformers import AutoModelForCausalLM
+
+import fusion_core
+from fusion_core.errors import SaveError
+from fusion_core.layout import fuse_instance
+from fusion_core.testing import kit
+from fusion_core.testing.tiny_models import TEXT_MODELS
+from fusion_core.transforms import ModulePlan
+from fusion_core.wrapped import same_bits
+
+pytestmark = pytest.mark.skipif(not compat.available(), reason="this torch build has no oneDNN prepacked linear")
+
+IDS = torch.tensor([[5, 17, 42, 9]])
+MERGED = {"qkv": True, "gate_up": True}
+GEN = torch.Generator().manual_seed(0)
+
+
+def _packed_wins(ways: Any, device: Any) -> list[float]:
+    return [1.0] + [0.5] * (len(ways) - 1)
+
+
+@pytest.fixture(autouse=True)
+def _packing_wins(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setattr(packing, "best_times", _packed_wins)
+    packing.clear_pack_decisions()
+    yield
+    packing.clear_pack_decisions()
+
+
+def _linear(out: int, inn: int, dtype: torch.dtype, bias: bool = True) -> nn.Linear:
+    layer = nn.Linear(inn, out, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(out, inn, generator=GEN) / inn**0.5)
+    return layer.to(dtype).eval()
+
+
+def _fuse_layer(original: nn.Linear, exact: bool) -> Any:
+    """A fused copy of one layer, as a load converts it (the plan with the packing transform bound)."""
+    options = LinearKernelsOptions(exact=exact)
+    fused = copy.deepcopy(original)
+    fused_class = LinearKernelsFamily().make_fused_class(type(original), options)
+    plan = ModulePlan("linear_kernels", "layer", type(original), fused_class, (), tuple(original.state_dict()))
+    fuse_instance(fused, packing_plan(fused, plan), verified=set())
+    return fused
+
+
+# -- the op and the decision ----------------------------------------------------------------------
+@pytest.mark.parametrize("exact", [False, True])
+def test_the_op_honours_the_transform_op_contract(exact):
+    """What ``kit.assert_transform_op`` checks, but its view check (it reads each result's storage, which a packed
+    tensor does not expose): shapes on real and meta tensors, dtype, bit-exact inverse, identity by repr, refusals."""
+    op = PrepackLinearWeight(exact=exact)
+    twin = copy.deepcopy(op)
+    assert twin == op and hash(twin) == hash(op) and repr(twin) == repr(op) == f"PrepackLinearWeight(exact={exact})"
+    assert op.arity == (1, 1) and op.forward_shapes([(48, 32)]) == ((48, 32),)
+    with pytest.raises(ValueError):
+        op.forward_shapes([(4, 8, 2)])
+    assert op.forward([torch.empty(48, 32, device="meta")])[0].shape == (48, 32)
+    weight = (torch.randn(48, 32, generator=GEN) * 100).bfloat16()
+    (packed,) = op.forward([weight])
+    assert is_packed(packed) and packed.shape == weight.shape and packed.dtype == weight.dtype
+    (back,) = op.inverse([packed], [(48, 32)])
+    assert same_bits(back, weight)
+
+
+def test_the_inverse_is_the_original_bytes_and_meta_stays_meta():
+    op = PrepackLinearWeight()
+    for dtype in (torch.bfloat16, torch.float32):
+        weight = torch.randn(40, 24).to(dtype)
+        weight[0, 0], weight[0, 1] = -0.0, torch.finfo(dtype).tiny / 4  # a signed zero, a subnormal
+        (packed,) = op.forward([weight])
+        assert is_packed(packed) and packed.shape == weight.shape and packed.dtype == dtype
+        (back,) = op.inverse([packed], [(40, 24)])
+        assert not is_packed(back) and same_bits(back, weight)
+        # a NaN's payload too (a weight with NaNs is not packed in exact mode: its outputs cannot be compared)
+        weight[1, 1] = float("nan")
+        assert same_bits(op.inverse([compat.pack(weight)], [(40, 24)])[0], weight)
+    (meta,) = op.forward([torch.empty(40, 24, device="meta")])
+    assert meta.is_meta and meta.shape == (40, 24)
+
+
+def test_what_is_never_packed():
+    op = PrepackLinearWeight()
+    for weight in (torch.randn(8, 4, dtype=torch.float64), torch.ones(8, 4, dtype=torch.int8), torch.zeros(0, 4),
+                   torch.randn(8, 4).to_sparse()):
+        assert op.forward([weight])[0] is weight
+        assert packing.ineligible(weight) is not None
+
+
+def _one_ulp_up(input: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = F.linear(input, packed.to_dense(), bias)
+    return torch.nextafter(out, torch.full_like(out, float("inf")))
+
+
+def test_exact_mode_packs_only_bit_identical_kernels(monkeypatch):
+    weight = torch.randn(64, 32).bfloat16()
+    assert packing.packs(weight, exact=True) and packing.packs(weight, exact=False)
+    packing.clear_pack_decisions()
+    monkeypatch.setattr(compat, "packed_linear", _one_ulp_up)
+    assert not packing.packs(weight, exact=True)
+    assert packing.packs(weight, exact=False)  # one unit in the last place is within the bound
+    reason = packing.pack_decisions()[((64, 32), torch.bfloat16, True)][1]
+    assert "bit-identical" in reason
+
+
+@pytest.mark.parametrize(("times", "expected"), [((1.0, 0.5, 1.0, 0.5), True), ((1.0, 1.0, 1.0, 0.5), False),
+                                                 ((1.0, 0.5, 1.0, 1.5), False)],
+                         ids=["faster", "not-faster-at-decode", "slower-at-prefill"])
+def test_packing_must_win_at_decode_and_not_lose_at_prefill(monkeypatch, times, expected):
+    calls = iter([times[:2], times[:2], times[2:], times[2:]])  # decode twice, then prefill twice
+    monkeypatch.setattr(packing, "best_times", lambda ways, device: list(next(calls)))
+    assert packing.packs(torch.randn(64, 32).bfloat16(), exact=True) is expected, packing.pack_decisions()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_packed_layer_computes_f_linear_at_every_row_count(dtype, bias):
+    """Decode and prefill: rows 1 to 300, bit-identical in exact mode (bfloat16 without a bias), else within the
+    tolerance; exact mode leaves a layer with a bias dense."""
+    original = _linear(96, 64, dtype, bias)
+    exact = dtype == torch.bfloat16 and not bias
+    fused = _fuse_layer(original, exact=exact)
+    assert isinstance(fused, LinearKernelsMixin) and fused.packed
+    assert not _fuse_layer(original, exact=True).packed if bias else True
+    for rows in (1, 2, 4, 5, 16, 37, 256, 300):
+        x = torch.randn(1, rows, 64, generator=GEN).to(dtype)
+        with torch.no_grad():
+            got, want = fused(x), original(x)
+        if exact:
+            assert torch.equal(got, want), rows
+        else:
+            assert torch.allclose(got, want, atol=kit.TOLERANCES[dtype] * (float(want.abs().max()) + 1)), rows
+
+
+# -- tiny real models ------------------------------------------------------------------------------
+def _save(name: str, directory: Path, tied: bool, dtype: torch.dtype) -> Path:
+    config = TEXT_MODELS[name].make_config()
+    config.tie_word_embeddings = tied
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    model.save_pretrained(directory)
+    return directory
+
+
+CASES = [("llama", False, torch.bfloat16), ("qwen2", True, torch.bfloat16), ("llama", False, torch.float32)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool, torch.dtype], Path]:
+    root = tmp_path_factory.mktemp("packing")
+    return {case: _save(case[0], root / f"{case[0]}-{case[1]}-{str(case[2])[6:]}", case[1], case[2]) for case in CASES}
+
+
+def _load(directory: Path, fusion_config: dict[str, Any] | None) -> Any:
+    if fusion_config is None:
+        return AutoModelForCausalLM.from_pretrained(directory, dtype="auto").eval()
+    return fusion_core.from_pretrained(AutoModelForCausalLM, directory, fusion_config=fusion_config,
+                                       dtype="auto").eval()
+
+
+def _decode(model: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    with torch.no_grad():
+        out = model.generate(IDS, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return out.sequences, out.logits
+
+
+def _packed_layers(model: Any) -> dict[str, bool]:
+    return {path: m.packed for path, m in model.named_modules() if isinstance(m, LinearKernelsMixin)}
+
+
+def _assert_packed_where_expected(model: Any, tied: bool, exact: bool) -> None:
+    layers = _packed_layers(model)
+    biased = {path for path, m in model.named_modules() if isinstance(m, LinearKernelsMixin) and m.bias is not None}
+    assert layers and all(packed is not (exact and path in biased) for path, packed in layers.items()
+                          if path != "lm_head"), layers  # exact mode leaves layers with a bias dense
+    assert layers["lm_head"] is not tied  # a tied head is the embedding table: left dense and shared
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+
+
+@pytest.mark.parametrize("case", CASES[:2], ids=["llama-untied", "qwen2-tied"])
+@pytest.mark.parametrize("others", [{}, MERGED], ids=["alone", "with-qkv-gate_up"])
+def test_exact_mode_decodes_bit_identically(checkpoints, case, others):
+    directory = checkpoints[case]
+    reference = _load(directory, others or None)
+    fused = _load(directory, {**others, "linear_kernels": {"exact": True}})
+    _assert_packed_where_expected(fused, case[1], exact=True)
+    tokens, logits = _decode(fused)
+    expected_tokens, expected_logits = _decode(reference)
+    assert torch.equal(tokens, expected_tokens)
+    assert all(torch.equal(a, b) for a, b in zip(logits, expected_logits, strict=True))
+    with torch.no_grad():  # a prompt of many rows (prefill) through the packed layers
+        long = torch.randint(3, 100, (2, 70), generator=GEN)
+        assert torch.equal(fused(long).logits, reference(long).logits)
+
+
+def test_float32_default_mode_packs_within_the_bound(checkpoints):
+    directory = checkpoints[("llama", False, torch.float32)]
+    reference, fused = _load(directory, None), _load(directory, {"linear_kernels": True})
+    _assert_packed_where_expected(fused, tied=False, exact=False)
+    tokens, logits = _decode(fused)
+    expected_tokens, expected_logits = _decode(reference)
+    assert torch.equal(tokens, expected_tokens)
+    for got, want in zip(logits, expected_logits, strict=True):
+        assert torch.allclose(got, want, atol=kit.TOLERANCES[torch.float32] * (float(want.abs().max()) + 1))
+
+
+@pytest.mark.parametrize("case", CASES, ids=["llama-bf16", "qwen2-tied-bf16", "llama-fp32"])
+def test_saved_checkpoint_is_the_source_byte_for_byte(checkpoints, tmp_path, case):
+    directory = checkpoints[case]
+    fused = _load(directory, {**MERGED, "linear_kernels": True})
+    assert any(_packed_layers(fused).values())
+    fusion_core.save_pretrained(fused, tmp_path / "saved")
+    assert (tmp_path / "saved" / "model.safetensors").read_bytes() == (directory / "model.safetensors").read_bytes()
+    fused.save_pretrained(tmp_path / "method")  # the model's own save_pretrained presents the original layout too
+    assert (tmp_path / "method" / "model.safetensors").read_bytes() == (directory / "model.safetensors").read_bytes()
+
+
+def test_fuse_in_place_packs_and_unfuse_restores(checkpoints):
+    directory = checkpoints[("qwen2", True, torch.bfloat16)]
+    plain, model = _load(directory, None), _load(directory, None)
+    fusion_core.fuse(model, {"linear_kernels": {"exact": True}})
+    _assert_packed_where_expected(model, tied=True, exact=True)
+    expected = _decode(plain)
+    got = _decode(model)
+    assert torch.equal(got[0], expected[0]) and all(torch.equal(a, b) for a, b in zip(got[1], expected[1], strict=True))
+    fusion_core.unfuse(model)
+    assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
+    want, back = plain.state_dict(), model.state_dict()
+    assert list(back) == list(want) and all(same_bits(back[k], want[k]) for k in want)
+
+
+def test_a_fused_layout_save_is_refused_by_name(checkpoints, tmp_path):
+    fused = _load(checkpoints[("llama", False, torch.bfloat16)], {"linear_kernels": True})
+    with pytest.raises(SaveError, match=r"family 'linear_kernels', module 'model\.layers\.0\.\S+': its weight is held "
+                                        r"prepacked .* save_original_format=True"):
+        fusion_core.save_pretrained(fused, tmp_path / "fused", save_original_format=False)
+    assert not (tmp_path / "fused").exists()
+
+
+def test_state_dict_load_unfuse_pickle_copy_and_to(checkpoints):
+    directory = checkpoints[("qwen2", True, torch.bfloat16)]
+    plain = _load(directory, None)
+    fused = _load(directory, {**MERGED, "linear_kernels": {"exact": True}})
+    want = plain.state_dict()
+    got = fused.state_dict()
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert not any(t.is_mkldnn for t in got.values())
+    expected = _decode(plain)
+    for other in (pickle.loads(pickle.dumps(fused)), copy.deepcopy(fused)):
+        assert other.model.layers[0].mlp.down_proj.packed
+        assert other.lm_head.weight is other.model.embed_tokens.weight
+        assert torch.equal(_decode(other)[0], expected[0]) and torch.equal(_decode(other)[1][-1], expected[1][-1])
+    fused.load_state_dict(want)  # the original layout is accepted and packed again
+    assert fused.model.layers[1].self_attn.o_proj.packed and torch.equal(_decode(fused)[1][-1], expected[1][-1])
+    # .to(float32): unpacked, converted, packed again where float32 may be (the plain model, converted the same way)
+    as_float = copy.deepcopy(fused).to(torch.float32)
+    assert as_float.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    plain_float = copy.deepcopy(plain).to(torch.float32)
+    with torch.no_grad():
+        got_logits, want_logits = as_float(IDS).logits, plain_float(IDS).logits
+    assert torch.allclose(got_logits, want_logits, atol=1e-4 * (float(want_logits.abs().max()) + 1))
+    fusion_core.unfuse(fused)
+    assert not any(isinstance(m, LinearKernelsMixin) for m in fused.modules())
+    assert type(fused.model.layers[0].mlp.down_proj) is nn.Linear
+    got = fused.state_dict()
+    assert list(got) == list(want) and all(torch.equal(got[k].view(torch.int16), want[k].view(torch.int16))
+                                           for k in want)
+    assert [n for n, _ in fused.named_parameters()] == [n for n, _ in plain.named_parameters()]
+
+
+def test_a_trainable_packed_weight_is_refused_by_name_at_backward(checkpoints):
+    directory = checkpoints[("llama", False, torch.bfloat16)]
+    plain, fused = _load(directory, None), _load(directory, {"linear_kernels": {"exact": True}})
+    ids = IDS[:, :2]
+    loss = fused(input_ids=ids, labels=ids).loss  # the forward still works, with the plain model's values
+    assert torch.equal(loss, plain(input_ids=ids, labels=ids).loss)
+    with pytest.raises(RuntimeError, match=r"linear_kernels holds the weight of (model\.layers\.\d\.\S+|lm_head) "
+                                           r"prepacked for inference .* cannot be trained: freeze it"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("others", [{}, MERGED], ids=["alone", "with-qkv-gate_up"])
+def test_lora_on_packed_layers_trains_like_plain(checkpoints, tmp_path, others):
+    peft = pytest.importorskip("peft")
+    directory = checkpoints[("llama", False, torch.bfloat16)]
+    targets = ["q_proj", "v_proj", "o_proj", "down_proj", "lm_head"]
+
+    def lora(model: Any) -> Any:
+        torch.manual_seed(0)
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+        return peft.get_peft_model(model, config)
+
+    plain = lora(_load(directory, others or None))  # the same model without linear_kernels
+    fused = lora(_load(directory, {**others, "linear_kernels": {"exact": True}}))
+    o_proj = fused.base_model.model.model.layers[0].self_attn.o_proj
+    assert isinstance(o_proj.base_layer, LinearKernelsMixin) and o_proj.base_layer.packed
+    plain.train()
+    fused.train()
+    ids = IDS
+    for model in (plain, fused):
+        model(input_ids=ids, labels=ids).loss.backward()
+    grads = {n: p.grad for n, p in plain.named_parameters() if p.requires_grad}
+    fused_grads = {n: p.grad for n, p in fused.named_parameters() if p.requires_grad}
+    assert sorted(grads) == sorted(fused_grads) and grads
+    for name, grad in grads.items():  # gradients reach the adapters of the first layer through packed layers
+        assert fused_grads[name] is not None and torch.equal(fused_grads[name], grad), name
+    plain.save_pretrained(tmp_path / "plain")
+    fused.save_pretrained(tmp_path / "fused")
+    left, right = (load_file(tmp_path / side / "adapter_model.safetensors") for side in ("plain", "fused"))
+    assert sorted(left) == sorted(right) and all(torch.equal(left[k], right[k]) for k in left)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiles_with_fullgraph_through_the_packed_operator(checkpoints, backend):
+    directory = checkpoints[("llama", False, torch.bfloat16)]
+    fused = _load(directory, {"linear_kernels": {"exact": True}})
+    assert fused.model.layers[0].mlp.down_proj.packed
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, fullgraph=True, backend=backend)  # a graph break raises here
+    with torch.no_grad():
+        expected = fused(input_ids=IDS[:, :1]).logits
+        got = compiled(input_ids=IDS[:, :1]).logits
+    assert torch.equal(got, expected)
+
+
+def test_inductor_compiles_a_packed_layer():
+    original = _linear(96, 64, torch.bfloat16, bias=False)
+    fused = _fuse_layer(original, exact=True)
+    assert fused.packed
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, fullgraph=True)
+    x = torch.randn(3, 64, generator=GEN).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(compiled(x), original(x))
