@@ -9,7 +9,7 @@ environment. The tests of the policy itself set the policy they need.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -26,3 +26,27 @@ def _transformers_release(record_testsuite_property: Callable[[str, object], Non
     import transformers
 
     record_testsuite_property("transformers", transformers.__version__)
+
+
+@pytest.fixture(autouse=True)
+def _transformers_load_patches_undone() -> Iterator[None]:
+    """Undo what racing transformers loads can leave behind, after every test.
+
+    transformers 5.x replaces ``PreTrainedModel.tie_weights`` / ``init_weights`` and torch's
+    ``nn.init`` functions with no-ops for the duration of each load, process-wide and without a
+    lock; plain loads racing in threads (tests/test_reliability_concurrency.py starts eight) can
+    each save the other's no-op as "the original" and leave it installed. A later test's
+    ``from_config`` then builds a model whose tied weights are not tied. fusion-core serializes its
+    own loads (``LOAD_LOCK``); plain loads in threads are the user's, so the tests restore the state.
+    """
+    import torch
+    from transformers import PreTrainedModel
+
+    methods = {name: PreTrainedModel.__dict__[name] for name in ("tie_weights", "init_weights")}
+    inits = dict(vars(torch.nn.init))
+    yield
+    for name, method in methods.items():
+        setattr(PreTrainedModel, name, method)
+    for name, function in inits.items():
+        if vars(torch.nn.init).get(name) is not function:
+            setattr(torch.nn.init, name, function)
