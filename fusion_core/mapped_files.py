@@ -22,11 +22,16 @@ import bisect
 import os
 import threading
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_PRESENT, _SWAPPED, _FILE_OR_SHARED = 1 << 63, 1 << 62, 1 << 61
+_PRESENT, _SWAPPED, _FILE_OR_SHARED = 0x80, 0x40, 0x20  # of a pagemap entry's top byte
+#: A pagemap entry's top byte -> 1 for a page that may differ from the file: swapped out, or present but a
+#: private anonymous copy (written); plain bytes, no tensor: this runs inside loads under torch.distributed too.
+_TOP_BYTE = bytes(int(bool(b & _SWAPPED) or (bool(b & _PRESENT) and not b & _FILE_OR_SHARED)) for b in range(256))
+_WRITTEN = b"\x01"
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class MappedFiles:
     def __init__(self, mappings: list[Mapping]) -> None:
         self._mappings = sorted(mappings, key=lambda m: m.start)
         self._starts = [m.start for m in self._mappings]
+        self._storages: dict[tuple[str, int], torch.UntypedStorage | None] = {}
 
     @classmethod
     def snapshot(cls) -> MappedFiles:
@@ -74,8 +80,10 @@ class MappedFiles:
         """The file bytes a contiguous CPU tensor is a view of, or None (anonymous memory, another device)."""
         if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() == 0:
             return None
-        address = tensor.data_ptr()
-        length = tensor.numel() * tensor.element_size()
+        return self.extent_at(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+    def extent_at(self, address: int, length: int) -> FileExtent | None:
+        """The file bytes mapped at ``length`` bytes from ``address``, when one private file mapping holds them all."""
         index = bisect.bisect_right(self._starts, address) - 1
         if index < 0:
             return None
@@ -85,11 +93,25 @@ class MappedFiles:
         return FileExtent(mapping.path, mapping.offset + address - mapping.start, length, mapping.device,
                           mapping.inode)
 
+    def storage(self, extent: FileExtent) -> torch.UntypedStorage | None:
+        """A private, copy-on-write mapping of the extent's whole file as a torch storage (one per file and load;
+        pages are read only when used), or None when its path no longer names the mapped file.
 
-    def maps_whole(self, address: int, length: int) -> bool:
-        """Whether ``length`` bytes from ``address`` lie in one private file mapping."""
-        index = bisect.bisect_right(self._starts, address) - 1
-        return index >= 0 and address + length <= self._mappings[index].end
+        torch owns it like the storage transformers loads a shard into: no Python object stands behind it.
+        """
+        key = (extent.path, extent.inode)
+        if key not in self._storages:
+            fd = open_checked(extent)
+            if fd is None:
+                self._storages[key] = None
+            else:
+                try:
+                    size = os.fstat(fd).st_size
+                    mapped = torch.UntypedStorage.from_file(extent.path, False, size)
+                    self._storages[key] = cast(torch.UntypedStorage, mapped)
+                finally:
+                    os.close(fd)
+        return self._storages[key]
 
 
 def _parse(line: str) -> Mapping | None:
@@ -120,11 +142,8 @@ def clean(tensor: torch.Tensor) -> bool:
         return False
     if len(entries) != 8 * count:
         return False
-    flags = torch.frombuffer(bytearray(entries), dtype=torch.int64)
-    present = flags < 0  # bit 63
-    swapped = (flags >> 62) & 1
-    file_page = (flags >> 61) & 1
-    return not bool(swapped.any()) and not bool((present & (file_page == 0)).any())
+    # Bits 63 (present), 62 (swapped) and 61 (file page or shared) are in the top byte of each little-endian entry.
+    return _WRITTEN not in entries[7::8].translate(_TOP_BYTE)
 
 
 def open_checked(extent: FileExtent) -> int | None:

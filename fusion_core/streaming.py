@@ -19,8 +19,10 @@ along dim 0, ``Stack``, the experts' gate/up pairs), :func:`merge` does better:
   an accelerator).
 
 Everything else (other ops, tensor subclasses, DTensors, mixed dtypes or devices) returns None and
-the op's own ``forward`` runs. The result is the op's forward output bit for bit: the parts' bytes,
-in the op's order.
+the op's own ``forward`` runs; so does every merge while a torch.distributed process group is up
+(:func:`fusion_core.aliases.in_process_group`: two-rank torchrun runs that streamed aborted at
+teardown now and then, which the plain ``torch.cat`` never did). The result is the op's forward
+output bit for bit: the parts' bytes, in the op's order.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from fusion_core.aliases import alias
+from fusion_core.aliases import in_process_group
 from fusion_core.mapped_files import FileExtent, MappedFiles, clean, open_checked
 from fusion_core.transforms import TransformOp
 
@@ -42,7 +44,6 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 #: parts of one merge (a 5 MB q_proj, two 1 MB k/v) keep every worker busy.
 _CHUNK = 2 << 20
 _WORKERS = max(1, min(8, os.cpu_count() or 1))
-_pool: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that started it, the pool)
 
 
 def merge(op: TransformOp, tensors: Sequence[torch.Tensor], files: MappedFiles | None) -> torch.Tensor | None:
@@ -50,7 +51,7 @@ def merge(op: TransformOp, tensors: Sequence[torch.Tensor], files: MappedFiles |
 
     ``files`` is the load's snapshot of mapped checkpoint files (None: copy every part from memory).
     """
-    if op.arity[1] != 1 or not tensors:
+    if op.arity[1] != 1 or not tensors or in_process_group():
         return None
     offsets = op.flat_offsets([tuple(t.shape) for t in tensors])
     first = tensors[0]
@@ -81,7 +82,9 @@ def merge(op: TransformOp, tensors: Sequence[torch.Tensor], files: MappedFiles |
         if len(jobs) == 1:
             _read(*jobs[0])
         elif jobs:
-            list(_executor().map(lambda job: _read(*job), jobs))
+            # Threads for this merge only: none outlives the load or reaches a forked child.
+            with ThreadPoolExecutor(min(_WORKERS, len(jobs)), thread_name_prefix="fusion-core-merge") as pool:
+                list(pool.map(lambda job: _read(*job), jobs))
     finally:
         for fd in descriptors.values():
             if fd is not None:
@@ -113,10 +116,19 @@ def _already_merged(
     if start >= 0 and all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in tensors):
         view = torch.empty(0, dtype=first.dtype, device=first.device)
         return view.set_(storage, start, shape, torch.empty(shape, device="meta").stride())
+    # Back to back in one mapped checkpoint file (transformers gives each tensor of a shard its own storage over
+    # the shard's mapping): a view of a mapping of that file of our own, where every part still holds the file's
+    # bytes. Not an alias of the parts' memory: a storage freed by a Python deleter at interpreter exit aborts
+    # torch.distributed's teardown.
     length = math.prod(shape) * size
-    if files is None or first.device.type != "cpu" or not files.maps_whole(base, length):
+    span = files.extent_at(base, length) if files is not None and first.device.type == "cpu" else None
+    if files is None or span is None or span.offset % size or not all(clean(t) for t in tensors):
         return None
-    return alias(base, first.dtype, shape, tuple(tensors))  # keeps the parts, so the mapping under them, alive
+    mapped = files.storage(span)
+    if mapped is None:
+        return None
+    view = torch.empty(0, dtype=first.dtype, device=first.device)
+    return view.set_(mapped, span.offset // size, shape, torch.empty(shape, device="meta").stride())
 
 
 def _read(fd: int, offset: int, address: int, length: int) -> None:
@@ -128,15 +140,6 @@ def _read(fd: int, offset: int, address: int, length: int) -> None:
         if count <= 0:
             raise OSError(f"short read: {done} of {length} bytes at offset {offset}")
         done += count
-
-
-def _executor() -> ThreadPoolExecutor:
-    """The reading threads, started on first use; a forked child (whose copy of the pool has no threads) starts
-    its own."""
-    global _pool
-    if _pool is None or _pool[0] != os.getpid():
-        _pool = (os.getpid(), ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="fusion-core-merge"))
-    return _pool[1]
 
 
 __all__ = ["merge"]

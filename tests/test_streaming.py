@@ -166,7 +166,7 @@ def _merge_in_forked_child() -> bool:
 
 
 def test_a_forked_child_reads_with_threads_of_its_own(llama_bf16: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A forked child inherits the parent's pool object but none of its threads: it must start its own."""
+    """A forked child inherits none of the parent's threads: a merge there must not wait on any (it would hang)."""
     attn = _plain(llama_bf16).model.layers[1].self_attn
     parts = [attn.q_proj.weight.detach(), attn.k_proj.weight.detach(), attn.v_proj.weight.detach()]
     assert streaming.merge(Concat(3), parts, MappedFiles.snapshot()) is not None  # the parent's threads started
