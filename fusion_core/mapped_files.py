@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import bisect
 import os
-import threading
 from dataclasses import dataclass
 from typing import cast
 
@@ -41,7 +40,6 @@ class Mapping:
     start: int
     end: int
     offset: int
-    device: tuple[int, int]
     inode: int
     path: str
 
@@ -53,7 +51,6 @@ class FileExtent:
     path: str
     offset: int
     length: int
-    device: tuple[int, int]
     inode: int
 
 
@@ -90,8 +87,7 @@ class MappedFiles:
         mapping = self._mappings[index]
         if address + length > mapping.end:
             return None
-        return FileExtent(mapping.path, mapping.offset + address - mapping.start, length, mapping.device,
-                          mapping.inode)
+        return FileExtent(mapping.path, mapping.offset + address - mapping.start, length, mapping.inode)
 
     def storage(self, extent: FileExtent) -> torch.UntypedStorage | None:
         """A private, copy-on-write mapping of the extent's whole file as a torch storage (one per file and load;
@@ -118,15 +114,11 @@ def _parse(line: str) -> Mapping | None:
     fields = line.split(maxsplit=5)
     if len(fields) < 6 or not fields[5].startswith("/") or fields[5].endswith(" (deleted)"):
         return None
-    span, perms, offset, device, inode, path = fields
+    span, perms, offset, _device, inode, path = fields
     if len(perms) < 4 or perms[3] != "p" or inode == "0":
         return None
     start, _, end = span.partition("-")
-    major, _, minor = device.partition(":")
-    return Mapping(int(start, 16), int(end, 16), int(offset, 16), (int(major, 16), int(minor, 16)), int(inode), path)
-
-
-_pagemap_lock = threading.Lock()
+    return Mapping(int(start, 16), int(end, 16), int(offset, 16), int(inode), path)
 
 
 def clean(tensor: torch.Tensor) -> bool:
@@ -136,7 +128,7 @@ def clean(tensor: torch.Tensor) -> bool:
     last = (address + tensor.numel() * tensor.element_size() - 1) // _PAGE
     count = last - first + 1
     try:
-        with _pagemap_lock, open("/proc/self/pagemap", "rb", buffering=0) as handle:
+        with open("/proc/self/pagemap", "rb", buffering=0) as handle:
             entries = os.pread(handle.fileno(), 8 * count, 8 * first)
     except OSError:
         return False
