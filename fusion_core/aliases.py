@@ -31,7 +31,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 def alias(address: int, dtype: torch.dtype, shape: Sequence[int], owner: object) -> torch.Tensor:
     """A tensor of its own storage over ``shape`` elements of ``dtype`` at ``address`` (CPU memory that ``owner``
     keeps alive; the new tensor keeps ``owner`` alive in turn)."""
-    length = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    length = math.prod(shape) * dtype.itemsize
     span = (ctypes.c_char * length).from_address(address)
     span.owner = owner  # type: ignore[attr-defined]
     return torch.frombuffer(span, dtype=dtype).view(tuple(shape))

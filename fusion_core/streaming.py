@@ -112,10 +112,9 @@ def _already_merged(
     if any(t.data_ptr() != base + offset * size for t, offset in zip(tensors, offsets, strict=True)):
         return None
     storage = first.untyped_storage()
-    start = first.storage_offset() - offsets[0]
+    start = int(first.storage_offset()) - offsets[0]
     if start >= 0 and all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in tensors):
-        view = torch.empty(0, dtype=first.dtype, device=first.device)
-        return view.set_(storage, start, shape, torch.empty(shape, device="meta").stride())
+        return _view(storage, start, shape, first)
     # Back to back in one mapped checkpoint file (transformers gives each tensor of a shard its own storage over
     # the shard's mapping): a view of a mapping of that file of our own, where every part still holds the file's
     # bytes. Not an alias of the parts' memory: a storage freed by a Python deleter at interpreter exit aborts
@@ -127,8 +126,13 @@ def _already_merged(
     mapped = files.storage(span)
     if mapped is None:
         return None
-    view = torch.empty(0, dtype=first.dtype, device=first.device)
-    return view.set_(mapped, span.offset // size, shape, torch.empty(shape, device="meta").stride())
+    return _view(mapped, span.offset // size, shape, first)
+
+
+def _view(storage: torch.UntypedStorage, offset: int, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``shape`` tensor of ``like``'s dtype and device over ``storage`` from element ``offset``."""
+    view = torch.empty(0, dtype=like.dtype, device=like.device)
+    return view.set_(storage, offset, shape, torch.empty(shape, device="meta").stride())
 
 
 def _read(fd: int, offset: int, address: int, length: int) -> None:
