@@ -211,15 +211,8 @@ def test_with_moe_experts(tmp_path, name):
 
 
 @pytest.mark.parametrize("others", [{}, MERGED], ids=["alone", "with-qkv-gate_up"])
-def test_peft_lora_attaches_by_the_original_names(checkpoints, tmp_path, others):
-    peft = pytest.importorskip("peft")
+def test_peft_lora_attaches_by_the_original_names(checkpoints, tmp_path, others, lora):
     directory = checkpoints[("llama", False, torch.float32)]
-    targets = ["q_proj", "v_proj", "o_proj", "down_proj", "lm_head"]
-
-    def lora(model: Any) -> Any:
-        torch.manual_seed(0)  # init_lora_weights=False: random A and B, so the adapter changes the output
-        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
-        return peft.get_peft_model(model, config)
 
     plain, fused = lora(_load(directory, None)), lora(_load(directory, {**others, "linear_kernels": True}))
     assert isinstance(fused.base_model.model.model.layers[0].self_attn.o_proj.base_layer, LinearKernelsMixin)

@@ -303,15 +303,8 @@ def test_a_trainable_packed_weight_is_refused_by_name_at_backward(checkpoints):
 
 
 @pytest.mark.parametrize("others", [{}, MERGED], ids=["alone", "with-qkv-gate_up"])
-def test_lora_on_packed_layers_trains_like_plain(checkpoints, tmp_path, others):
-    peft = pytest.importorskip("peft")
+def test_lora_on_packed_layers_trains_like_plain(checkpoints, tmp_path, others, lora):
     directory = checkpoints[("llama", False, torch.bfloat16)]
-    targets = ["q_proj", "v_proj", "o_proj", "down_proj", "lm_head"]
-
-    def lora(model: Any) -> Any:
-        torch.manual_seed(0)
-        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
-        return peft.get_peft_model(model, config)
 
     plain = lora(_load(directory, others or None))  # the same model without linear_kernels
     fused = lora(_load(directory, {**others, "linear_kernels": {"exact": True}}))
