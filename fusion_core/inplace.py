@@ -187,7 +187,9 @@ def unfuse(model: ModelT) -> ModelT:
         if reason is not None:
             raise FusionError(reason)
     with LOAD_LOCK:
-        for _, module in fused:
+        # Innermost first: a fused module inside another (a merged container that linear_kernels packs, inside
+        # the attention qkv fused) is back in its original layout before its parent reads its tensors.
+        for _, module in reversed(fused):
             unfuse_instance(module)
     mark_unfused(model)
     return model

@@ -141,8 +141,15 @@ class MergedLinear:
         return bias
 
     def rows(self, tensor: torch.Tensor, index: int) -> torch.Tensor:
-        """Rows of part ``index`` of a merged weight or bias: a view, no copy."""
+        """Rows of part ``index`` of a merged weight or bias: a view, no copy.
+
+        A weight held in an opaque runtime layout (not strided: ``linear_kernels`` packs a merged container's
+        weight for oneDNN, and the container then runs the merged GEMM itself) has no rows to view: its rows
+        come from a dense copy, for code that reads ``q_proj.weight``; writing to them changes nothing.
+        """
         start, stop = self.bounds[index]
+        if tensor.layout != torch.strided:
+            tensor = tensor.to_dense()
         return row_slice(tensor, start, stop)
 
     def part(self, tensor: torch.Tensor | None, index: int) -> torch.Tensor | None:

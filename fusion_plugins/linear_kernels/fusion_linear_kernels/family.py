@@ -17,8 +17,11 @@ numerical bound of ``F.linear`` (:mod:`fusion_linear_kernels.tolerance`), or bit
   weights run ``F.linear``; under ``torch.compile`` the forward is ``F.linear`` itself.
 
 The merged projections of ``qkv`` and ``gate_up`` (:class:`fusion_core.merged.MergedLinear`) get the
-same choice through their ``kernel`` extension point, set by this plugin's
-``fusion_convert_loaded`` hook when both families are enabled (:mod:`fusion_linear_kernels.plugin`).
+same two mechanisms, set by this plugin's ``fusion_convert_loaded`` hook when both families are enabled
+(:mod:`fusion_linear_kernels.plugin`): where the merged weight packs, its container (``qkv_proj``, a
+:class:`~fusion_core.merged.MergedProjection`) is fused by this family as a layer of its own
+(:func:`merged_packing_plan`), nested in the merging family's module, and runs the merged GEMM packed;
+elsewhere the ``kernel`` extension point gets the kernel choice.
 """
 
 from __future__ import annotations
@@ -32,12 +35,12 @@ from pydantic import Field
 from torch import nn
 from torch.nn import functional as F
 
-from fusion_core.merged import LinearKernel, is_plain_linear
+from fusion_core.merged import LinearKernel, MergedProjection, is_plain_linear
 from fusion_core.spec import FamilyOptions, FusedModule, FusionFamily, fused_subclass
 from fusion_core.transforms import ModulePlan, WeightTransform, attached_plan, bind_transforms
 from fusion_linear_kernels import packing
 from fusion_linear_kernels.choice import linear, linear_exact, linear_within_bound
-from fusion_linear_kernels.packing import PrepackLinearWeight, is_packed, unpack
+from fusion_linear_kernels.packing import PrepackLinearWeight, is_packed, packs, unpack
 
 #: Set in a pickled (or deep-copied) fused module's state: the parameters it holds packed, pickled dense.
 _PACKED_STATE = "_fusion_linear_kernels_packed"
@@ -207,3 +210,31 @@ def packing_plan(module: nn.Module, plan: ModulePlan) -> ModulePlan:
     bound = bind_transforms(plan.family, plan.path, shapes,
                             [WeightTransform(("weight",), ("weight",), PrepackLinearWeight(exact=exact))])
     return dataclasses.replace(plan, transforms=bound)
+
+
+def merged_packing_plan(parent: ModulePlan, name: str, container: nn.Module, exact: bool) -> ModulePlan | None:
+    """The plan that holds a merged container's weight packed (``parent``'s ``name`` child, a
+    :class:`~fusion_core.merged.MergedProjection` that ``qkv`` or ``gate_up`` built), or None where it stays as it is.
+
+    Fusing it with this plan makes the container a ``linear_kernels`` layer nested in the merging family's module:
+    its weight ``->`` the packed weight (the same transform as every other layer's), so ``state_dict``, saves and
+    ``unfuse`` see the dense merged weight first and the merging family then splits it into the original parts.
+    Left alone: a container that is not fusion-core's own (a quantizer replaced it), a weight that does not pack
+    (:func:`~fusion_linear_kernels.packing.packs`: ineligible, not measured faster, not within the bound), and in
+    exact mode a container with a bias.
+    """
+    weight = container._parameters.get("weight")
+    if type(container) is not MergedProjection or not isinstance(weight, nn.Parameter):
+        return None
+    if exact and container._parameters.get("bias") is not None:
+        return None
+    if not packs(weight.detach(), exact):
+        return None
+    path = f"{parent.path}.{name}" if parent.path else name
+    leaves = tuple(leaf for leaf, tensor in container._parameters.items() if tensor is not None)
+    shapes = {leaf: tuple(container._parameters[leaf].shape) for leaf in leaves}  # type: ignore[union-attr]
+    fused_class = fused_subclass(ExactLinearKernelsMixin if exact else LinearKernelsMixin, MergedProjection)
+    transforms = bind_transforms(LinearKernelsFamily.name, path, shapes,
+                                 [WeightTransform(("weight",), ("weight",), PrepackLinearWeight(exact=exact))])
+    return ModulePlan(family=LinearKernelsFamily.name, path=path, original_class=MergedProjection,
+                      fused_class=fused_class, transforms=transforms, original_leaves=leaves)

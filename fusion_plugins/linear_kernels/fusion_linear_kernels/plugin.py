@@ -11,9 +11,11 @@ Besides the family, one lifecycle hook, a wrapper around the conversion of a loa
   of the table and untie it; it keeps the dense, shared weight and the measured kernel choice. The
   wrapper replaces plans, so it declares ``tryfirst=True``;
 - after it, the merged projections of the other families (``qkv``, ``gate_up``:
-  :class:`fusion_core.merged.MergedLinear`) get the same kernel choice as the plain layers, through
-  their ``kernel`` extension point, in the mode the ``linear_kernels`` modules of that load were
-  fused with (their merged weight stays dense: it belongs to the merging family's plan).
+  :class:`fusion_core.merged.MergedLinear`) get what the plain layers get, in the mode the
+  ``linear_kernels`` modules of that load were fused with: a merged container whose weight packs is
+  fused as a ``linear_kernels`` layer of its own, nested in the merging family's module
+  (:func:`pack_merged`), and runs the merged GEMM packed; the others get the kernel choice through
+  their ``kernel`` extension point.
 
 Without ``linear_kernels`` in the load nothing is touched. Two more hooks: ``fusion_module_fused`` records in
 each fused layer whether its weight is packed (traced code reads that flag: a fake tensor shows no layout), and
@@ -33,10 +35,17 @@ from torch import nn
 
 from fusion_core.errors import SaveError
 from fusion_core.hookspecs import hookimpl
-from fusion_core.layout import presenting_fused
+from fusion_core.layout import fuse_instance, presenting_fused
 from fusion_core.merged import MergedLinear
 from fusion_core.transforms import ModulePlan
-from fusion_linear_kernels.family import PACKED_FLAG, LinearKernelsFamily, LinearKernelsMixin, kernel, packing_plan
+from fusion_linear_kernels.family import (
+    PACKED_FLAG,
+    LinearKernelsFamily,
+    LinearKernelsMixin,
+    kernel,
+    merged_packing_plan,
+    packing_plan,
+)
 
 
 @hookimpl
@@ -55,21 +64,46 @@ def fusion_convert_loaded(
         return result
     modes = {module.exact for module, _ in built if isinstance(module, LinearKernelsMixin)}
     if len(modes) == 1:
-        chosen = kernel(modes.pop())
-        for module, _ in built:
+        exact = modes.pop()
+        chosen = kernel(exact)
+        shared = _shared_parameters(model)
+        verified: set[tuple[object, ...]] = set()
+        for module, plan in built:
             merged = module.__dict__.get("_fusion_merged")
             if isinstance(merged, MergedLinear):
                 merged.kernel = chosen
+                pack_merged(module, plan, merged, exact, shared, verified)
     return result
+
+
+def pack_merged(parent: nn.Module, plan: ModulePlan, merged: MergedLinear, exact: bool, shared: set[int],
+                verified: set[tuple[object, ...]]) -> None:
+    """Fuse the merged container of ``parent`` as a packed ``linear_kernels`` layer where its weight packs
+    (:func:`fusion_linear_kernels.family.merged_packing_plan`); the merged projection then calls the container, which
+    runs the merged GEMM packed, and slices its output."""
+    owner = merged.owner
+    name = next((child for child, module in parent._modules.items() if module is owner), None)
+    weight = owner._parameters.get("weight")
+    if name is None or weight is None or id(weight) in shared:
+        return
+    container_plan = merged_packing_plan(plan, name, owner, exact)
+    if container_plan is not None:
+        fuse_instance(owner, container_plan, verified)
+
+
+def _shared_parameters(model: nn.Module) -> set[int]:
+    """The ids of parameters that more than one module holds (tied weights): never packed."""
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return {key for key, count in uses.items() if count > 1}
 
 
 def bind_packing(model: nn.Module, built: MutableSequence[tuple[nn.Module, ModulePlan]]) -> None:
     """Bind the packing transform to the plan of each ``linear_kernels`` layer whose weight no other module shares
     (a tied LM head keeps its plan without it): see the module docs."""
-    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    shared = _shared_parameters(model)
     for index, (module, plan) in enumerate(built):
         weight = module._parameters.get("weight") if plan.family == LinearKernelsFamily.name else None
-        if weight is not None and uses[id(weight)] == 1:
+        if weight is not None and id(weight) not in shared:
             built[index] = (module, packing_plan(module, plan))
 
 

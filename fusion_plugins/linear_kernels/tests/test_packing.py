@@ -191,8 +191,12 @@ def _packed_layers(model: Any) -> dict[str, bool]:
     return {path: m.packed for path, m in model.named_modules() if isinstance(m, LinearKernelsMixin)}
 
 
-def _assert_packed_where_expected(model: Any, tied: bool, exact: bool) -> None:
+def _assert_packed_where_expected(model: Any, tied: bool, exact: bool, merged: bool = False) -> None:
     layers = _packed_layers(model)
+    containers = {path for path in layers if path.endswith(("qkv_proj", "gate_up_proj"))}
+    # the merged containers of qkv / gate_up are packed layers of their own; exact mode leaves one with a bias alone
+    assert containers == ({p for p, m in model.named_modules() if type(m).__name__ == "MergedProjection" and not (
+        exact and m.bias is not None)} if merged else set()), containers
     biased = {path for path, m in model.named_modules() if isinstance(m, LinearKernelsMixin) and m.bias is not None}
     assert layers and all(packed is not (exact and path in biased) for path, packed in layers.items()
                           if path != "lm_head"), layers  # exact mode leaves layers with a bias dense
@@ -206,7 +210,7 @@ def test_exact_mode_decodes_bit_identically(checkpoints, case, others):
     directory = checkpoints[case]
     reference = _load(directory, others or None)
     fused = _load(directory, {**others, "linear_kernels": {"exact": True}})
-    _assert_packed_where_expected(fused, case[1], exact=True)
+    _assert_packed_where_expected(fused, case[1], exact=True, merged=bool(others))
     tokens, logits = _decode(fused)
     expected_tokens, expected_logits = _decode(reference)
     assert torch.equal(tokens, expected_tokens)
@@ -231,7 +235,8 @@ def test_float32_default_mode_packs_within_the_bound(checkpoints):
 def test_saved_checkpoint_is_the_source_byte_for_byte(checkpoints, tmp_path, case):
     directory = checkpoints[case]
     fused = _load(directory, {**MERGED, "linear_kernels": True})
-    assert any(_packed_layers(fused).values())
+    _assert_packed_where_expected(fused, case[1], exact=False, merged=True)
+    _decode(fused)
     fusion_core.save_pretrained(fused, tmp_path / "saved")
     assert (tmp_path / "saved" / "model.safetensors").read_bytes() == (directory / "model.safetensors").read_bytes()
     fused.save_pretrained(tmp_path / "method")  # the model's own save_pretrained presents the original layout too
@@ -264,27 +269,30 @@ def test_state_dict_load_unfuse_pickle_copy_and_to(checkpoints):
     directory = checkpoints[("qwen2", True, torch.bfloat16)]
     plain = _load(directory, None)
     fused = _load(directory, {**MERGED, "linear_kernels": {"exact": True}})
+    assert fused.model.layers[0].mlp.gate_up_proj.packed  # qkv_proj has a bias: exact mode leaves it dense
     want = plain.state_dict()
     got = fused.state_dict()
     assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert not any(t.is_mkldnn for t in got.values())
     expected = _decode(plain)
     for other in (pickle.loads(pickle.dumps(fused)), copy.deepcopy(fused)):
-        assert other.model.layers[0].mlp.down_proj.packed
+        assert other.model.layers[0].mlp.down_proj.packed and other.model.layers[0].mlp.gate_up_proj.packed
         assert other.lm_head.weight is other.model.embed_tokens.weight
         assert torch.equal(_decode(other)[0], expected[0]) and torch.equal(_decode(other)[1][-1], expected[1][-1])
     fused.load_state_dict(want)  # the original layout is accepted and packed again
+    assert fused.model.layers[1].mlp.gate_up_proj.packed
     assert fused.model.layers[1].self_attn.o_proj.packed and torch.equal(_decode(fused)[1][-1], expected[1][-1])
     # .to(float32): unpacked, converted, packed again where float32 may be (the plain model, converted the same way)
     as_float = copy.deepcopy(fused).to(torch.float32)
     assert as_float.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    assert as_float.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float32
     plain_float = copy.deepcopy(plain).to(torch.float32)
     with torch.no_grad():
         got_logits, want_logits = as_float(IDS).logits, plain_float(IDS).logits
     assert torch.allclose(got_logits, want_logits, atol=1e-4 * (float(want_logits.abs().max()) + 1))
-    fusion_core.unfuse(fused)
+    fusion_core.unfuse(fused)  # the packed containers first, then the merges they sit in
     assert not any(isinstance(m, LinearKernelsMixin) for m in fused.modules())
-    assert type(fused.model.layers[0].mlp.down_proj) is nn.Linear
+    assert type(fused.model.layers[0].mlp.down_proj) is nn.Linear and type(fused.model.layers[0].mlp.up_proj) is nn.Linear
     got = fused.state_dict()
     assert list(got) == list(want) and all(torch.equal(got[k].view(torch.int16), want[k].view(torch.int16))
                                            for k in want)
@@ -310,6 +318,8 @@ def test_lora_on_packed_layers_trains_like_plain(checkpoints, tmp_path, others, 
     fused = lora(_load(directory, {**others, "linear_kernels": {"exact": True}}))
     o_proj = fused.base_model.model.model.layers[0].self_attn.o_proj
     assert isinstance(o_proj.base_layer, LinearKernelsMixin) and o_proj.base_layer.packed
+    if others:  # LoRA on q_proj / v_proj, slices of a packed merged container
+        assert fused.base_model.model.model.layers[0].self_attn.qkv_proj.packed
     plain.train()
     fused.train()
     ids = IDS
@@ -327,10 +337,12 @@ def test_lora_on_packed_layers_trains_like_plain(checkpoints, tmp_path, others, 
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_compiles_with_fullgraph_through_the_packed_operator(checkpoints, backend):
+@pytest.mark.parametrize("others", [{}, MERGED], ids=["alone", "with-qkv-gate_up"])
+def test_compiles_with_fullgraph_through_the_packed_operator(checkpoints, backend, others):
     directory = checkpoints[("llama", False, torch.bfloat16)]
-    fused = _load(directory, {"linear_kernels": {"exact": True}})
+    fused = _load(directory, {**others, "linear_kernels": {"exact": True}})
     assert fused.model.layers[0].mlp.down_proj.packed
+    assert not others or fused.model.layers[0].self_attn.qkv_proj.packed
     torch._dynamo.reset()
     compiled = torch.compile(fused, fullgraph=True, backend=backend)  # a graph break raises here
     with torch.no_grad():
