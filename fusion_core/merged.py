@@ -30,7 +30,9 @@ the faster runs (a wide GEMM is not always faster than the narrow ones it replac
 (``linear(x, weight[rows], bias[rows])``): the input-identity cache is Python state that dynamo
 would have to guard and break on, while the per-slice GEMM traces into the graph like the
 original ``nn.Linear`` did, so a fused model compiles with ``fullgraph=True`` and the same
-graph breaks as the unfused one.
+graph breaks as the unfused one. A container with no rows to run per part (replaced by a
+quantizer's module, or holding its weight in an opaque packed layout) runs the merged GEMM once for
+the siblings reading one traced input (:meth:`MergedLinear._traced_through`).
 
 **One place for the split.** The part sizes live in :attr:`MergedLinear.sizes` (and the row
 ranges derived from them in :attr:`MergedLinear.bounds`), nothing else hard-codes them, and the
@@ -95,6 +97,8 @@ class MergedLinear:
     that replace the parameters are seen at once.
     """
 
+    _traced: tuple[torch.Tensor, list[torch.Tensor], int] | None = None
+    """:meth:`_traced_through`'s cache (input, columns, parts still owed), set only while tracing."""
     kernel: LinearKernel | None = None
     """The extension point for the eager GEMMs of a plain container: None runs ``F.linear``; a family that picks
     faster kernels (``linear_kernels``) sets a picklable callable computing the same projection. Never called
@@ -163,8 +167,7 @@ class MergedLinear:
             # Traced code gets the original projection's own GEMM: no Python state to guard on (a
             # container a quantizer replaced is called as the module it now is).
             if type(owner) is not MergedProjection:
-                start, stop = self.bounds[index]
-                return cast(torch.Tensor, owner(input)).narrow(-1, start, stop - start)
+                return self._traced_through(owner, index, input)
             return F.linear(input, self.rows(self.weight, index), self.part(self.bias, index))
         if not _runs_plain(owner):
             return self._through(owner, index, input)
@@ -220,6 +223,27 @@ class MergedLinear:
         self._cache = [input, _version(input), torch.is_grad_enabled(), columns, pending] if pending else None
         return columns[index]
 
+    def _traced_through(self, owner: nn.Module, index: int, input: torch.Tensor) -> torch.Tensor:
+        """:meth:`_through` as traced code: a replaced container runs the merged GEMM once for the siblings that read
+        the same traced input, and its columns answer them.
+
+        Such a container has no rows to run per part (a quantizer's module, a weight in an opaque packed layout), so
+        without this each sibling would run the whole merged GEMM, and nothing in the compiled graph merges identical
+        calls of an opaque kernel. The cache holds traced tensors within one traced forward only (dynamo replays the
+        attribute writes; the last sibling empties it); unlike :meth:`_through`, it cannot see an in-place write to
+        the input between two siblings, which no attention or MLP forward makes."""
+        cache = self._traced
+        if cache is not None and cache[0] is input and (cache[2] >> index) & 1:
+            pending = cache[2] & ~(1 << index)
+            self._traced = (input, cache[1], pending) if pending else None
+            cached: torch.Tensor = cache[1][index]
+            return cached
+        output = cast(torch.Tensor, owner(input))
+        columns = [output.narrow(-1, start, stop - start) for start, stop in self.bounds]
+        pending = self._all & ~(1 << index)
+        self._traced = (input, columns, pending) if pending else None
+        return columns[index]
+
     def _merge_pays(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether this call runs the merged GEMM (:mod:`fusion_core.merge_policy`); kinds memoised by shape."""
         key = (input.shape, input.dtype, input.device)
@@ -236,7 +260,7 @@ class MergedLinear:
 
     def __getstate__(self) -> dict[str, Any]:
         # A cached output is transient: copies and pickles never carry one.
-        return {**self.__dict__, "_cache": None, "_kinds": {}}
+        return {**self.__dict__, "_cache": None, "_traced": None, "_kinds": {}}
 
 
 def _runs_plain(owner: nn.Module) -> bool:

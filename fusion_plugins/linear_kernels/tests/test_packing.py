@@ -351,6 +351,25 @@ def test_compiles_with_fullgraph_through_the_packed_operator(checkpoints, backen
     assert torch.equal(got, expected)
 
 
+def test_inductor_runs_a_packed_merged_projection_once_per_layer(checkpoints):
+    """Under torch.compile the siblings of a packed container share one merged GEMM (no per-part rows exist, and
+    the compiled graph would not merge identical calls of the opaque kernel)."""
+    from torch._inductor.utils import run_and_get_code
+
+    directory = checkpoints[("llama", False, torch.bfloat16)]
+    fused = _load(directory, {**MERGED, "linear_kernels": {"exact": True}})
+    layers = len(fused.model.layers)
+    packed = [p for p, m in fused.named_modules() if isinstance(m, LinearKernelsMixin) and m.packed]
+    assert len(packed) == 4 * layers + 1  # qkv_proj, o_proj, gate_up_proj, down_proj; the untied head
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, fullgraph=True)
+    with torch.no_grad():
+        got, codes = run_and_get_code(compiled, input_ids=IDS[:, :1])
+        expected = fused(input_ids=IDS[:, :1]).logits
+    assert sum(code.count("packed_linear.default(") for code in codes) == len(packed)
+    assert torch.allclose(got.logits, expected, atol=kit.TOLERANCES[torch.bfloat16] * (float(expected.abs().max()) + 1))
+
+
 def test_inductor_compiles_a_packed_layer():
     original = _linear(96, 64, torch.bfloat16, bias=False)
     fused = _fuse_layer(original, exact=True)
