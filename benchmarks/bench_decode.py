@@ -16,6 +16,7 @@ the merged-only model. The last tables list the kernel ``linear_kernels`` chose 
 weight, and which weight kinds it holds prepacked (oneDNN's layout) with the timings that decided it.
 
     python benchmarks/bench_decode.py --model qwen2-0.5b --dtype bf16 --rounds 5
+    python benchmarks/bench_decode.py --compile --contenders plain,linear_kernels,qkv+gate_up+linear_kernels
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prefill", type=int, default=256)
+    parser.add_argument("--compile", action="store_true",
+                        help="model.forward = torch.compile(model.forward) for every contender (Inductor)")
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, from: "
                         + ", ".join(CONTENDERS))
     args = parser.parse_args(argv)
@@ -138,6 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     plain = models["plain"]
     per_token = bytes_per_token(plain)
     bandwidth = read_bandwidth(plain)
+    if args.compile:
+        for model in models.values():
+            model.forward = torch.compile(model.forward)
     floor_ms = per_token / max(bandwidth.values()) * 1e3
 
     generator = torch.Generator().manual_seed(0)
@@ -157,10 +163,11 @@ def main(argv: list[str] | None = None) -> None:
         calls[name] = call
     samples, first = paired_rounds(calls, args.rounds, warmup=2)
 
+    mode = "compiled" if args.compile else "eager"
     table = Table(f"Decode and prefill, {args.model} ({args.layers or MODELS[args.model][2]} layers), {args.dtype}, "
-                  "eager, batch 1", ["contender", "decode ms/token", "x floor", "decode vs plain",
-                                     "decode vs qkv+gate_up", f"prefill {args.prefill} ms", "prefill vs plain",
-                                     "same tokens"])
+                  f"{mode}, batch 1", ["contender", "decode ms/token", "x floor", "decode vs plain",
+                                       "decode vs qkv+gate_up", f"prefill {args.prefill} ms", "prefill vs plain",
+                                       "same tokens"])
     for name in names:
         decode = Summary.of([s["decode"] for s in samples[name]])
         prefill = Summary.of([s["prefill"] for s in samples[name]])
