@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from bench_common import Summary, Table, machine_info
-from bench_e2e import generate_call, load, paired_rounds, prefill_call
+from bench_e2e import allow_recompiles, compile_forward, generate_call, load, paired_rounds, prefill_call
 from bench_models import QWEN2_05B, build_checkpoint
 from torch import nn
 
@@ -37,9 +37,14 @@ from torch import nn
 LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
                    head_dim=64, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=8192,
                    rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001)
+#: OLMoE-1B-7B's geometry (64 experts, 8 routed per token, MLP 1024 per expert, vocabulary 50304, untied).
+OLMOE_1B_7B = dict(hidden_size=2048, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=16,
+                   num_experts=64, num_experts_per_tok=8, vocab_size=50304, max_position_embeddings=4096,
+                   tie_word_embeddings=False)
 MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
     "qwen2-0.5b": ("Qwen2Config", QWEN2_05B, 24),
     "llama-3.2-1b": ("LlamaConfig", LLAMA_32_1B, 16),
+    "olmoe-1b-7b": ("OlmoeConfig", OLMOE_1B_7B, 16),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CONTENDERS: dict[str, str | None] = {
@@ -60,18 +65,21 @@ def config_of(model: str, layers: int | None) -> Any:
 
 def bytes_per_token(model: nn.Module) -> int:
     """Bytes of the parameters one decode step reads: each tensor once (tied ones once), the embedding table
-    only where it is the LM head too (otherwise a step reads one row of it)."""
+    only where it is the LM head too (otherwise a step reads one row of it), and of a mixture of experts only
+    the routed share (``num_experts_per_tok`` of ``num_experts``: stacked 3-D experts, or per-expert layers)."""
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is embedding
+    experts, routed = getattr(model.config, "num_experts", None), getattr(model.config, "num_experts_per_tok", None)
     seen: set[int] = set()
-    total = 0
-    for param in model.parameters():
+    total = 0.0
+    for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen or (param is embedding and not tied):
             continue
         seen.add(id(param))
-        total += param.numel() * param.element_size()
-    return total
+        share = routed / experts if experts and routed and (param.dim() == 3 or ".experts." in name) else 1.0
+        total += param.numel() * param.element_size() * share
+    return int(total)
 
 
 def read_bandwidth(model: nn.Module, rounds: int = 3) -> dict[str, float]:
@@ -137,13 +145,18 @@ def main(argv: list[str] | None = None) -> None:
     path = build_checkpoint(config_of(args.model, args.layers), "AutoModelForCausalLM",
                             f"decode-{args.model}-{args.layers or 'all'}", log)
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
-    models = {name: own_memory(load("AutoModelForCausalLM", path, CONTENDERS[name], dtype, "cpu")) for name in names}
+    # A name that is no contender above is a "+"-joined list of families (moe_experts, moe_experts+linear_kernels).
+    models = {name: own_memory(load("AutoModelForCausalLM", path, CONTENDERS.get(name, name), dtype, "cpu"))
+              for name in names}
     plain = models["plain"]
     per_token = bytes_per_token(plain)
     bandwidth = read_bandwidth(plain)
     if args.compile:
+        # Every contender compiles the same forward code: past dynamo's recompile limit a later contender would
+        # silently run eager (measured: the third one did).
+        allow_recompiles()
         for model in models.values():
-            model.forward = torch.compile(model.forward)
+            compile_forward(model, "inductor")
     floor_ms = per_token / max(bandwidth.values()) * 1e3
 
     generator = torch.Generator().manual_seed(0)

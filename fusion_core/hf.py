@@ -34,6 +34,7 @@ from typing import Any
 
 from torch import nn
 
+from fusion_core import streaming
 from fusion_core.checkpoint import check_checkpoint, planned_tensors, read_checkpoint_index
 from fusion_core.compat import transformers as compat
 from fusion_core.config import FusionConfig, parse_fusion_config
@@ -270,30 +271,36 @@ def _convert_built(
     """Bring every loaded fused instance into its fused layout and let it finalize; errors name the family."""
     verified: set[tuple[object, ...]] = set()
     files = MappedFiles.snapshot() if not fused_dir else None
-    for module, plan in built:
-        source = sources[plan.family]
-        try:
-            if not fused_dir:
-                unloaded = _meta_tensors(module)
-                if unloaded:
-                    raise FusionLoadError(
-                        f"family {plan.family!r}, module {plan.path!r}: tensors {unloaded} are on the meta device "
-                        "after loading (offloaded to disk?); fused modules must be loaded onto a real device"
-                    )
-            fuse_instance(module, plan, verified, convert=not fused_dir, files=files)
-        except FusionLoadError as exc:
-            raise FusionLoadError(f"{exc} [{source}]") from None
-        except Exception as exc:  # the family's fusion_finalize or op, on real data
-            raise FusionLoadError(
-                f"family {plan.family!r} ({source}), module {plan.path!r}: fusing the loaded "
-                f"{plan.original_class.__qualname__} failed: {type(exc).__name__}: {exc}"
-            ) from exc
-        on_meta = _meta_tensors(module)
-        if on_meta:
-            raise FusionLoadError(
-                f"family {plan.family!r} ({source}), module {plan.path!r}: tensors {on_meta} are on the meta device "
-                "after fusing (a transformers load in another thread patched parameter registration?)"
-            )
+    with streaming.readers():
+        for module, plan in built:
+            _convert_one(module, plan, sources[plan.family], fused_dir, verified, files)
+
+
+def _convert_one(module: nn.Module, plan: ModulePlan, source: PluginSource, fused_dir: bool,
+                 verified: set[tuple[object, ...]], files: MappedFiles | None) -> None:
+    """Fuse one loaded instance (see :func:`_convert_built`)."""
+    try:
+        if not fused_dir:
+            unloaded = _meta_tensors(module)
+            if unloaded:
+                raise FusionLoadError(
+                    f"family {plan.family!r}, module {plan.path!r}: tensors {unloaded} are on the meta device "
+                    "after loading (offloaded to disk?); fused modules must be loaded onto a real device"
+                )
+        fuse_instance(module, plan, verified, convert=not fused_dir, files=files)
+    except FusionLoadError as exc:
+        raise FusionLoadError(f"{exc} [{source}]") from None
+    except Exception as exc:  # the family's fusion_finalize or op, on real data
+        raise FusionLoadError(
+            f"family {plan.family!r} ({source}), module {plan.path!r}: fusing the loaded "
+            f"{plan.original_class.__qualname__} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    on_meta = _meta_tensors(module)
+    if on_meta:
+        raise FusionLoadError(
+            f"family {plan.family!r} ({source}), module {plan.path!r}: tensors {on_meta} are on the meta device "
+            "after fusing (a transformers load in another thread patched parameter registration?)"
+        )
 
 
 def _reconcile_build(

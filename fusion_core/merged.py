@@ -118,6 +118,7 @@ class MergedLinear:
         self.own_gemms = 0
         self._all = (1 << len(self.sizes)) - 1  # a bit per part: the parts a cached output still owes
         self._cache: list[Any] | None = None
+        self._traced = None  # an instance attribute from the start: dynamo guards on whether the dict holds it
         self._kinds: dict[tuple[Any, ...], merge_policy.Kind] = {}
         self.originals: dict[str, nn.Module] = {}
         """The emptied original projection modules, by child name (what :func:`unmerge_children` restores)."""

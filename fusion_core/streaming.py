@@ -27,11 +27,13 @@ output bit for bit: the parts' bytes, in the op's order.
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 
@@ -44,6 +46,9 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 #: parts of one merge (a 5 MB q_proj, two 1 MB k/v) keep every worker busy.
 _CHUNK = 2 << 20
 _WORKERS = max(1, min(8, os.cpu_count() or 1))
+#: The reading threads of the current :func:`readers` block, if any.
+_READERS: contextvars.ContextVar[ThreadPoolExecutor | None] = contextvars.ContextVar("fusion_core_readers",
+                                                                                      default=None)
 
 
 def merge(op: TransformOp, tensors: Sequence[torch.Tensor], files: MappedFiles | None) -> torch.Tensor | None:
@@ -82,14 +87,30 @@ def merge(op: TransformOp, tensors: Sequence[torch.Tensor], files: MappedFiles |
         if len(jobs) == 1:
             _read(*jobs[0])
         elif jobs:
-            # Threads for this merge only: none outlives the load or reaches a forked child.
-            with ThreadPoolExecutor(min(_WORKERS, len(jobs)), thread_name_prefix="fusion-core-merge") as pool:
+            pool = _READERS.get()
+            if pool is not None:
                 list(pool.map(lambda job: _read(*job), jobs))
+            else:
+                with ThreadPoolExecutor(min(_WORKERS, len(jobs)), thread_name_prefix="fusion-core-merge") as own:
+                    list(own.map(lambda job: _read(*job), jobs))
     finally:
         for fd in descriptors.values():
             if fd is not None:
                 os.close(fd)
     return merged
+
+
+@contextmanager
+def readers() -> Iterator[None]:
+    """Merges in this block share one set of reading threads (a load's conversion: starting threads for each of
+    hundreds of merges costs more than some of the reads). The threads are joined when the block ends: none
+    outlives the load or reaches a forked child; outside such a block each merge starts and joins its own."""
+    with ThreadPoolExecutor(_WORKERS, thread_name_prefix="fusion-core-merge") as pool:
+        token = _READERS.set(pool)
+        try:
+            yield
+        finally:
+            _READERS.reset(token)
 
 
 def _descriptor(extent: FileExtent, opened: dict[tuple[str, int], int | None]) -> int | None:
@@ -146,4 +167,4 @@ def _read(fd: int, offset: int, address: int, length: int) -> None:
         done += count
 
 
-__all__ = ["merge"]
+__all__ = ["merge", "readers"]

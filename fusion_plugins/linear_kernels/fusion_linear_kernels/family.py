@@ -1,5 +1,6 @@
 """``linear_kernels``: every plain ``nn.Linear`` (the LM head included, tied or not) holds its weight in the
-runtime layout, and runs the kernel, measured fastest for its kind on this machine.
+runtime layout, and runs the kernel, measured fastest for its kind on this machine; transformers 5.x's experts
+modules run, at decode, the experts implementation measured fastest (:mod:`fusion_linear_kernels.experts`).
 
 Decode is bound by reading weights, and how close a GEMV gets to the memory's bandwidth depends
 on the layout the kernel reads and on the kernel: ``F.linear`` on a dense bfloat16 weight has oneDNN
@@ -38,7 +39,7 @@ from torch.nn import functional as F
 from fusion_core.merged import LinearKernel, MergedProjection, is_plain_linear
 from fusion_core.spec import FamilyOptions, FusedModule, FusionFamily, fused_subclass
 from fusion_core.transforms import ModulePlan, WeightTransform, attached_plan, bind_transforms
-from fusion_linear_kernels import packing
+from fusion_linear_kernels import experts, packing
 from fusion_linear_kernels.choice import linear, linear_exact, linear_within_bound
 from fusion_linear_kernels.packing import PrepackLinearWeight, is_packed, packs, unpack
 
@@ -161,6 +162,30 @@ class ExactLinearKernelsMixin(LinearKernelsMixin):
     exact: ClassVar[bool] = True
 
 
+class ExpertsKernelsMixin(FusedModule):
+    """The fused behaviour mixed into a transformers 5.x experts module: at decode, the experts implementation
+    measured fastest for the kind of call (:mod:`fusion_linear_kernels.experts`); no tensor moves."""
+
+    exact: ClassVar[bool] = False
+    """Take only implementations bit-identical to the configured one (the family's ``exact`` option)."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() or kwargs or len(args) != 3:
+            return super().forward(*args, **kwargs)
+        hidden_states, top_k_index, top_k_weights = args
+        return experts.run(self, hidden_states, top_k_index, top_k_weights, self.exact, super().forward)
+
+    def extra_repr(self) -> str:
+        mode = "exact" if self.exact else "within bound"
+        return f"{super().extra_repr()}, experts implementation at decode: measured ({mode})".lstrip(", ")
+
+
+class ExactExpertsKernelsMixin(ExpertsKernelsMixin):
+    """:class:`ExpertsKernelsMixin` taking only implementations bit-identical to the configured one."""
+
+    exact: ClassVar[bool] = True
+
+
 def kernel(exact: bool) -> LinearKernel:
     """The picklable ``kernel(input, weight, bias)`` of a mode, for :attr:`fusion_core.merged.MergedLinear.kernel`."""
     return linear_exact if exact else linear_within_bound
@@ -185,13 +210,17 @@ class LinearKernelsFamily(FusionFamily[LinearKernelsOptions]):
     target_modules_patterns = ()
 
     def is_fusable(self, module: nn.Module, options: LinearKernelsOptions) -> bool:
-        return isinstance(module, nn.Linear) and is_plain_linear(module)
+        return (isinstance(module, nn.Linear) and is_plain_linear(module)) or experts.is_experts(module)
 
     def refusal(self, module: nn.Module, options: LinearKernelsOptions) -> str | None:
         return refusal(module)
 
     def make_fused_class(self, original_cls: type[nn.Module], options: LinearKernelsOptions) -> type[nn.Module]:
-        return fused_subclass(ExactLinearKernelsMixin if options.exact else LinearKernelsMixin, original_cls)
+        if issubclass(original_cls, nn.Linear):
+            mixin: type = ExactLinearKernelsMixin if options.exact else LinearKernelsMixin
+        else:
+            mixin = ExactExpertsKernelsMixin if options.exact else ExpertsKernelsMixin
+        return fused_subclass(mixin, original_cls)
 
     # No make_transforms: discovery plans these layers without moving a tensor, so a layer whose weight an
     # enclosing family merges (q_proj under qkv) is left to that family (FusionPlan.nested); the packing

@@ -292,7 +292,8 @@ def test_state_dict_load_unfuse_pickle_copy_and_to(checkpoints):
     assert torch.allclose(got_logits, want_logits, atol=1e-4 * (float(want_logits.abs().max()) + 1))
     fusion_core.unfuse(fused)  # the packed containers first, then the merges they sit in
     assert not any(isinstance(m, LinearKernelsMixin) for m in fused.modules())
-    assert type(fused.model.layers[0].mlp.down_proj) is nn.Linear and type(fused.model.layers[0].mlp.up_proj) is nn.Linear
+    mlp = fused.model.layers[0].mlp
+    assert type(mlp.down_proj) is nn.Linear and type(mlp.up_proj) is nn.Linear
     got = fused.state_dict()
     assert list(got) == list(want) and all(torch.equal(got[k].view(torch.int16), want[k].view(torch.int16))
                                            for k in want)

@@ -1,0 +1,181 @@
+"""transformers 5.x's experts modules at decode: the experts implementation measured fastest for each kind of call.
+
+5.x holds the experts of a mixture-of-experts block as one module with stacked 3-D weights
+(``gate_up_proj``, ``down_proj``) whose class transformers decorates with
+``use_experts_implementation``: its ``forward`` dispatches to ``config._experts_implementation``
+through transformers' experts interface (``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``),
+``grouped_mm`` by default, ``"eager"`` being the class's own loop over the routed experts. At a
+decode step the default is not the fastest on a CPU: torch's CPU ``grouped_mm`` runs one ``mm`` per
+expert, routed or not, where the class's loop touches only the routed experts' weights (measured at
+OLMoE widths, one row: 22.8 -> 17.5 ms a layer with the weights in DRAM; at 4 rows the loop was slower).
+
+So the fused experts module (:class:`fusion_linear_kernels.family.ExpertsKernelsMixin`) chooses, per
+*kind* of call (device, dtype, weight shapes, rows, routed experts per token, the configured
+implementation, the mode), among transformers' own implementations, :data:`CANDIDATES` that this
+transformers registers: the first call of a kind runs each on its real input, admits those whose
+output stands for the configured implementation's (bit-identical in exact mode; within
+:func:`admission_bound` otherwise), times the admitted ones with fusion-core's timer and keeps the
+fastest (the configured one unless another is more than 2% faster). No weight moves: the module's
+tensors, ``state_dict`` and checkpoint are the original ones.
+
+The configured implementation runs unchanged for more than :data:`~fusion_linear_kernels.choice.MAX_ROWS`
+rows (prefill), with autograd recording, on other devices, for tensor subclasses (a quantizer's
+experts), for other call signatures, and under ``torch.compile`` (the traced code is the original's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusion_core.merge_policy import best_times
+from fusion_linear_kernels.choice import MAX_ROWS
+from fusion_linear_kernels.tolerance import admitted
+
+CANDIDATES = ("eager", "grouped_mm", "batched_mm")
+"""transformers' experts implementations tried, where this transformers registers them (``eager``: the class's loop)."""
+
+#: Another implementation is taken only when it measured faster than the configured one by more than this factor.
+_TIE = 1.02
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+ExpertsKind = tuple[str, torch.dtype, tuple[tuple[int, ...], ...], int, int, str, bool]
+"""(device, dtype, the 3-D weights' shapes, rows, routed experts per row, configured implementation, exact)."""
+_DECISIONS: dict[ExpertsKind, str] = {}
+
+ExpertsForward = Callable[..., torch.Tensor]
+
+
+def _interface() -> Any:
+    """transformers' experts interface, or None on a release without one (4.57)."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:
+        return None
+    return ALL_EXPERTS_FUNCTIONS
+
+
+def original_forward(cls: type) -> ExpertsForward | None:
+    """The experts class's own forward (the ``"eager"`` implementation) under transformers'
+    ``use_experts_implementation`` dispatcher; None for a class without that dispatcher."""
+    for klass in cls.__mro__:  # past a fused subclass's own forward
+        forward = klass.__dict__.get("forward")
+        # The dispatcher copies the wrapped forward's names (functools.wraps), not its code object's.
+        if "use_experts_implementation" in getattr(getattr(forward, "__code__", None), "co_qualname", ""):
+            wrapped: ExpertsForward | None = getattr(forward, "__wrapped__", None)
+            return wrapped
+    return None
+
+
+def is_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is a 5.x experts module dispatching through transformers' experts interface."""
+    config = getattr(module, "config", None)
+    return (_interface() is not None and original_forward(type(module)) is not None
+            and isinstance(getattr(config, "_experts_implementation", None), str) and hasattr(module, "has_gate")
+            and any(p.dim() == 3 for p in module.parameters(recurse=False)))
+
+
+def implementation(module: nn.Module, name: str) -> ExpertsForward:
+    """transformers' experts implementation ``name`` for ``module``'s class (``"eager"``: its own forward)."""
+    original = original_forward(type(module))
+    if original is None:
+        raise TypeError(f"{type(module).__qualname__} does not dispatch through transformers' experts interface")
+    chosen: ExpertsForward = _interface().get_interface(name, original)
+    return chosen
+
+
+def available() -> tuple[str, ...]:
+    """The :data:`CANDIDATES` this transformers registers (``eager`` always)."""
+    interface = _interface()
+    return tuple(name for name in CANDIDATES if name == "eager" or (interface is not None and name in interface))
+
+
+def applies(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> bool:
+    """Whether this call chooses (see the module docs for when the configured implementation runs as it is)."""
+    weights = [p for p in module.parameters(recurse=False)]
+    if not weights or type(hidden_states) not in _PLAIN or any(type(w) not in _PLAIN for w in weights):
+        return False
+    if hidden_states.device.type != "cpu" or any(w.device.type != "cpu" or w.dtype != hidden_states.dtype
+                                                 for w in weights):
+        return False
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or any(w.requires_grad for w in weights)):
+        return False
+    rows = hidden_states.numel() // max(int(hidden_states.shape[-1]), 1)
+    return hidden_states.dim() == 2 and top_k_index.dim() == 2 and 0 < rows <= MAX_ROWS
+
+
+def kind_of(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, exact: bool) -> ExpertsKind:
+    """The kind a call's decision is filed under."""
+    shapes = tuple(tuple(p.shape) for p in module.parameters(recurse=False))
+    configured = str(module.config._experts_implementation)  # type: ignore[union-attr]
+    return (str(hidden_states.device), hidden_states.dtype, shapes, int(hidden_states.shape[0]),
+            int(top_k_index.shape[-1]), configured, exact)
+
+
+def admission_bound(reference: torch.Tensor, top_k: int) -> float:
+    """How far another implementation's output may be from the configured one's.
+
+    Both run the same per-expert products in the same dtype; they differ in where intermediate results
+    are rounded to the dtype (each expert's projections and gate) and in the order the ``top_k`` weighted
+    expert outputs are summed, each step at most a unit in the last place of its value. Bounded by
+    ``2 (top_k + 1) eps(dtype) max|r|``: a cancellation that makes ``max|r|`` small against the expert
+    outputs makes the bound stricter, so an implementation is refused, never wrongly taken.
+    """
+    return 2 * (top_k + 1) * torch.finfo(reference.dtype).eps * float(reference.abs().max())
+
+
+def run(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+        exact: bool, configured: ExpertsForward) -> torch.Tensor:
+    """The experts' output, by the implementation chosen for this kind of call (``configured`` is the module's
+    dispatching forward, bound)."""
+    if not applies(module, hidden_states, top_k_index):
+        return configured(hidden_states, top_k_index, top_k_weights)
+    kind = kind_of(module, hidden_states, top_k_index, exact)
+    name = _DECISIONS.get(kind)
+    if name is None:
+        name = _DECISIONS[kind] = choose(module, hidden_states, top_k_index, top_k_weights, exact)
+    if name == kind[5]:
+        return configured(hidden_states, top_k_index, top_k_weights)
+    return implementation(module, name)(module, hidden_states, top_k_index, top_k_weights)
+
+
+def choose(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+           exact: bool) -> str:
+    """The fastest admitted implementation for this input (the configured one unless another beats it by 2%)."""
+    configured = str(module.config._experts_implementation)  # type: ignore[union-attr]
+    args = (hidden_states.detach(), top_k_index, top_k_weights.detach())
+    with torch.no_grad():
+        reference = implementation(module, configured)(module, *args)
+        bound = admission_bound(reference, int(top_k_index.shape[-1]))
+        taken = [configured]
+        for name in available():
+            if name == configured:
+                continue
+            try:
+                output = implementation(module, name)(module, *args)
+            except (RuntimeError, NotImplementedError, ValueError):  # not supported for these weights here
+                continue
+            if admitted(output, reference, bound, exact):
+                taken.append(name)
+        if len(taken) == 1:
+            return configured
+        times = best_times([_call(implementation(module, name), module, args) for name in taken], reference.device)
+    best = min(range(len(taken)), key=times.__getitem__)
+    return taken[best] if times[best] * _TIE < times[0] else configured
+
+
+def _call(forward: ExpertsForward, module: nn.Module, args: tuple[torch.Tensor, ...]) -> Callable[[], object]:
+    return lambda: forward(module, *args)
+
+
+def decisions() -> dict[ExpertsKind, str]:
+    """The implementation chosen for each kind of experts call measured in this process."""
+    return dict(_DECISIONS)
+
+
+def clear_decisions() -> None:
+    """Forget every experts decision: the next call of each kind measures again."""
+    _DECISIONS.clear()
