@@ -213,6 +213,16 @@ def main(argv: list[str] | None = None) -> None:
         packed.rows.append([str(kind_dtype)[6:], "x".join(map(str, shape)), str(exact),
                             "prepacked" if is_packed else "dense", why])
     log(packed.text())
+    from fusion_linear_kernels.experts import decisions as experts_decisions
+
+    if experts_decisions():
+        routed = Table("linear_kernels experts (kind -> transformers experts implementation)",
+                       ["dtype", "weights", "rows", "top k", "configured", "exact", "implementation"])
+        for (_, kind_dtype, shapes, rows, top_k, configured, exact), name in sorted(experts_decisions().items(),
+                                                                                     key=str):
+            routed.rows.append([str(kind_dtype)[6:], " ".join("x".join(map(str, s)) for s in shapes), str(rows),
+                                str(top_k), configured, str(exact), name])
+        log(routed.text())
     models.clear()
     gc.collect()
 

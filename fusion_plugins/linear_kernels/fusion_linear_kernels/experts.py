@@ -5,18 +5,20 @@
 ``use_experts_implementation``: its ``forward`` dispatches to ``config._experts_implementation``
 through transformers' experts interface (``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``),
 ``grouped_mm`` by default, ``"eager"`` being the class's own loop over the routed experts. At a
-decode step the default is not the fastest on a CPU: torch's CPU ``grouped_mm`` runs one ``mm`` per
-expert, routed or not, where the class's loop touches only the routed experts' weights (measured at
-OLMoE widths, one row: 22.8 -> 17.5 ms a layer with the weights in DRAM; at 4 rows the loop was slower).
+decode step the default need not be the fastest: which kernel reads a routed expert's weight fastest
+differs by machine and shape (on the development machine, OLMoE widths, weights in DRAM, one row:
+``grouped_mm`` 4.9 ms a layer, the class's loop 5.0, :func:`routed_gemv` 6.6, ``batched_mm`` 43, so
+the default stays; the issue's Xeon measured GEMVs 1.5x faster than ``grouped_mm`` there).
 
 So the fused experts module (:class:`fusion_linear_kernels.family.ExpertsKernelsMixin`) chooses, per
 *kind* of call (device, dtype, weight shapes, rows, routed experts per token, the configured
-implementation, the mode), among transformers' own implementations, :data:`CANDIDATES` that this
-transformers registers: the first call of a kind runs each on its real input, admits those whose
-output stands for the configured implementation's (bit-identical in exact mode; within
-:func:`admission_bound` otherwise), times the admitted ones with fusion-core's timer and keeps the
-fastest (the configured one unless another is more than 2% faster). No weight moves: the module's
-tensors, ``state_dict`` and checkpoint are the original ones.
+implementation, the mode), among :data:`CANDIDATES`: transformers' own implementations that this
+transformers registers, and :func:`routed_gemv` (one GEMV per routed expert and projection, where
+oneDNN's bfloat16 GEMM reorders each weight it multiplies). The first call of a kind runs each on
+its real input, admits those whose output stands for the configured implementation's
+(bit-identical in exact mode; within :func:`admission_bound` otherwise), times the admitted ones with
+fusion-core's timer and keeps the fastest (the configured one unless another is more than 2%
+faster). No weight moves: the module's tensors, ``state_dict`` and checkpoint are the original ones.
 
 The configured implementation runs unchanged for more than :data:`~fusion_linear_kernels.choice.MAX_ROWS`
 rows (prefill), with autograd recording, on other devices, for tensor subclasses (a quantizer's
@@ -35,8 +37,9 @@ from fusion_core.merge_policy import best_times
 from fusion_linear_kernels.choice import MAX_ROWS
 from fusion_linear_kernels.tolerance import admitted
 
-CANDIDATES = ("eager", "grouped_mm", "batched_mm")
-"""transformers' experts implementations tried, where this transformers registers them (``eager``: the class's loop)."""
+CANDIDATES = ("eager", "grouped_mm", "batched_mm", "routed_gemv")
+"""The implementations tried: transformers' own where this transformers registers them (``eager``: the class's
+loop), and :func:`routed_gemv`."""
 
 #: Another implementation is taken only when it measured faster than the configured one by more than this factor.
 _TIE = 1.02
@@ -78,8 +81,52 @@ def is_experts(module: nn.Module) -> bool:
             and any(p.dim() == 3 for p in module.parameters(recurse=False)))
 
 
+def routed_gemv(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts' output computed with one matrix-vector product per routed (row, expert) pair and projection.
+
+    The arithmetic of transformers' ``batched_mm`` implementation (the same module attributes: gate or not,
+    biases, transposed weights, a post-expert norm; the weighted outputs summed over the routed experts, then
+    cast to the input's dtype), but each routed expert's weight is read where it lies, by a BLAS GEMV (``mv``;
+    a vector-matrix product for transposed weights), instead of being gathered into a batch (``batched_mm``) or
+    multiplied by oneDNN's GEMM, which reorders a bfloat16 weight on every call (``eager``, ``grouped_mm``).
+    Raises ``NotImplementedError`` under expert parallelism (its sentinel experts), which :func:`choose` reads
+    as "not applicable".
+    """
+    if getattr(module, "_is_expert_parallel", False):
+        raise NotImplementedError("routed_gemv does not run expert-parallel experts")
+    gated, biased, transposed = bool(module.has_gate), bool(module.has_bias), bool(module.is_transposed)
+    up = module.gate_up_proj if gated else module.up_proj
+    up_bias = (module.gate_up_proj_bias if gated else module.up_proj_bias) if biased else None
+    down, down_bias = module.down_proj, (module.down_proj_bias if biased else None)
+
+    def project(weight: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(vector, weight) if transposed else torch.mv(weight, vector)
+
+    outputs = []
+    for row, experts in zip(hidden_states, top_k_index.tolist(), strict=True):
+        per_expert = []
+        for expert in experts:
+            hidden = project(up[expert], row)
+            if up_bias is not None:
+                hidden = hidden + up_bias[expert]
+            hidden = module._apply_gate(hidden.unsqueeze(0)).squeeze(0) if gated else module.act_fn(hidden)
+            out = project(down[expert], hidden)
+            if down_bias is not None:
+                out = out + down_bias[expert]
+            if getattr(module, "has_post_expert_norm", False):
+                out = module.post_expert_norm(out.unsqueeze(0)).squeeze(0)
+            per_expert.append(out)
+        outputs.append(torch.stack(per_expert))
+    weighted = torch.stack(outputs) * top_k_weights.unsqueeze(-1)  # (rows, top_k, hidden)
+    return weighted.sum(dim=1).to(hidden_states.dtype)
+
+
 def implementation(module: nn.Module, name: str) -> ExpertsForward:
-    """transformers' experts implementation ``name`` for ``module``'s class (``"eager"``: its own forward)."""
+    """The experts implementation ``name`` for ``module``'s class: :func:`routed_gemv`, or transformers' own
+    (``"eager"``: the class's forward)."""
+    if name == "routed_gemv":
+        return routed_gemv
     original = original_forward(type(module))
     if original is None:
         raise TypeError(f"{type(module).__qualname__} does not dispatch through transformers' experts interface")
@@ -90,7 +137,8 @@ def implementation(module: nn.Module, name: str) -> ExpertsForward:
 def available() -> tuple[str, ...]:
     """The :data:`CANDIDATES` this transformers registers (``eager`` always)."""
     interface = _interface()
-    return tuple(name for name in CANDIDATES if name == "eager" or (interface is not None and name in interface))
+    return tuple(name for name in CANDIDATES
+                 if name in ("eager", "routed_gemv") or (interface is not None and name in interface))
 
 
 def applies(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> bool:
@@ -156,7 +204,7 @@ def choose(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Te
                 continue
             try:
                 output = implementation(module, name)(module, *args)
-            except (RuntimeError, NotImplementedError, ValueError):  # not supported for these weights here
+            except (RuntimeError, NotImplementedError, ValueError, AttributeError):  # not for these experts
                 continue
             if admitted(output, reference, bound, exact):
                 taken.append(name)

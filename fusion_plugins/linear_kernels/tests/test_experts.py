@@ -135,3 +135,27 @@ def test_compiles_pickles_saves_and_unfuses(checkpoints, tmp_path):
     fusion_core.unfuse(fused)
     assert not any(isinstance(m, ExpertsKernelsMixin) for m in fused.modules())
     assert type(fused.model.layers[0].mlp.experts) is type(plain.model.layers[0].mlp.experts)
+
+
+@pytest.mark.parametrize("name", sorted(MOE_MODELS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_candidate_computes_the_configured_output(checkpoints, name, dtype):
+    """Each implementation the choice may take (fusion's own ``routed_gemv`` included) computes what the
+    configured one does on these experts, within the admission bound, at every row count it applies to."""
+    model = _load(checkpoints[name], None).to(dtype)
+    module = next(m for m in model.modules() if experts.is_experts(m))
+    top_k = model.config.num_experts_per_tok
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for rows in range(1, 5):
+            hidden = torch.randn(rows, model.config.hidden_size, generator=generator).to(dtype)
+            index = torch.stack([torch.randperm(model.config.num_experts, generator=generator)[:top_k]
+                                 for _ in range(rows)])
+            weights = torch.softmax(torch.randn(rows, top_k, generator=generator), -1).to(dtype)
+            reference = module(hidden, index, weights)
+            bound = experts.admission_bound(reference, top_k)
+            for candidate in experts.available():
+                got = experts.implementation(module, candidate)(module, hidden, index, weights)
+                assert got.shape == reference.shape and got.dtype == reference.dtype, candidate
+                assert float((got.float() - reference.float()).abs().max()) <= bound, (candidate, rows)
+    assert "routed_gemv" in experts.available()
