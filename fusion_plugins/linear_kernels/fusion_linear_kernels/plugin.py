@@ -8,8 +8,9 @@ Besides the family, one lifecycle hook, a wrapper around the conversion of a loa
   family, as it does for plans that move no tensor (``FusionPlan.nested``); the ones that remain are
   the ones this family fuses. A layer whose weight is shared with another module (a tied LM head,
   which *is* the embedding table) gets no transform: packing it would give the head a second copy
-  of the table and untie it; it keeps the dense, shared weight and the measured kernel choice. The
-  wrapper replaces plans, so it declares ``tryfirst=True``;
+  of the table and untie it; it keeps the dense, shared weight and the measured kernel choice. Nor
+  does a layer whose weight the model's code reads directly (``self.dt_proj.weight @ x`` in Mamba:
+  :mod:`fusion_linear_kernels.direct_reads`). The wrapper replaces plans, so it declares ``tryfirst=True``;
 - after it, the merged projections of the other families (``qkv``, ``gate_up``:
   :class:`fusion_core.merged.MergedLinear`) get what the plain layers get, in the mode the
   ``linear_kernels`` modules of that load were fused with: a merged container whose weight packs is
@@ -38,6 +39,7 @@ from fusion_core.hookspecs import hookimpl
 from fusion_core.layout import fuse_instance, presenting_fused
 from fusion_core.merged import MergedLinear
 from fusion_core.transforms import ModulePlan
+from fusion_linear_kernels.direct_reads import read_directly
 from fusion_linear_kernels.family import (
     PACKED_FLAG,
     LinearKernelsFamily,
@@ -99,11 +101,12 @@ def _shared_parameters(model: nn.Module) -> set[int]:
 
 def bind_packing(model: nn.Module, built: MutableSequence[tuple[nn.Module, ModulePlan]]) -> None:
     """Bind the packing transform to the plan of each ``linear_kernels`` layer whose weight no other module shares
-    (a tied LM head keeps its plan without it): see the module docs."""
+    (a tied LM head keeps its plan without it) and no model code reads directly
+    (:mod:`fusion_linear_kernels.direct_reads`): see the module docs."""
     shared = _shared_parameters(model)
     for index, (module, plan) in enumerate(built):
         weight = module._parameters.get("weight") if plan.family == LinearKernelsFamily.name else None
-        if weight is not None and id(weight) not in shared:
+        if weight is not None and id(weight) not in shared and read_directly(model, plan.path) is None:
             built[index] = (module, packing_plan(module, plan))
 
 

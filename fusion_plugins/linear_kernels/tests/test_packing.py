@@ -380,3 +380,21 @@ def test_inductor_compiles_a_packed_layer():
     x = torch.randn(3, 64, generator=GEN).bfloat16()
     with torch.no_grad():
         assert torch.equal(compiled(x), original(x))
+
+
+def test_a_layer_whose_weight_the_model_reads_directly_stays_dense(tmp_path):
+    """Mamba's mixer reads ``self.dt_proj.weight`` (and its causal-LM class ``self.lm_head.weight``) instead of
+    calling the layers: those stay dense, the layers only ever called are packed, and decoding matches."""
+    import transformers
+
+    config = transformers.MambaConfig(vocab_size=128, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2,
+                                      conv_kernel=4, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval().save_pretrained(tmp_path)
+    plain, fused = _load(tmp_path, None), _load(tmp_path, {"linear_kernels": {"exact": True}})
+    packed = _packed_layers(fused)
+    mixer = "backbone.layers.0.mixer"
+    assert packed[f"{mixer}.in_proj"] and not packed[f"{mixer}.dt_proj"] and not packed[f"{mixer}.x_proj"]
+    assert not packed["lm_head"]
+    got, expected = _decode(fused), _decode(plain)
+    assert torch.equal(got[0], expected[0]) and all(torch.equal(a, b) for a, b in zip(got[1], expected[1], strict=True))
