@@ -45,7 +45,7 @@ RANGE_TESTS = [
 ]
 # What the quantizer environments run: every test that needs a quantizer installed.
 QUANT_TESTS = [
-    "tests/test_quantization.py", "tests/test_integrations.py",
+    "tests/test_quantization.py", "tests/test_integrations.py", "fusion_plugins/linear_kernels/tests/test_int8.py",
     "fusion_plugins/moe_experts/tests/test_moe_experts.py::"
     "test_torchao_quantize_refuses_an_expert_by_name_and_quantizes_the_rest_when_told_to",
     "fusion_plugins/moe_experts/tests/test_moe_experts.py::"

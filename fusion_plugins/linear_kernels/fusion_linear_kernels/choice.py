@@ -13,8 +13,9 @@ Where the choice does not apply, the call runs ``F.linear``, the original kernel
 measuring (:func:`runs_original`): more than :data:`MAX_ROWS` rows (prefill, where every kernel is
 a GEMM), autograd (an input or parameter that requires grad while grad is enabled: training),
 devices other than the CPU, tensors that are not torch's own (a quantizer's weight keeps its
-quantizer's kernel; DTensors), dtype mixes. Under ``torch.compile`` the fused module calls
-``F.linear`` before it gets here (:mod:`fusion_linear_kernels.family`).
+quantizer's kernel, unless it is int8 weight-only with one scale per row, where torch's int8 GEMM is
+a candidate: :data:`fusion_linear_kernels.kernels.INT8`; DTensors), dtype mixes. Under
+``torch.compile`` the fused module calls ``F.linear`` before it gets here (:mod:`fusion_linear_kernels.family`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from torch.nn import functional as F
 
 from fusion_core.merge_policy import best_times
-from fusion_linear_kernels import kernels
+from fusion_linear_kernels import compat, kernels
 from fusion_linear_kernels.kernels import LINEAR, Candidate
 from fusion_linear_kernels.tolerance import admission_bound, admitted
 
@@ -49,8 +50,10 @@ def rows_of(input: torch.Tensor) -> int:
 
 def runs_original(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether this call runs ``F.linear`` without choosing (see the module docs for each case)."""
-    if type(input) not in _PLAIN or type(weight) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN):
+    if type(input) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN):
         return True
+    if type(weight) not in _PLAIN and compat.int8_rows(weight) is None:  # a quantizer's tensor keeps its kernel ...
+        return True  # ... unless it is int8 weight-only, where torch's int8 GEMM is a candidate
     if input.device.type != "cpu" or weight.device.type != "cpu" or weight.dim() != 2 or input.dim() == 0:
         return True
     if input.layout != torch.strided or weight.layout != torch.strided:

@@ -1,4 +1,5 @@
-"""The private torch names fusion-linear-kernels uses: oneDNN's prepacked linear weight, and nothing else.
+"""The private names fusion-linear-kernels uses: torch's oneDNN prepacked linear weight, torch's int8
+weight-only GEMM, and the fields of torchao's int8 weight-only tensor that GEMM reads; nothing else.
 
 torch ships oneDNN's prepacked linear for its own compiler (Inductor's CPU weight freezing) under
 ``torch.ops.mkldnn``, without a public name:
@@ -14,6 +15,15 @@ torch ships oneDNN's prepacked linear for its own compiler (Inductor's CPU weigh
 Checked on torch 2.13.0+cpu (the one build this project installs). Where the operators are missing
 (a build without oneDNN) :func:`available` is False and nothing is packed: every layer keeps its
 dense weight and ``F.linear``.
+
+``torch._weight_int8pack_mm(input, int8_weight, scales)`` computes ``input @ (int8_weight * scales[:, None]).T``
+for an ``[out, in]`` int8 weight with one scale per output row (a CPU kernel; the scales in the input's
+dtype). torchao's int8 weight-only quantization (``Int8WeightOnlyConfig``; torchao 0.18's ``Int8Tensor``)
+holds exactly that: ``qdata`` (``[out, in]`` int8), ``scale`` (``[out, 1]`` float32), ``block_size``
+``[1, in]`` (one scale per row), a zero point of zeros and no activation quantization (``act_quant_kwargs``
+None), while its
+own CPU ``F.linear`` dispatch runs 2-15x slower at one row on this machine. :func:`int8_rows` reads those
+fields by name and returns None for anything else (a zero point, another block size, quantized activations).
 
 One private method of ``nn.Module`` is overridden, not called from here: the fused class's
 ``_apply`` (what ``.to()``, ``.half()``, ``.cuda()`` call on every module; unchanged since torch 1.0)
@@ -51,3 +61,29 @@ def packed_linear(input: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
     """``F.linear(input, weight, bias)`` for ``packed = pack(weight)``; no autograd (see :mod:`.packing`)."""
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(input.contiguous(), packed, bias, "none", [], "")
     return out
+
+
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(int8 [out, in], scales [out])`` of an int8 weight-only tensor with one scale per output row and no zero
+    point (torchao's ``Int8Tensor`` from ``Int8WeightOnlyConfig``), on the CPU; None for any other weight."""
+    if type(weight) in (torch.Tensor, torch.nn.Parameter) or weight.dim() != 2:
+        return None
+    data, scale = getattr(weight, "qdata", None), getattr(weight, "scale", None)
+    if not (isinstance(data, torch.Tensor) and isinstance(scale, torch.Tensor)) or data.dtype != torch.int8:
+        return None
+    out, inn = weight.shape
+    if tuple(data.shape) != (out, inn) or scale.numel() != out or data.device.type != "cpu":
+        return None
+    if list(getattr(weight, "block_size", ())) != [1, inn] or getattr(weight, "act_quant_kwargs", None) is not None:
+        return None
+    zero_point = getattr(weight, "zero_point", None)  # symmetric: none, or all zeros (torchao keeps a zero tensor)
+    if zero_point is not None and (not isinstance(zero_point, torch.Tensor) or bool(zero_point.any())):
+        return None
+    return data, scale.reshape(out)
+
+
+def int8_linear(input: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``F.linear(input, data * scale[:, None])`` by torch's int8 weight-only GEMM (no bias)."""
+    rows = input.reshape(-1, input.shape[-1]).contiguous()
+    out: torch.Tensor = torch._weight_int8pack_mm(rows, data, scale.to(input.dtype))
+    return out.view(*input.shape[:-1], data.shape[0])

@@ -6,8 +6,8 @@ candidate says only when it *applies*, and :mod:`fusion_linear_kernels.choice` m
 applicable ones on the real input and keeps the fastest that stays within the numerical bound.
 
 Every candidate reads the weight as the module holds it (an ``[out, in]`` tensor, the checkpoint's
-layout): none keeps a second copy, so memory stays the plain model's. ``F.linear`` is always a
-candidate and is what runs wherever no other one is measured faster.
+layout, or a quantizer's int8 data and scales): none keeps a second copy, so memory stays the plain
+model's. ``F.linear`` is always a candidate and is what runs wherever no other one is measured faster.
 """
 
 from __future__ import annotations
@@ -17,6 +17,12 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
+
+from fusion_linear_kernels import compat
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+#: The input dtypes torch's int8 weight-only GEMM takes.
+_INT8_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -37,8 +43,23 @@ def _linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def _one_row(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """``torch.mv`` / ``torch.addmv`` take one vector: an input of exactly one row."""
-    return input.numel() == input.shape[-1]
+    """``torch.mv`` / ``torch.addmv`` take one vector: an input of exactly one row, and a weight of torch's own."""
+    return input.numel() == input.shape[-1] and type(weight) in _PLAIN
+
+
+def _int8_applies(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """An int8 weight-only weight with one scale per row (:func:`fusion_linear_kernels.compat.int8_rows`), read by
+    a floating input of the weight's dtype."""
+    return input.dtype in _INT8_INPUTS and input.dtype == weight.dtype and compat.int8_rows(weight) is not None
+
+
+def _int8(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """torch's int8 weight-only GEMM on the quantizer's own int8 data and scales (no dequantized copy)."""
+    rows = compat.int8_rows(weight)
+    if rows is None:
+        raise TypeError(f"not an int8 weight-only tensor: {type(weight).__qualname__}")
+    out = compat.int8_linear(input, *rows)
+    return out if bias is None else out + bias
 
 
 def _mv(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -51,8 +72,13 @@ def _mv(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 LINEAR = Candidate("linear", _linear, _always)
 """The original kernel: what runs for prefill, training, compiled code and anything not measured."""
 
+INT8 = Candidate("int8 weight-only", _int8, _int8_applies)
+"""For a weight a quantizer already holds in int8 (one scale per row): torch's int8 GEMM instead of the quantizer's
+``F.linear`` dispatch."""
+
 CANDIDATES: tuple[Candidate, ...] = (
     LINEAR,
     Candidate("mv", _mv, _one_row),
+    INT8,
 )
 """The documented candidates, ``F.linear`` first (it wins ties: it is the original's kernel)."""

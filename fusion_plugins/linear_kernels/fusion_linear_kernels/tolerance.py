@@ -30,6 +30,8 @@ import math
 
 import torch
 
+from fusion_linear_kernels import compat
+
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype CPU kernels accumulate ``dtype`` in: float32, or float64 for float64."""
@@ -41,7 +43,9 @@ def admission_bound(input: torch.Tensor, weight: torch.Tensor, reference: torch.
     acc = accumulation_dtype(input.dtype)
     rows = input.reshape(-1, input.shape[-1])
     x_norm = torch.linalg.vector_norm(rows, dim=-1, dtype=acc).max()
-    w_norm = torch.linalg.vector_norm(weight, dim=-1, dtype=acc).max()
+    int8 = compat.int8_rows(weight)  # a quantizer's int8 weight: the norms of the weight it stands for
+    dense = weight if int8 is None else int8[0].to(acc) * int8[1].to(acc)[:, None]
+    w_norm = torch.linalg.vector_norm(dense, dim=-1, dtype=acc).max()
     accumulation = math.sqrt(input.shape[-1]) * torch.finfo(acc).eps * float(x_norm * w_norm)
     rounding = torch.finfo(reference.dtype).eps * float(reference.abs().max())
     return 2 * rounding + 2 * accumulation
