@@ -77,7 +77,7 @@ def is_experts(module: nn.Module) -> bool:
     """Whether ``module`` is a 5.x experts module dispatching through transformers' experts interface."""
     config = getattr(module, "config", None)
     return (_interface() is not None and original_forward(type(module)) is not None
-            and isinstance(getattr(config, "_experts_implementation", None), str) and hasattr(module, "has_gate")
+            and isinstance(getattr(config, "_experts_implementation", None), str)
             and any(p.dim() == 3 for p in module.parameters(recurse=False)))
 
 
@@ -95,7 +95,9 @@ def routed_gemv(module: nn.Module, hidden_states: torch.Tensor, top_k_index: tor
     """
     if getattr(module, "_is_expert_parallel", False):
         raise NotImplementedError("routed_gemv does not run expert-parallel experts")
-    gated, biased, transposed = bool(module.has_gate), bool(module.has_bias), bool(module.is_transposed)
+    # transformers 5.0's dispatcher sets no has_gate (every expert is gated there) nor a post-expert norm.
+    gated, biased = bool(getattr(module, "has_gate", True)), bool(getattr(module, "has_bias", False))
+    transposed = bool(getattr(module, "is_transposed", False))
     up = module.gate_up_proj if gated else module.up_proj
     up_bias = (module.gate_up_proj_bias if gated else module.up_proj_bias) if biased else None
     down, down_bias = module.down_proj, (module.down_proj_bias if biased else None)
@@ -130,8 +132,13 @@ def implementation(module: nn.Module, name: str) -> ExpertsForward:
     original = original_forward(type(module))
     if original is None:
         raise TypeError(f"{type(module).__qualname__} does not dispatch through transformers' experts interface")
-    chosen: ExpertsForward = _interface().get_interface(name, original)
-    return chosen
+    if name == "eager":
+        return original
+    interface = _interface()
+    if hasattr(interface, "get_interface"):
+        chosen: ExpertsForward = interface.get_interface(name, original)
+        return chosen
+    return interface[name]  # type: ignore[no-any-return]  # 5.0's interface: a mapping of name to function
 
 
 def available() -> tuple[str, ...]:
