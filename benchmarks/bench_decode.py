@@ -17,6 +17,7 @@ weight, and which weight kinds it holds prepacked (oneDNN's layout) with the tim
 
     python benchmarks/bench_decode.py --model qwen2-0.5b --dtype bf16 --rounds 5
     python benchmarks/bench_decode.py --compile --contenders plain,linear_kernels,qkv+gate_up+linear_kernels
+    .venvs/quant-tf5/bin/python benchmarks/bench_decode.py --quantize int8wo   # torchao int8 weight-only loads
 """
 
 from __future__ import annotations
@@ -78,14 +79,24 @@ def bytes_per_token(model: nn.Module) -> int:
             continue
         seen.add(id(param))
         share = routed / experts if experts and routed and (param.dim() == 3 or ".experts." in name) else 1.0
-        total += param.numel() * param.element_size() * share
+        total += stored_bytes(param) * share
     return int(total)
+
+
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor's data occupies: a quantizer's int8 data and scales, or elements times their size."""
+    inner = [getattr(tensor, n) for n in ("qdata", "scale", "zero_point") if isinstance(getattr(tensor, n, None),
+                                                                                     torch.Tensor)]
+    if inner and type(tensor) not in (torch.Tensor, nn.Parameter):
+        return sum(t.numel() * t.element_size() for t in inner)
+    return tensor.numel() * tensor.element_size()
 
 
 def read_bandwidth(model: nn.Module, rounds: int = 3) -> dict[str, float]:
     """Bytes per second read from memory, two ways (see the module docs); best of ``rounds`` each."""
     buffer = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB, far beyond any cache
-    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    weights = [m.weight for m in model.modules()  # torch's own weights (a quantizer's do not run torch.mv)
+               if isinstance(m, nn.Linear) and type(m.weight) in (torch.Tensor, nn.Parameter)]
     vectors = {w.shape[1]: torch.randn(w.shape[1], dtype=w.dtype) for w in weights}
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     best = {"reduction": float("inf"), "mv over the weights": float("inf")}
@@ -99,8 +110,29 @@ def read_bandwidth(model: nn.Module, rounds: int = 3) -> dict[str, float]:
                 torch.mv(w, vectors[w.shape[1]])
             best["mv over the weights"] = min(best["mv over the weights"], time.perf_counter() - start)
     del buffer
-    return {"reduction": (1 << 30) / best["reduction"],
-            "mv over the weights": weight_bytes / best["mv over the weights"]}
+    measured = {"reduction": (1 << 30) / best["reduction"]}
+    if weights:
+        measured["mv over the weights"] = weight_bytes / best["mv over the weights"]
+    return measured
+
+
+def load_contender(path: Any, families: str | None, dtype: torch.dtype, quantize: str | None) -> nn.Module:
+    """A contender loaded as users load it: plain or fused, and with ``--quantize``, torchao int8 weight-only at load
+    (transformers quantizes each weight as it reads it; a fused model merges the quantized parts)."""
+    if quantize is None:
+        return load("AutoModelForCausalLM", path, families, dtype, "cpu")
+    import transformers
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    import fusion_core
+
+    kwargs = {"dtype": dtype, "quantization_config": transformers.TorchAoConfig(Int8WeightOnlyConfig())}
+    if families is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    else:
+        model = fusion_core.from_pretrained(transformers.AutoModelForCausalLM, path,
+                                            fusion_config={f: True for f in families.split("+")}, **kwargs)
+    return model.eval()
 
 
 def own_memory(model: nn.Module) -> nn.Module:
@@ -113,7 +145,8 @@ def own_memory(model: nn.Module) -> nn.Module:
     """
     with torch.no_grad():
         for param in model.parameters():
-            if not param.is_mkldnn:  # a prepacked weight (linear_kernels) is the process's own memory already
+            # A prepacked weight (linear_kernels) or a quantizer's tensor is the process's own memory already.
+            if not param.is_mkldnn and type(param.data) is torch.Tensor:
                 param.data = param.data.clone()
     return model
 
@@ -131,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prefill", type=int, default=256)
+    parser.add_argument("--quantize", choices=["int8wo"], default=None,
+                        help="load every contender with TorchAoConfig(Int8WeightOnlyConfig()) (needs torchao)")
     parser.add_argument("--compile", action="store_true",
                         help="model.forward = torch.compile(model.forward) for every contender (Inductor)")
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, from: "
@@ -146,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
                             f"decode-{args.model}-{args.layers or 'all'}", log)
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
     # A name that is no contender above is a "+"-joined list of families (moe_experts, moe_experts+linear_kernels).
-    models = {name: own_memory(load("AutoModelForCausalLM", path, CONTENDERS.get(name, name), dtype, "cpu"))
+    models = {name: own_memory(load_contender(path, CONTENDERS.get(name, name), dtype, args.quantize))
               for name in names}
     plain = models["plain"]
     per_token = bytes_per_token(plain)
@@ -176,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         calls[name] = call
     samples, first = paired_rounds(calls, args.rounds, warmup=2)
 
-    mode = "compiled" if args.compile else "eager"
+    mode = ("compiled" if args.compile else "eager") + (f", {args.quantize}" if args.quantize else "")
     table = Table(f"Decode and prefill, {args.model} ({args.layers or MODELS[args.model][2]} layers), {args.dtype}, "
                   f"{mode}, batch 1", ["contender", "decode ms/token", "x floor", "decode vs plain",
                                        "decode vs qkv+gate_up", f"prefill {args.prefill} ms", "prefill vs plain",
