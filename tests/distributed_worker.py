@@ -140,6 +140,7 @@ def tensor_parallel(rank: int, world: int, path: Path, out: Path) -> Checks:
     fusion_core.save_pretrained(fused, out / "saved")
     if rank == 0:
         same_state(checks, "save: original layout, same bytes", saved(out / "saved"), saved(path), exact=True)
+    with_kernels(checks, path, reference, ids, out / "kernels")
 
     fusion_core.save_pretrained(fused, out / "fused_layout", save_original_format=False)
     if rank == 0:
@@ -171,6 +172,24 @@ def tensor_parallel(rank: int, world: int, path: Path, out: Path) -> Checks:
     else:
         head_split_refused(checks, out)
     return checks
+
+
+def with_kernels(checks: Checks, path: Path, reference: Any, ids: torch.Tensor, out: Path) -> None:
+    """linear_kernels with qkv+gate_up under the plan: a sharded weight (a DTensor, or a local shard the plan's hooks
+    drive) runs and gives the unfused model's logits, greedy tokens and checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    import fusion_core
+
+    model = fusion_core.from_pretrained(AutoModelForCausalLM, path, fusion_config={**FUSION, "linear_kernels": True},
+                                        tp_plan="auto").eval()
+    with torch.no_grad():
+        close(checks, "logits with linear_kernels (tp_plan='auto')", model(ids).logits, reference(ids).logits)
+    same_generation(checks, "generate with linear_kernels", model, reference, ids[:1])
+    fusion_core.save_pretrained(model, out)
+    if dist.get_rank() == 0:
+        same_state(checks, "save with linear_kernels: original layout, same bytes", saved(out), saved(path),
+                   exact=True)
 
 
 def plan_spellings(
