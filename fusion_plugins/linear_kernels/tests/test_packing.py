@@ -335,6 +335,11 @@ def test_lora_on_packed_layers_trains_like_plain(checkpoints, tmp_path, others, 
     fused.save_pretrained(tmp_path / "fused")
     left, right = (load_file(tmp_path / side / "adapter_model.safetensors") for side in ("plain", "fused"))
     assert sorted(left) == sorted(right) and all(torch.equal(left[k], right[k]) for k in left)
+    # merging the adapters writes into packed weights (and into rows of a packed merged container) as into dense
+    plain_merged, fused_merged = plain.eval().merge_and_unload(), fused.eval().merge_and_unload()
+    assert fused_merged.model.layers[0].self_attn.o_proj.packed
+    with torch.no_grad():
+        assert torch.equal(fused_merged(IDS).logits, plain_merged(IDS).logits)
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])

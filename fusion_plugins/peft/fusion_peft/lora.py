@@ -243,7 +243,9 @@ def _quantized(target: MergedSlice) -> str | None:
     initialisations from the weight) is refused.
     """
     container = target.merged.owner
-    if type(container) is MergedProjection and is_torch_tensor(target.merged.weight):
+    # A subclass of fusion-core's container is another family's runtime form of it (linear_kernels packs its
+    # weight, a torch tensor in an opaque layout): not quantized, its rows are read and written through a dense copy.
+    if isinstance(container, MergedProjection) and is_torch_tensor(target.merged.weight):
         return None
     return f"{type(container).__name__} with a {type(target.merged.weight).__name__} weight"
 
@@ -383,7 +385,16 @@ def _write_back(fused: nn.Module, stand_in: nn.Module) -> None:
     """Copy the stand-in's (possibly merged) tensors into the fused storage, in the fused layout."""
     with torch.no_grad():
         if isinstance(fused, MergedSlice):
-            fused.weight.copy_(_leaf(stand_in, "weight"))
+            weight = fused.merged.weight
+            if weight.layout == torch.strided:
+                fused.weight.copy_(_leaf(stand_in, "weight"))
+            else:
+                # The container is fused itself (linear_kernels holds its weight packed): its rows exist only in the
+                # original layout, so they are written there and the container's own plan converts them back.
+                container = fused.merged.owner
+                holder = _stand_in(container, copy_tensors=True)
+                fused.merged.rows(_leaf(holder, "weight"), fused.index).copy_(_leaf(stand_in, "weight"))
+                _write_back(container, holder)
             if fused.bias is not None:
                 fused.bias.copy_(_leaf(stand_in, "bias"))
             return
