@@ -41,7 +41,7 @@ from fusion_core.spec import FamilyOptions, FusedModule, FusionFamily, fused_sub
 from fusion_core.transforms import ModulePlan, WeightTransform, attached_plan, bind_transforms
 from fusion_linear_kernels import experts, packing
 from fusion_linear_kernels.choice import linear, linear_exact, linear_within_bound
-from fusion_linear_kernels.packing import PrepackLinearWeight, is_packed, packs, unpack
+from fusion_linear_kernels.packing import PrepackLinearWeight, ineligible, is_packed, packs, unpack
 
 #: Set in a pickled (or deep-copied) fused module's state: the parameters it holds packed, pickled dense.
 _PACKED_STATE = "_fusion_linear_kernels_packed"
@@ -232,9 +232,11 @@ def packing_plan(module: nn.Module, plan: ModulePlan) -> ModulePlan:
     prepacked layout where :func:`fusion_linear_kernels.packing.packs` says so (unchanged elsewhere); in exact mode
     only for a layer without a bias."""
     exact = bool(getattr(plan.fused_class, "exact", False))
-    if plan.transforms or module._parameters.get("weight") is None or (exact and module._parameters.get("bias")
-                                                                        is not None):
+    weight = module._parameters.get("weight")
+    if plan.transforms or weight is None or (exact and module._parameters.get("bias") is not None):
         return plan  # exact mode packs no layer with a bias (see fusion_linear_kernels.packing)
+    if ineligible(weight) is not None:
+        return plan  # never packed (a DTensor shard, a quantizer's tensor, ...): no transform to run or verify
     shapes = {name: tuple(t.shape) for name, t in module._parameters.items() if t is not None}
     bound = bind_transforms(plan.family, plan.path, shapes,
                             [WeightTransform(("weight",), ("weight",), PrepackLinearWeight(exact=exact))])
