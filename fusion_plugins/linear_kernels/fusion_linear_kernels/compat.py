@@ -21,9 +21,9 @@ for an ``[out, in]`` int8 weight with one scale per output row (a CPU kernel; th
 dtype). torchao's int8 weight-only quantization (``Int8WeightOnlyConfig``; torchao 0.18's ``Int8Tensor``)
 holds exactly that: ``qdata`` (``[out, in]`` int8), ``scale`` (``[out, 1]`` float32), ``block_size``
 ``[1, in]`` (one scale per row), a zero point of zeros and no activation quantization (``act_quant_kwargs``
-None), while its
-own CPU ``F.linear`` dispatch runs 2-15x slower at one row on this machine. :func:`int8_rows` reads those
-fields by name and returns None for anything else (a zero point, another block size, quantized activations).
+None), while its own CPU ``F.linear`` dispatch is slower at one row (``benchmarks/bench_decode.py
+--quantize int8wo`` measures both). :func:`int8_rows` reads those fields by name and returns None for
+anything else (a nonzero zero point, another block size, quantized activations).
 
 One private method of ``nn.Module`` is overridden, not called from here: the fused class's
 ``_apply`` (what ``.to()``, ``.half()``, ``.cuda()`` call on every module; unchanged since torch 1.0)
@@ -34,6 +34,7 @@ unpacks the weight before ``nn.Module._apply`` runs and packs it again only wher
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -63,10 +64,27 @@ def packed_linear(input: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
     return out
 
 
+#: :func:`int8_rows` by tensor object (``id``), dropped when the tensor is: it is asked at every call of a layer.
+_INT8_ROWS: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
+
+
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(int8 [out, in], scales [out])`` of an int8 weight-only tensor with one scale per output row and no zero
-    point (torchao's ``Int8Tensor`` from ``Int8WeightOnlyConfig``), on the CPU; None for any other weight."""
-    if type(weight) in (torch.Tensor, torch.nn.Parameter) or weight.dim() != 2:
+    point (torchao's ``Int8Tensor`` from ``Int8WeightOnlyConfig``), on the CPU; None for any other weight.
+
+    Read once per tensor object: it is asked at every call of the layer, and reading a tensor subclass's fields
+    (and its zero point's values) costs more than a dictionary lookup."""
+    if type(weight) in (torch.Tensor, torch.nn.Parameter):
+        return None
+    key = id(weight)
+    if key not in _INT8_ROWS:
+        _INT8_ROWS[key] = _read_int8_rows(weight)
+        weakref.finalize(weight, _INT8_ROWS.pop, key, None)
+    return _INT8_ROWS[key]
+
+
+def _read_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if weight.dim() != 2:
         return None
     data, scale = getattr(weight, "qdata", None), getattr(weight, "scale", None)
     if not (isinstance(data, torch.Tensor) and isinstance(scale, torch.Tensor)) or data.dtype != torch.int8:

@@ -6,9 +6,9 @@
 through transformers' experts interface (``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``),
 ``grouped_mm`` by default, ``"eager"`` being the class's own loop over the routed experts. At a
 decode step the default need not be the fastest: which kernel reads a routed expert's weight fastest
-differs by machine and shape (on the development machine, OLMoE widths, weights in DRAM, one row:
-``grouped_mm`` 4.9 ms a layer, the class's loop 5.0, :func:`routed_gemv` 6.6, ``batched_mm`` 43, so
-the default stays; the issue's Xeon measured GEMVs 1.5x faster than ``grouped_mm`` there).
+differs by machine and shape (``benchmarks/bench_decode.py --model olmoe-1b-7b`` prints the choices:
+on the development machine the one-row kind kept ``grouped_mm``; the issue's Xeon measured GEMVs on
+the routed experts 1.5x faster than ``grouped_mm``).
 
 So the fused experts module (:class:`fusion_linear_kernels.family.ExpertsKernelsMixin`) chooses, per
 *kind* of call (device, dtype, weight shapes, rows, routed experts per token, the configured
@@ -27,6 +27,7 @@ experts), for other call signatures, and under ``torch.compile`` (the traced cod
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -52,8 +53,10 @@ _DECISIONS: dict[ExpertsKind, str] = {}
 ExpertsForward = Callable[..., torch.Tensor]
 
 
+@functools.cache
 def _interface() -> Any:
-    """transformers' experts interface, or None on a release without one (4.57)."""
+    """transformers' experts interface, or None on a release without one (4.57). Asked for every module a
+    discovery scans: the import is tried once."""
     try:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     except ImportError:
@@ -61,9 +64,11 @@ def _interface() -> Any:
     return ALL_EXPERTS_FUNCTIONS
 
 
+@functools.cache
 def original_forward(cls: type) -> ExpertsForward | None:
     """The experts class's own forward (the ``"eager"`` implementation) under transformers'
-    ``use_experts_implementation`` dispatcher; None for a class without that dispatcher."""
+    ``use_experts_implementation`` dispatcher; None for a class without that dispatcher (cached by class: it is
+    read at every decode call that runs another implementation)."""
     for klass in cls.__mro__:  # past a fused subclass's own forward
         forward = klass.__dict__.get("forward")
         # The dispatcher copies the wrapped forward's names (functools.wraps), not its code object's.
