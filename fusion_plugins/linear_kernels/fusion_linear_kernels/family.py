@@ -38,7 +38,7 @@ from torch.nn import functional as F
 
 from fusion_core.merged import LinearKernel, MergedProjection, is_plain_linear
 from fusion_core.spec import FamilyOptions, FusedModule, FusionFamily, fused_subclass
-from fusion_core.transforms import ModulePlan, WeightTransform, attached_plan, bind_transforms
+from fusion_core.transforms import BoundTransform, ModulePlan, WeightTransform, attached_plan, bind_transforms
 from fusion_linear_kernels import experts, packing
 from fusion_linear_kernels.choice import linear, linear_exact, linear_within_bound
 from fusion_linear_kernels.packing import PrepackLinearWeight, ineligible, is_packed, packs, unpack
@@ -216,31 +216,41 @@ class LinearKernelsFamily(FusionFamily[LinearKernelsOptions]):
         return refusal(module)
 
     def make_fused_class(self, original_cls: type[nn.Module], options: LinearKernelsOptions) -> type[nn.Module]:
-        if issubclass(original_cls, nn.Linear):
-            mixin: type = ExactLinearKernelsMixin if options.exact else LinearKernelsMixin
-        else:
-            mixin = ExactExpertsKernelsMixin if options.exact else ExpertsKernelsMixin
-        return fused_subclass(mixin, original_cls)
+        return fused_class(original_cls, options.exact)
 
     # No make_transforms: discovery plans these layers without moving a tensor, so a layer whose weight an
     # enclosing family merges (q_proj under qkv) is left to that family (FusionPlan.nested); the packing
     # transform is bound to each remaining layer's plan when the load converts (see fusion_linear_kernels.plugin).
 
 
-def packing_plan(module: nn.Module, plan: ModulePlan) -> ModulePlan:
-    """``plan`` (a ``linear_kernels`` layer's) with the packing transform bound: ``weight`` -> ``weight`` in oneDNN's
-    prepacked layout where :func:`fusion_linear_kernels.packing.packs` says so (unchanged elsewhere); in exact mode
-    only for a layer without a bias."""
-    exact = bool(getattr(plan.fused_class, "exact", False))
+def fused_class(original_cls: type[nn.Module], exact: bool) -> type[nn.Module]:
+    """The family's fused class for ``original_cls`` (an ``nn.Linear`` or a 5.x experts module) in a mode."""
+    if issubclass(original_cls, nn.Linear):
+        mixin: type = ExactLinearKernelsMixin if exact else LinearKernelsMixin
+    else:
+        mixin = ExactExpertsKernelsMixin if exact else ExpertsKernelsMixin
+    return fused_subclass(mixin, original_cls)
+
+
+def _packing_transforms(module: nn.Module, path: str, exact: bool) -> tuple[BoundTransform, ...] | None:
+    """The packing transform (``weight`` -> ``weight`` in oneDNN's prepacked layout) bound to ``module``, or None
+    where it could never pack: no weight, a weight :func:`~fusion_linear_kernels.packing.ineligible` refuses (a
+    DTensor shard, a quantizer's tensor: nothing to run or verify), or in exact mode a layer with a bias (see
+    :mod:`fusion_linear_kernels.packing`)."""
     weight = module._parameters.get("weight")
-    if plan.transforms or weight is None or (exact and module._parameters.get("bias") is not None):
-        return plan  # exact mode packs no layer with a bias (see fusion_linear_kernels.packing)
-    if ineligible(weight) is not None:
-        return plan  # never packed (a DTensor shard, a quantizer's tensor, ...): no transform to run or verify
+    if weight is None or ineligible(weight) is not None or (exact and module._parameters.get("bias") is not None):
+        return None
     shapes = {name: tuple(t.shape) for name, t in module._parameters.items() if t is not None}
-    bound = bind_transforms(plan.family, plan.path, shapes,
-                            [WeightTransform(("weight",), ("weight",), PrepackLinearWeight(exact=exact))])
-    return dataclasses.replace(plan, transforms=bound)
+    return bind_transforms(LinearKernelsFamily.name, path, shapes,
+                           [WeightTransform(("weight",), ("weight",), PrepackLinearWeight(exact=exact))])
+
+
+def packing_plan(module: nn.Module, plan: ModulePlan) -> ModulePlan:
+    """``plan`` (a ``linear_kernels`` layer's) with the packing transform bound (:func:`_packing_transforms`); the
+    transform packs where :func:`fusion_linear_kernels.packing.packs` says so, at conversion."""
+    exact = bool(getattr(plan.fused_class, "exact", False))
+    bound = None if plan.transforms else _packing_transforms(module, plan.path, exact)
+    return plan if bound is None else dataclasses.replace(plan, transforms=bound)
 
 
 def merged_packing_plan(parent: ModulePlan, name: str, container: nn.Module, exact: bool) -> ModulePlan | None:
@@ -257,15 +267,12 @@ def merged_packing_plan(parent: ModulePlan, name: str, container: nn.Module, exa
     weight = container._parameters.get("weight")
     if type(container) is not MergedProjection or not isinstance(weight, nn.Parameter):
         return None
-    if exact and container._parameters.get("bias") is not None:
-        return None
-    if not packs(weight.detach(), exact):
-        return None
     path = f"{parent.path}.{name}" if parent.path else name
+    transforms = _packing_transforms(container, path, exact)
+    # Only where the weight packs: otherwise the class switch would change nothing but the container's type.
+    if transforms is None or not packs(weight.detach(), exact):
+        return None
     leaves = tuple(leaf for leaf, tensor in container._parameters.items() if tensor is not None)
-    shapes = {leaf: tuple(container._parameters[leaf].shape) for leaf in leaves}  # type: ignore[union-attr]
-    fused_class = fused_subclass(ExactLinearKernelsMixin if exact else LinearKernelsMixin, MergedProjection)
-    transforms = bind_transforms(LinearKernelsFamily.name, path, shapes,
-                                 [WeightTransform(("weight",), ("weight",), PrepackLinearWeight(exact=exact))])
     return ModulePlan(family=LinearKernelsFamily.name, path=path, original_class=MergedProjection,
-                      fused_class=fused_class, transforms=transforms, original_leaves=leaves)
+                      fused_class=fused_class(MergedProjection, exact), transforms=transforms,
+                      original_leaves=leaves)
