@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -24,3 +24,26 @@ def lora() -> Callable[[Any], Any]:
         return peft.get_peft_model(model, config)
 
     return attach
+
+
+def _original_slowest(ways: Any, device: Any) -> list[float]:
+    return [1.0] + [0.5] * (len(ways) - 1)  # every timer lists the original way (F.linear, the dense weight) first
+
+
+def _original_fastest(ways: Any, device: Any) -> list[float]:
+    return [0.5] + [1.0] * (len(ways) - 1)
+
+
+@pytest.fixture
+def other_kernels_dense_weights(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every admitted kernel other than ``F.linear`` measures fastest, and packing measures slower (weights stay
+    dense), so no clock decides a test; the decisions of other tests are forgotten before and after."""
+    from fusion_linear_kernels import choice, packing
+
+    monkeypatch.setattr(choice, "best_times", _original_slowest)
+    monkeypatch.setattr(packing, "best_times", _original_fastest)
+    choice.clear_decisions()
+    packing.clear_pack_decisions()
+    yield
+    choice.clear_decisions()
+    packing.clear_pack_decisions()

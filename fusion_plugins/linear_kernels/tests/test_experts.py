@@ -169,4 +169,3 @@ def test_every_candidate_computes_the_configured_output(checkpoints, name, dtype
                 got = experts.implementation(module, candidate)(module, hidden, index, weights)
                 assert got.shape == reference.shape and got.dtype == reference.dtype, candidate
                 assert float((got.float() - reference.float()).abs().max()) <= bound, (candidate, rows)
-    assert "routed_gemv" in experts.available()

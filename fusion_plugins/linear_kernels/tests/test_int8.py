@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from fusion_linear_kernels import choice, compat, kernels, packing
+from fusion_linear_kernels import choice, compat, kernels
 from fusion_linear_kernels.tolerance import admission_bound
 from torch.nn import functional as F
 from transformers import AutoModelForCausalLM
@@ -23,21 +23,10 @@ from fusion_core.testing.kit import TOLERANCES
 from fusion_core.testing.tiny_models import TEXT_MODELS
 
 quantization = pytest.importorskip("torchao.quantization", reason="torchao is installed in the quantizer environments")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("other_kernels_dense_weights")]
 
 IDS = torch.tensor([[5, 17, 42, 9]])
 MERGED = {"qkv": True, "gate_up": True}
-
-
-@pytest.fixture(autouse=True)
-def _kernels_win_packing_loses(monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setattr(choice, "best_times", lambda ways, device: [1.0] + [0.5] * (len(ways) - 1))
-    monkeypatch.setattr(packing, "best_times", lambda ways, device: [0.5] + [1.0] * (len(ways) - 1))
-    choice.clear_decisions()
-    packing.clear_pack_decisions()
-    yield
-    choice.clear_decisions()
-    packing.clear_pack_decisions()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from fusion_linear_kernels import LinearKernelsMixin, choice, kernels, packing
+from fusion_linear_kernels import LinearKernelsMixin, choice, kernels
 from fusion_linear_kernels.family import kernel
 from safetensors.torch import load_file
 from torch import nn
@@ -27,22 +27,10 @@ from fusion_core.merged import MergedLinear
 from fusion_core.testing.kit import TOLERANCES
 from fusion_core.testing.tiny_models import TEXT_MODELS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("other_kernels_dense_weights")]
 
 IDS = torch.tensor([[5, 17, 42, 9]])
 MERGED = {"qkv": True, "gate_up": True}
-
-
-@pytest.fixture(autouse=True)
-def _other_kernels_win(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Every admitted candidate other than ``F.linear`` measures fastest (no clock decides a test)."""
-    monkeypatch.setattr(choice, "best_times", lambda ways, device: [1.0] + [0.5] * (len(ways) - 1))
-    monkeypatch.setattr(packing, "best_times", lambda ways, device: [0.5] + [1.0] * (len(ways) - 1))
-    choice.clear_decisions()
-    packing.clear_pack_decisions()
-    yield
-    choice.clear_decisions()
-    packing.clear_pack_decisions()
 
 
 def _save(name: str, directory: Path, tied: bool, dtype: torch.dtype) -> Path:
