@@ -87,12 +87,8 @@ def merge(op: TransformOp, tensors: Sequence[torch.Tensor], files: MappedFiles |
         if len(jobs) == 1:
             _read(*jobs[0])
         elif jobs:
-            pool = _READERS.get()
-            if pool is not None:
+            with _reading_threads(len(jobs)) as pool:
                 list(pool.map(lambda job: _read(*job), jobs))
-            else:
-                with ThreadPoolExecutor(min(_WORKERS, len(jobs)), thread_name_prefix="fusion-core-merge") as own:
-                    list(own.map(lambda job: _read(*job), jobs))
     finally:
         for fd in descriptors.values():
             if fd is not None:
@@ -111,6 +107,17 @@ def readers() -> Iterator[None]:
             yield
         finally:
             _READERS.reset(token)
+
+
+@contextmanager
+def _reading_threads(jobs: int) -> Iterator[ThreadPoolExecutor]:
+    """The threads of the enclosing :func:`readers` block, or, outside one, threads for this merge only."""
+    shared = _READERS.get()
+    if shared is not None:
+        yield shared
+        return
+    with ThreadPoolExecutor(min(_WORKERS, jobs), thread_name_prefix="fusion-core-merge") as own:
+        yield own
 
 
 def _descriptor(extent: FileExtent, opened: dict[tuple[str, int], int | None]) -> int | None:
