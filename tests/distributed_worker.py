@@ -322,8 +322,8 @@ def data_parallel(rank: int, world: int, path: Path, out: Path) -> Checks:
     checks: Checks = {}
     ids = torch.tensor([[1, 5, 7, 9, 11, 3], [1, 4, 8, 16, 32, 64]])[rank % 2 :: 2]  # each rank its own batch
 
-    def models() -> tuple[Any, Any]:
-        fused = fusion_core.from_pretrained(AutoModelForCausalLM, path, fusion_config=FUSION).train()
+    def models(fusion_config: dict[str, Any] = FUSION) -> tuple[Any, Any]:
+        fused = fusion_core.from_pretrained(AutoModelForCausalLM, path, fusion_config=fusion_config).train()
         return fused, AutoModelForCausalLM.from_pretrained(path).train()
 
     fused, plain = models()
@@ -345,7 +345,30 @@ def data_parallel(rank: int, world: int, path: Path, out: Path) -> Checks:
     plain_state = full_state(plain)
     if rank == 0:
         same_state(checks, "save after FSDP2 training", saved(out / "fsdp"), plain_state)
+    with_kernels_in_the_job(checks, models, ids)
     return checks
+
+
+def with_kernels_in_the_job(checks: Checks, models: Callable[..., tuple[Any, Any]], ids: torch.Tensor) -> None:
+    """linear_kernels loaded in the job packs nothing (a packed weight has no storage to broadcast or shard), so
+    DDP and FSDP2 wrap it and train like the unfused model."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    kernels = {**FUSION, "linear_kernels": True}
+    fused, plain = models(kernels)
+    packed = [name for name, p in fused.named_parameters() if p.is_mkldnn]
+    checks["linear_kernels packs nothing in a distributed job"] = [not packed, f"packed: {packed}"]
+    losses = [sgd_step(DistributedDataParallel(m), ids) for m in (fused, plain)]
+    checks["DDP loss (linear_kernels)"] = [abs(losses[0] - losses[1]) <= 1e-5, f"{losses}"]
+    fused, plain = models(kernels)
+    for model in (fused, plain):
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    losses = [sgd_step(m, ids) for m in (fused, plain)]
+    checks["FSDP2 loss (linear_kernels)"] = [abs(losses[0] - losses[1]) <= 1e-5, f"{losses}"]
+    same_state(checks, "FSDP2 trained weights (linear_kernels)", full_state(fused), full_state(plain))
 
 
 SCENARIOS = {"tensor_parallel": tensor_parallel, "data_parallel": data_parallel}

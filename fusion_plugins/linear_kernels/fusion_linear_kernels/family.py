@@ -39,7 +39,7 @@ from torch.nn import functional as F
 from fusion_core.merged import LinearKernel, MergedProjection, is_plain_linear
 from fusion_core.spec import FamilyOptions, FusedModule, FusionFamily, fused_subclass
 from fusion_core.transforms import BoundTransform, ModulePlan, WeightTransform, attached_plan, bind_transforms
-from fusion_linear_kernels import experts, packing
+from fusion_linear_kernels import data_parallel, experts, packing
 from fusion_linear_kernels.choice import linear, linear_exact, linear_within_bound
 from fusion_linear_kernels.packing import PrepackLinearWeight, ineligible, is_packed, packs, unpack
 
@@ -93,8 +93,11 @@ class LinearKernelsMixin(FusedModule):
         return is_packed(self._parameters.get("weight"))
 
     def fusion_mark_layout(self) -> None:
-        """Record whether the weight is packed where ``torch.compile`` reads it (see ``forward``)."""
+        """Record whether the weight is packed where ``torch.compile`` reads it (see ``forward``), and on a packed
+        weight its module's path (what a data-parallel wrapper's refusal names)."""
         self.__dict__[PACKED_FLAG] = self.packed
+        if self.packed:
+            data_parallel.label(self._parameters["weight"], self.fusion_path)
 
     def extra_repr(self) -> str:
         layout = ", weight=prepacked" if self.packed else ""

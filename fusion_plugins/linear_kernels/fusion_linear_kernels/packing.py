@@ -13,7 +13,8 @@ first layer of that kind a load converts; :func:`pack_decisions` lists them):
 
 - only torch's own dense, strided, 2-D CPU tensors (not a quantizer's tensor subclass, not a DTensor,
   not on an accelerator or ``meta``: those are returned unchanged and keep ``F.linear``), of a
-  floating dtype, with oneDNN available in this build;
+  floating dtype, with oneDNN available in this build, and not in a distributed job
+  (:mod:`fusion_linear_kernels.data_parallel`);
 - only where the packed kernel stands for ``F.linear``: on synthetic inputs of :data:`PROBE_ROWS`
   rows its output must be bit-identical to ``F.linear``'s in exact mode (without a bias), within
   :mod:`fusion_linear_kernels.tolerance`'s bound otherwise (with and without a bias). Measured here:
@@ -54,6 +55,7 @@ from torch.nn import functional as F
 from fusion_core.merge_policy import best_times
 from fusion_core.transforms import Shape, TransformOp
 from fusion_linear_kernels import compat
+from fusion_linear_kernels.data_parallel import in_distributed_job
 from fusion_linear_kernels.tolerance import admission_bound, admitted
 
 PROBE_ROWS = (1, 2, 3, 4, 16, 64)
@@ -94,6 +96,9 @@ def ineligible(weight: torch.Tensor) -> str | None:
         return f"{weight.dtype}: oneDNN packs bfloat16, float16 and float32"
     if not compat.available():
         return "this torch build has no oneDNN prepacked linear"
+    if in_distributed_job():
+        return ("a distributed job: data-parallel wrappers shard and broadcast a weight's storage, which a packed one "
+                "lacks (fusion_linear_kernels.data_parallel)")
     return None
 
 

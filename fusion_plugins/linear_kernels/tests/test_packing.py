@@ -403,3 +403,35 @@ def test_a_layer_whose_weight_the_model_reads_directly_stays_dense(tmp_path):
     assert not packed["lm_head"]
     got, expected = _decode(fused), _decode(plain)
     assert torch.equal(got[0], expected[0]) and all(torch.equal(a, b) for a, b in zip(got[1], expected[1], strict=True))
+
+
+# -- torch.distributed ------------------------------------------------------------------------------
+def test_a_distributed_job_keeps_every_weight_dense(checkpoints, monkeypatch):
+    """A process one launcher started as one rank of several (``WORLD_SIZE`` > 1, as torchrun sets it) packs nothing,
+    even before its process group is up, and decodes like the model without this family (exact mode)."""
+    directory = checkpoints[("llama", False, torch.bfloat16)]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    fused = _load(directory, {**MERGED, "linear_kernels": {"exact": True}})
+    layers = _packed_layers(fused)
+    assert layers and not any(layers.values()), layers
+    reference = _load(directory, MERGED)
+    assert all(torch.equal(a, b) for a, b in zip(_decode(fused)[1], _decode(reference)[1], strict=True))
+
+
+def test_fsdp2_over_packed_weights_is_refused_by_name(checkpoints):
+    """A model that packed its weights in a single process, then wrapped once a process group is up: FSDP2's
+    ``fully_shard`` raises naming the family, the module and the ways out, instead of torch's missing-kernel error."""
+    from torch.distributed.fsdp import fully_shard
+
+    fused = _load(checkpoints[("llama", False, torch.bfloat16)], {"linear_kernels": True})
+    assert fused.model.layers[0].self_attn.q_proj.packed
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(NotImplementedError, match=r"linear_kernels holds the weight of 'model\.layers\.0\.\S+' "
+                                                      r"prepacked .* load the model in the distributed job .* "
+                                                      r"fusion_core\.unfuse\(model\)"):
+            fully_shard(fused.model.layers[0])
+    finally:
+        torch.distributed.destroy_process_group()
+    fusion_core.unfuse(fused)
+    assert not any(is_packed(p) for p in fused.parameters())  # the way out the message gives
