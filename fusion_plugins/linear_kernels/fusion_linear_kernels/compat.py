@@ -25,6 +25,12 @@ None), while its own CPU ``F.linear`` dispatch is slower at one row (``benchmark
 --quantize int8wo`` measures both). :func:`int8_rows` reads those fields by name and returns None for
 anything else (a nonzero zero point, another block size, quantized activations).
 
+A custom operator's kernel runs with autograd's dispatch keys excluded from the thread's dispatch state, so
+autograd records nothing inside it. The backward of the packed experts' operator recomputes the experts under
+autograd inside another operator (a traced backward must not look inside): :func:`recording_inside_an_operator`
+clears the excluded keys for that block with ``torch._C._ForceDispatchKeyGuard`` (the thread's include set
+kept, nothing excluded), as torch's own ``torch._C._AutoDispatchBelowAutograd`` guard sets them.
+
 One private method of ``nn.Module`` is overridden, not called from here: the fused class's
 ``_apply`` (what ``.to()``, ``.half()``, ``.cuda()`` call on every module; unchanged since torch 1.0)
 unpacks the weight before ``nn.Module._apply`` runs and packs it again only where it still may be
@@ -33,8 +39,10 @@ unpacks the weight before ``nn.Module._apply`` runs and packs it again only wher
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
+from collections.abc import Iterator
 
 import torch
 
@@ -105,3 +113,12 @@ def int8_linear(input: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) ->
     rows = input.reshape(-1, input.shape[-1]).contiguous()
     out: torch.Tensor = torch._weight_int8pack_mm(rows, data, scale.to(input.dtype))
     return out.view(*input.shape[:-1], data.shape[0])
+
+
+@contextlib.contextmanager
+def recording_inside_an_operator() -> Iterator[None]:
+    """Autograd records again inside a custom operator's kernel (see the module docs), gradients enabled."""
+    nothing_excluded = torch._C.DispatchKeySet(torch._C.DispatchKey.Undefined)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), nothing_excluded), \
+            torch.enable_grad():
+        yield

@@ -26,9 +26,9 @@ from torch import nn
 
 
 @functools.cache
-def weights_read(cls: type) -> frozenset[str]:
+def weights_read(cls: type, leaf: str = "weight") -> frozenset[str]:
     """The attribute names ``n`` for which the source of ``cls`` (its MRO's classes, torch's own excluded) reads
-    ``<expression>.n.weight``."""
+    ``<expression>.n.<leaf>``."""
     names: set[str] = set()
     for klass in cls.__mro__:
         if klass is object or klass.__module__.split(".")[0] == "torch":
@@ -38,19 +38,20 @@ def weights_read(cls: type) -> frozenset[str]:
         except (OSError, TypeError, SyntaxError):  # no readable source (built dynamically)
             continue
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr == "weight" and isinstance(node.value, ast.Attribute):
+            if isinstance(node, ast.Attribute) and node.attr == leaf and isinstance(node.value, ast.Attribute):
                 names.add(node.value.attr)
     return frozenset(names)
 
 
-def read_directly(model: nn.Module, path: str) -> str | None:
-    """The class on the path to ``path`` whose code reads ``<...>.<name>.weight`` for the layer's name, or None."""
+def read_directly(model: nn.Module, path: str, leaves: tuple[str, ...] = ("weight",)) -> str | None:
+    """The class on the path to ``path`` whose code reads ``<...>.<name>.<leaf>`` for the module's name and one of
+    its ``leaves`` (a 5.x experts module's ``gate_up_proj`` / ``down_proj``), or None."""
     *parents, name = path.split(".")
     module: nn.Module | None = model
     for index in range(len(parents) + 1):
         if module is None:
             return None
-        if name in weights_read(type(module)):
+        if any(name in weights_read(type(module), leaf) for leaf in leaves):
             return type(module).__qualname__
         if index < len(parents):
             module = module._modules.get(parents[index])

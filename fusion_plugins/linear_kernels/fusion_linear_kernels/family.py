@@ -39,14 +39,17 @@ from torch.nn import functional as F
 from fusion_core.merged import LinearKernel, MergedProjection, is_plain_linear
 from fusion_core.spec import FamilyOptions, FusedModule, FusionFamily, fused_subclass
 from fusion_core.transforms import BoundTransform, ModulePlan, WeightTransform, attached_plan, bind_transforms
-from fusion_linear_kernels import data_parallel, experts, packing
+from fusion_linear_kernels import data_parallel, experts, packed_experts, packing
 from fusion_linear_kernels.choice import linear, linear_exact, linear_within_bound
+from fusion_linear_kernels.packed_experts import PrepackExperts, is_packed_experts
 from fusion_linear_kernels.packing import PrepackLinearWeight, ineligible, is_packed, packs, unpack
 
 #: Set in a pickled (or deep-copied) fused module's state: the parameters it holds packed, pickled dense.
 _PACKED_STATE = "_fusion_linear_kernels_packed"
 #: In a fused layer's ``__dict__``: whether its weight is packed, for traced code (see ``LinearKernelsMixin.forward``).
 PACKED_FLAG = "_fusion_linear_kernels_weight_packed"
+#: In a packed experts module's ``__dict__``: the key its traced operator finds it by (see ``ExpertsKernelsMixin``).
+_OPERATOR_KEY = "_fusion_linear_kernels_operator_key"
 
 
 class LinearKernelsOptions(FamilyOptions):
@@ -60,7 +63,84 @@ class LinearKernelsOptions(FamilyOptions):
     )
 
 
-class LinearKernelsMixin(FusedModule):
+class PackedParametersMixin(FusedModule):
+    """Copies, pickles and ``.to()`` of a fused module holding parameters in a packed runtime layout: a packed
+    tensor has no storage Python can see, so they go through the dense tensors and pack again.
+
+    Subclasses say which tensors are packed (:meth:`_is_packed`), how to unpack one (:meth:`_dense`) and how to
+    pack a dense parameter again where it still may be (:meth:`_repack`).
+    """
+
+    exact: ClassVar[bool] = False
+
+    @staticmethod
+    def _is_packed(tensor: torch.Tensor | None) -> bool:
+        raise NotImplementedError
+
+    @staticmethod
+    def _dense(tensor: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _repack(self, name: str) -> None:
+        raise NotImplementedError
+
+    @property
+    def fusion_path(self) -> str:
+        """The module's path in its model (from its fusion plan), for messages."""
+        plan = attached_plan(self)
+        return getattr(plan, "path", "") or ""
+
+    def fusion_mark_layout(self) -> None:
+        """Record what traced code needs to know of the layout (a fake tensor shows none)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        packed = [name for name, p in self._parameters.items() if self._is_packed(p)]
+        if packed:
+            parameters = dict(self._parameters)
+            for name in packed:
+                held = parameters[name]
+                parameters[name] = nn.Parameter(self._dense(held), requires_grad=bool(held.requires_grad))
+            state["_parameters"], state[_PACKED_STATE] = parameters, tuple(packed)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        packed = state.pop(_PACKED_STATE, ())
+        super().__setstate__(state)
+        for name in packed:
+            self._repack(name)
+        if PACKED_FLAG in self.__dict__:
+            self.fusion_mark_layout()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        # A packed tensor that fn leaves as it is (``.to("cpu")`` on the CPU) is kept as it is; any other is
+        # unpacked, converted by nn.Module, and packed again where it still may be (on an accelerator it stays dense).
+        parameters = self._parameters
+        kept: dict[str, nn.Parameter] = {}
+        unpacked: list[str] = []
+        for name, held in list(parameters.items()):
+            if held is None or not self._is_packed(held):
+                continue
+            try:
+                unchanged = fn(held) is held
+            except (RuntimeError, NotImplementedError, TypeError):
+                unchanged = False
+            if unchanged:
+                kept[name], parameters[name] = held, None
+            else:
+                unpacked.append(name)
+                parameters[name] = nn.Parameter(self._dense(held), requires_grad=held.requires_grad)
+        try:
+            result = super()._apply(fn, recurse)
+        finally:
+            parameters.update(kept)  # the keys stayed in place (set to None), so the order is the original one
+        for name in unpacked:
+            self._repack(name)
+        self.fusion_mark_layout()
+        return result
+
+
+class LinearKernelsMixin(PackedParametersMixin):
     """The fused behaviour mixed into an ``nn.Linear`` subclass: the packed kernel for a prepacked weight, the chosen
     kernel at few rows for a dense one."""
 
@@ -82,12 +162,6 @@ class LinearKernelsMixin(FusedModule):
         return linear(input, weight, self.bias, self.exact)
 
     @property
-    def fusion_path(self) -> str:
-        """The module's path in its model (from its fusion plan), for messages."""
-        plan = attached_plan(self)
-        return getattr(plan, "path", "") or ""
-
-    @property
     def packed(self) -> bool:
         """Whether the weight is held in oneDNN's prepacked layout (:mod:`fusion_linear_kernels.packing`)."""
         return is_packed(self._parameters.get("weight"))
@@ -103,52 +177,8 @@ class LinearKernelsMixin(FusedModule):
         layout = ", weight=prepacked" if self.packed else ""
         return f"{super().extra_repr()}, kernels={'exact' if self.exact else 'within bound'}{layout}"
 
-    # A packed weight has no storage Python can see: copies, pickles and .to() go through the dense weight.
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        packed = [name for name, p in self._parameters.items() if is_packed(p)]
-        if packed:
-            parameters = dict(self._parameters)
-            for name in packed:
-                dense = parameters[name]
-                parameters[name] = nn.Parameter(unpack(dense), requires_grad=bool(dense.requires_grad))
-            state["_parameters"], state[_PACKED_STATE] = parameters, tuple(packed)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        packed = state.pop(_PACKED_STATE, ())
-        super().__setstate__(state)
-        for name in packed:
-            self._repack(name)
-        if PACKED_FLAG in self.__dict__:
-            self.fusion_mark_layout()
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
-        # A packed weight that fn leaves as it is (``.to("cpu")`` on the CPU) is kept as it is; any other is
-        # unpacked, converted by nn.Module, and packed again where it still may be (on an accelerator it stays dense).
-        parameters = self._parameters
-        kept: dict[str, nn.Parameter] = {}
-        unpacked: list[str] = []
-        for name, weight in list(parameters.items()):
-            if weight is None or not is_packed(weight):
-                continue
-            try:
-                unchanged = fn(weight) is weight
-            except (RuntimeError, NotImplementedError, TypeError):
-                unchanged = False
-            if unchanged:
-                kept[name], parameters[name] = weight, None
-            else:
-                unpacked.append(name)
-                parameters[name] = nn.Parameter(unpack(weight), requires_grad=weight.requires_grad)
-        try:
-            result = super()._apply(fn, recurse)
-        finally:
-            parameters.update(kept)  # the keys stayed in place (set to None), so the order is the original one
-        for name in unpacked:
-            self._repack(name)
-        self.fusion_mark_layout()
-        return result
+    _is_packed = staticmethod(is_packed)
+    _dense = staticmethod(unpack)
 
     def _repack(self, name: str) -> None:
         dense = self._parameters[name]
@@ -165,22 +195,78 @@ class ExactLinearKernelsMixin(LinearKernelsMixin):
     exact: ClassVar[bool] = True
 
 
-class ExpertsKernelsMixin(FusedModule):
-    """The fused behaviour mixed into a transformers 5.x experts module: at decode, the experts implementation
-    measured fastest for the kind of call (:mod:`fusion_linear_kernels.experts`); no tensor moves."""
+class ExpertsKernelsMixin(PackedParametersMixin):
+    """The fused behaviour mixed into a transformers 5.x experts module: expert weights held prepacked per expert
+    where that measured faster (:mod:`fusion_linear_kernels.packed_experts`), which then run the routed experts'
+    packed GEMMs at every row count; otherwise, at decode, the experts implementation measured fastest for the kind
+    of call (:mod:`fusion_linear_kernels.experts`)."""
 
     exact: ClassVar[bool] = False
     """Take only implementations bit-identical to the configured one (the family's ``exact`` option)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.__dict__.get(PACKED_FLAG):  # transformers' implementations cannot read packed stacks
+            hidden_states, top_k_index, top_k_weights = _experts_arguments(args, kwargs)
+            recording = torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad
+                                                     or self._trained())
+            if torch.compiler.is_compiling() or recording:  # one operator: traced opaquely, differentiated by it
+                trained = packed_experts.TRAINED if torch.is_grad_enabled() and self._trained() else \
+                    packed_experts.FROZEN
+                return packed_experts.packed_experts_op(hidden_states, top_k_index, top_k_weights, trained,
+                                                        self.__dict__[_OPERATOR_KEY], self.fusion_path)
+            return packed_experts.routed(self, hidden_states, top_k_index, top_k_weights, self.fusion_path)
         if torch.compiler.is_compiling() or kwargs or len(args) != 3:
             return super().forward(*args, **kwargs)
         hidden_states, top_k_index, top_k_weights = args
         return experts.run(self, hidden_states, top_k_index, top_k_weights, self.exact, super().forward)
 
+    def _trained(self) -> bool:
+        return any(p.requires_grad for p in self._parameters.values() if is_packed_experts(p))
+
+    @property
+    def packed(self) -> bool:
+        """Whether the expert weights are held prepacked per expert."""
+        return any(is_packed_experts(p) for p in self._parameters.values())
+
+    def fusion_mark_layout(self) -> None:
+        """Record whether the stacks are packed where ``torch.compile`` reads it (see ``forward``), register the
+        module for the traced operator, and label each packed stack with its path (what a refusal names)."""
+        self.__dict__[PACKED_FLAG] = self.packed
+        if self.packed:
+            self.__dict__[_OPERATOR_KEY] = packed_experts.register(self)
+            for name, stack in self._parameters.items():
+                if is_packed_experts(stack):
+                    data_parallel.label(stack, f"{self.fusion_path}.{name}")
+
+    _is_packed = staticmethod(is_packed_experts)
+
+    @staticmethod
+    def _dense(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.dense()  # type: ignore[attr-defined, no-any-return]
+
+    def _repack(self, name: str) -> None:
+        dense = self._parameters[name]
+        if dense is None or not packed_experts.packs_module(self, self.exact):
+            return
+        transposed = bool(getattr(self, "is_transposed", False))
+        self._parameters[name] = nn.Parameter(packed_experts.pack(dense.detach(), transposed),
+                                              requires_grad=dense.requires_grad)
+
     def extra_repr(self) -> str:
         mode = "exact" if self.exact else "within bound"
-        return f"{super().extra_repr()}, experts implementation at decode: measured ({mode})".lstrip(", ")
+        layout = "expert weights prepacked" if self.packed else "experts implementation at decode: measured"
+        return f"{super().extra_repr()}, {layout} ({mode})".lstrip(", ")
+
+
+def _experts_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """(hidden_states, top_k_index, top_k_weights) of an experts call, given by position or by name."""
+    names = ("hidden_states", "top_k_index", "top_k_weights")
+    values = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+    missing = [name for name in names if name not in values]
+    if missing or len(args) + len(kwargs) != 3:
+        raise TypeError(f"an experts module takes (hidden_states, top_k_index, top_k_weights); got {len(args)} "
+                        f"positional and {sorted(kwargs)} keyword arguments")
+    return tuple(values[name] for name in names)
 
 
 class ExactExpertsKernelsMixin(ExpertsKernelsMixin):
@@ -254,6 +340,19 @@ def packing_plan(module: nn.Module, plan: ModulePlan) -> ModulePlan:
     exact = bool(getattr(plan.fused_class, "exact", False))
     bound = None if plan.transforms else _packing_transforms(module, plan.path, exact)
     return plan if bound is None else dataclasses.replace(plan, transforms=bound)
+
+
+def experts_packing_plan(module: nn.Module, plan: ModulePlan) -> ModulePlan:
+    """``plan`` (a 5.x experts module's) with :class:`~fusion_linear_kernels.packed_experts.PrepackExperts` bound to
+    each 3-D expert weight where :func:`fusion_linear_kernels.packed_experts.packs_module` says so; else ``plan``."""
+    exact = bool(getattr(plan.fused_class, "exact", False))
+    if plan.transforms or not packed_experts.packs_module(module, exact):
+        return plan
+    transposed = bool(getattr(module, "is_transposed", False))
+    shapes = {name: tuple(t.shape) for name, t in module._parameters.items() if t is not None}
+    return dataclasses.replace(plan, transforms=bind_transforms(
+        LinearKernelsFamily.name, plan.path, shapes,
+        [WeightTransform((name,), (name,), PrepackExperts(transposed)) for name in packed_experts.stacks(module)]))
 
 
 def merged_packing_plan(parent: ModulePlan, name: str, container: nn.Module, exact: bool) -> ModulePlan | None:

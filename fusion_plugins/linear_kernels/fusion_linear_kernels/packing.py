@@ -216,6 +216,20 @@ def _packed_linear_fake(input: torch.Tensor, weight: torch.Tensor, bias: torch.T
     return input.new_empty((*input.shape[:-1], weight.shape[0]))
 
 
+@torch.library.custom_op("fusion_linear_kernels::packed_linear_input_grad", mutates_args=(),
+                         schema="(Tensor grad, Tensor weight) -> Tensor")
+def packed_linear_input_grad_op(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``grad @ dense weight``, the input gradient of :func:`packed_linear_op`, from a temporary dense copy of a packed
+    weight. An operator so that a traced backward (``torch.compile`` with autograd) reads the layout when it runs:
+    the traced code sees a fake, strided weight."""
+    return grad.matmul(unpack(weight))
+
+
+@packed_linear_input_grad_op.register_fake
+def _packed_linear_input_grad_fake(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return grad.new_empty((*grad.shape[:-1], weight.shape[1]))
+
+
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     ctx.weight, ctx.module = inputs[1], inputs[3]
 
@@ -223,7 +237,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> N
 def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None, None]:
     if ctx.needs_input_grad[1]:
         raise RuntimeError(refusal(ctx.module))
-    grad_input = grad.matmul(unpack(ctx.weight)) if ctx.needs_input_grad[0] else None
+    grad_input = packed_linear_input_grad_op(grad, ctx.weight) if ctx.needs_input_grad[0] else None
     grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.needs_input_grad[2] else None
     return grad_input, None, grad_bias, None
 

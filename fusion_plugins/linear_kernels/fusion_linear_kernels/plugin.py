@@ -40,14 +40,18 @@ from fusion_core.layout import fuse_instance, presenting_fused
 from fusion_core.merged import MergedLinear
 from fusion_core.transforms import ModulePlan
 from fusion_linear_kernels.direct_reads import read_directly
+from fusion_linear_kernels.experts import is_experts
 from fusion_linear_kernels.family import (
     PACKED_FLAG,
     LinearKernelsFamily,
     LinearKernelsMixin,
+    PackedParametersMixin,
+    experts_packing_plan,
     kernel,
     merged_packing_plan,
     packing_plan,
 )
+from fusion_linear_kernels.packed_experts import stacks
 
 
 @hookimpl
@@ -105,14 +109,22 @@ def bind_packing(model: nn.Module, built: MutableSequence[tuple[nn.Module, Modul
     (:mod:`fusion_linear_kernels.direct_reads`): see the module docs."""
     shared = _shared_parameters(model)
     for index, (module, plan) in enumerate(built):
-        weight = module._parameters.get("weight") if plan.family == LinearKernelsFamily.name else None
+        if plan.family != LinearKernelsFamily.name:
+            continue
+        if is_experts(module):
+            names = tuple(stacks(module))
+            if not any(id(p) in shared for p in stacks(module).values()) and read_directly(model, plan.path,
+                                                                                            names) is None:
+                built[index] = (module, experts_packing_plan(module, plan))
+            continue
+        weight = module._parameters.get("weight")
         if weight is not None and id(weight) not in shared and read_directly(model, plan.path) is None:
             built[index] = (module, packing_plan(module, plan))
 
 
 @hookimpl
 def fusion_module_fused(module: nn.Module, plan: ModulePlan) -> None:
-    if isinstance(module, LinearKernelsMixin):
+    if isinstance(module, PackedParametersMixin):
         module.fusion_mark_layout()
 
 

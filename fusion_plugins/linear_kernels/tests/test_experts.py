@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from fusion_linear_kernels import experts
+from fusion_linear_kernels import experts, packed_experts, packing
 from fusion_linear_kernels.family import ExpertsKernelsMixin
 from transformers import AutoModelForCausalLM
 
@@ -35,10 +35,22 @@ IDS = torch.tensor([[5, 17, 42, 9]])
 
 @pytest.fixture(autouse=True)
 def _configured_is_slowest(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The configured implementation measures slowest; packing measures slower (weights stay dense) unless a test
+    asks for :func:`_packing_wins`."""
     monkeypatch.setattr(experts, "best_times", lambda ways, device: [1.0] + [0.5] * (len(ways) - 1))
+    monkeypatch.setattr(packing, "best_times", lambda ways, device: [0.5] + [1.0] * (len(ways) - 1))
     experts.clear_decisions()
+    packing.clear_pack_decisions()
+    packed_experts.clear_decisions()
     yield
     experts.clear_decisions()
+    packing.clear_pack_decisions()
+    packed_experts.clear_decisions()
+
+
+@pytest.fixture
+def _packing_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packing, "best_times", lambda ways, device: [1.0] + [0.5] * (len(ways) - 1))
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +181,109 @@ def test_every_candidate_computes_the_configured_output(checkpoints, name, dtype
                 got = experts.implementation(module, candidate)(module, hidden, index, weights)
                 assert got.shape == reference.shape and got.dtype == reference.dtype, candidate
                 assert float((got.float() - reference.float()).abs().max()) <= bound, (candidate, rows)
+
+
+# -- expert weights held prepacked (fusion_linear_kernels.packed_experts) -----------------------------------------
+def _packed_modules(model: Any) -> list[ExpertsKernelsMixin]:
+    found = [m for m in model.modules() if isinstance(m, ExpertsKernelsMixin)]
+    assert found and all(m.packed for m in found), [m.packed for m in found]  # a test cannot pass on dense stacks
+    stacks = [p for m in found for p in packed_experts.stacks(m).values()]
+    assert stacks and all(isinstance(p, packed_experts.PackedExperts) for p in stacks)
+    return found
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    scale = float(want.abs().max()) + 1
+    assert float((got - want).abs().max()) <= TOLERANCES[torch.float32] * scale, float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("name", sorted(MOE_MODELS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_experts_decode_and_prefill_like_the_configured_implementation(checkpoints, name, dtype,
+                                                                             _packing_wins):
+    plain = AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=dtype).eval()
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, checkpoints[name], fusion_config={"linear_kernels": True},
+                                        dtype=dtype).eval()
+    _packed_modules(fused)
+    long = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))  # prefill: rows grouped
+    with torch.no_grad():
+        _close(fused(long).logits.float(), plain(long).logits.float())
+    tokens, logits = _decode(fused)
+    expected_tokens, expected_logits = _decode(plain)
+    assert torch.equal(tokens, expected_tokens)
+    _close(logits.float(), expected_logits.float())
+    want, got = plain.state_dict(), fused.state_dict()  # the stacks as they were loaded, bit for bit
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_packed_experts_exact_mode_is_bit_identical_or_stays_dense(checkpoints, _packing_wins):
+    """Exact mode packs a module's experts only where its probes were bit-identical to the configured
+    implementation; the model then decodes bit-identically, packed or not."""
+    directory = checkpoints["olmoe"]
+    expected_tokens, expected_logits = _decode(AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16))
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, directory, dtype=torch.bfloat16,
+                                        fusion_config={"linear_kernels": {"exact": True}}).eval()
+    tokens, logits = _decode(fused)
+    assert torch.equal(tokens, expected_tokens) and torch.equal(logits, expected_logits)
+
+
+def test_packed_experts_save_copy_pickle_convert_and_unfuse(checkpoints, tmp_path, _packing_wins):
+    directory = checkpoints["qwen2_moe"]
+    plain, fused = _load(directory, None), _load(directory, {"linear_kernels": True})
+    _packed_modules(fused)
+    fusion_core.save_pretrained(fused, tmp_path / "saved")
+    assert (tmp_path / "saved" / "model.safetensors").read_bytes() == (directory / "model.safetensors").read_bytes()
+    with torch.no_grad():
+        expected = fused(IDS).logits
+        for other in (pickle.loads(pickle.dumps(fused)), copy.deepcopy(fused)):
+            _packed_modules(other)
+            assert torch.equal(other(IDS).logits, expected)
+        converted = copy.deepcopy(fused).to(torch.bfloat16)  # unpacked, converted, packed again
+        assert all(p.dtype == torch.bfloat16 for m in _packed_modules(converted) for p in m.parameters())
+        _close(converted(IDS).logits.float(), plain.to(torch.bfloat16)(IDS).logits.float())
+    fusion_core.unfuse(fused)
+    assert not any(isinstance(m, ExpertsKernelsMixin) for m in fused.modules())
+    want = AutoModelForCausalLM.from_pretrained(directory).state_dict()
+    assert all(type(p) is torch.nn.Parameter for p in fused.parameters())
+    assert all(torch.equal(fused.state_dict()[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_packed_experts_compile_and_train_through_frozen_experts(checkpoints, backend, _packing_wins):
+    """Compiled with fullgraph (the packed experts are one operator), and gradients reach the layers before a
+    frozen experts layer (LoRA's case) as in the plain model, eager and compiled; an expert weight that requires grad
+    is refused by name at backward."""
+    directory = checkpoints["olmoe"]
+    plain = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, directory, fusion_config={"linear_kernels": True},
+                                        dtype=torch.bfloat16)
+    _packed_modules(fused)
+    for model in (plain, fused):
+        model.requires_grad_(False)
+        model.model.embed_tokens.weight.requires_grad_(True)
+    plain(input_ids=IDS, labels=IDS).loss.backward()
+    torch._dynamo.reset()
+    compiled = torch.compile(fused.forward, fullgraph=True, backend=backend)
+    for run in (fused, compiled):
+        fused.model.embed_tokens.weight.grad = None
+        loss = run(input_ids=IDS, labels=IDS).loss
+        loss.backward()
+        _close(fused.model.embed_tokens.weight.grad.float(), plain.model.embed_tokens.weight.grad.float())
+    fused.model.layers[1].mlp.experts.gate_up_proj.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"linear_kernels holds the weight of the experts of "
+                                           r"model\.layers\.1\.mlp\.experts prepacked .* cannot be trained"):
+        fused(input_ids=IDS, labels=IDS).loss.backward()
+
+
+def test_fsdp2_over_packed_experts_is_refused_by_name(checkpoints, _packing_wins):
+    from torch.distributed.fsdp import fully_shard
+
+    fused = _load(checkpoints["mixtral"], {"linear_kernels": True})
+    _packed_modules(fused)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(NotImplementedError, match=r"linear_kernels holds the weight of "
+                                                      r"'model\.layers\.0\.mlp\.experts\.\w+' prepacked per expert"):
+            fully_shard(fused.model.layers[0].mlp.experts)
+    finally:
+        torch.distributed.destroy_process_group()
