@@ -258,6 +258,18 @@ def main(argv: list[str] | None = None) -> None:
             routed.rows.append([str(kind_dtype)[6:], " ".join("x".join(map(str, s)) for s in shapes), str(rows),
                                 str(top_k), configured, str(exact), name])
         log(routed.text())
+    from fusion_linear_kernels.packed_experts import decisions as packed_experts_decisions
+
+    if packed_experts_decisions():
+        held = Table("linear_kernels experts layout (kind -> layout)",
+                     ["class", "dtype", "weights", "top k", "configured", "exact", "layout", "measured"])
+        for (cls, shapes, kind_dtype, exact, top_k, configured), (is_packed, why) in sorted(
+                packed_experts_decisions().items(), key=str):
+            held.rows.append([cls.__name__, str(kind_dtype)[6:], " ".join(f"{n} {'x'.join(map(str, s))}"
+                                                                          for n, s in shapes),
+                              str(top_k), configured, str(exact), "prepacked per expert" if is_packed else "dense",
+                              why])
+        log(held.text())
     models.clear()
     gc.collect()
 

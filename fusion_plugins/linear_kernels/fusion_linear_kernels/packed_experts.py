@@ -47,7 +47,7 @@ from fusion_linear_kernels.tolerance import admitted
 #: Synthetic row counts on which a packed module must give the configured implementation's output.
 PROBE_ROWS = (1, 3)
 
-_MODULE_DECISIONS: dict[tuple[object, ...], bool] = {}
+_MODULE_DECISIONS: dict[tuple[object, ...], tuple[bool, str]] = {}
 
 
 class PackedExperts(torch.Tensor):
@@ -100,10 +100,19 @@ def pack(stack: torch.Tensor, transposed: bool) -> PackedExperts:
     return PackedExperts([compat.pack(matrix) for matrix in matrices], stack.shape, stack.dtype, transposed)
 
 
-def slice_kind(stack: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """The first expert's ``[out, in]`` matrix: what :func:`fusion_linear_kernels.packing.packs` decides a stack by."""
-    first = stack.detach()[0]
-    return (first.t() if transposed else first).contiguous()
+#: Bytes of expert matrices a packing measurement reads per pass: more than a CPU's last-level cache, so the pass
+#: reads from memory as a decode step does (one expert's matrix, timed again and again, may stay in cache).
+TIMED_BYTES = 64 * 2**20
+
+
+def timed_experts(stack: torch.Tensor, transposed: bool) -> list[torch.Tensor]:
+    """The ``[out, in]`` matrices of the experts a packing measurement times: evenly spread, :data:`TIMED_BYTES` in
+    all (at least one, at most 16)."""
+    dense = stack.detach()
+    each = dense[0].numel() * dense.element_size()
+    count = max(1, min(16, int(dense.shape[0]), -(-TIMED_BYTES // max(each, 1))))
+    picks = sorted({round(i * (dense.shape[0] - 1) / max(count - 1, 1)) for i in range(count)})
+    return [(dense[e].t() if transposed else dense[e]).contiguous() for e in picks]
 
 
 @dataclass(frozen=True)
@@ -285,6 +294,11 @@ def top_k_of(module: nn.Module) -> int:
     return 2
 
 
+def configured_name(module: nn.Module) -> str:
+    """The experts implementation the module's config selects."""
+    return str(module.config._experts_implementation)  # type: ignore[union-attr]
+
+
 def packs_module(module: nn.Module, exact: bool) -> bool:
     """Whether ``module``'s expert weights are held packed (see the module docs); measured once per kind of module
     (class, weight shapes, dtype, mode, configured implementation, experts per row)."""
@@ -296,29 +310,33 @@ def packs_module(module: nn.Module, exact: bool) -> bool:
                                                         or packing.ineligible(w.detach()[0]) is not None)
                           for w in weights.values()):  # a stack packed already (repacking after .to()) was eligible
         return False
-    configured_name = str(module.config._experts_implementation)  # type: ignore[union-attr]
     first = next(iter(weights.values()))
     top_k = min(top_k_of(module), int(first.shape[0]))
     kind = (type(module), tuple((n, tuple(w.shape)) for n, w in weights.items()), first.dtype, exact, top_k,
-            configured_name)
+            configured_name(module))
     known = _MODULE_DECISIONS.get(kind)
     if known is None:
         try:
-            configured = experts.implementation(module, configured_name)
+            configured = experts.implementation(module, configured_name(module))
         except (KeyError, TypeError):
             return False
         known = _MODULE_DECISIONS[kind] = _measure(module, weights, configured, exact, top_k, transposed)
-    return known
+    return known[0]
 
 
 def _measure(module: nn.Module, weights: dict[str, torch.Tensor], configured: Any, exact: bool, top_k: int,
-             transposed: bool) -> bool:
+             transposed: bool) -> tuple[bool, str]:
     """The per-expert kinds pack, and :func:`routed` over the routed experts packed gives the configured output."""
     from fusion_linear_kernels.experts import admission_bound
 
-    if "down_proj" not in weights or not all(packing.packs(slice_kind(w, transposed), exact)
-                                             for w in weights.values()):
-        return False
+    if "down_proj" not in weights:
+        return False, "no down_proj"
+    timings = []
+    for name, stack in weights.items():
+        verdict, why = packing.measure(timed_experts(stack, transposed), exact)
+        if not verdict:
+            return False, f"{name}: {why}"
+        timings.append(f"{name}: {why}")
     count = int(next(iter(weights.values())).shape[0])
     down = weights["down_proj"]
     hidden = int(down.shape[2] if transposed else down.shape[1])
@@ -333,11 +351,18 @@ def _measure(module: nn.Module, weights: dict[str, torch.Tensor], configured: An
             try:
                 reference = configured(module, x, index, routing)
                 got = routed(module, x, index, routing, held=packed)
-            except (RuntimeError, NotImplementedError, ValueError, AttributeError, KeyError):
-                return False
+            except (RuntimeError, NotImplementedError, ValueError, AttributeError, KeyError) as exc:
+                return False, f"the packed experts did not run: {type(exc).__name__}: {exc}"
             if not admitted(got, reference, admission_bound(reference, top_k), exact):
-                return False
-    return True
+                return False, (f"not {'bit-identical to' if exact else 'within the bound of'} {configured_name(module)}"
+                               f" at {rows} rows")
+    return True, "; ".join(timings)
+
+
+def decisions() -> dict[tuple[object, ...], tuple[bool, str]]:
+    """Whether each kind of experts module measured in this process holds its experts packed, and why: (class,
+    weight names and shapes, dtype, exact, experts per row, configured implementation) -> (packed, why)."""
+    return dict(_MODULE_DECISIONS)
 
 
 def clear_decisions() -> None:

@@ -118,31 +118,43 @@ def packs(weight: torch.Tensor, exact: bool, packed: torch.Tensor | None = None)
 
 def _measure(weight: torch.Tensor, exact: bool, packed: torch.Tensor | None) -> tuple[bool, str]:
     """(pack?, why) for ``weight``'s kind: the numerical probes, then the timings (module docs)."""
+    return measure([weight], exact, None if packed is None else [packed])
+
+
+def measure(weights: Sequence[torch.Tensor], exact: bool,
+            packed: Sequence[torch.Tensor] | None = None) -> tuple[bool, str]:
+    """(pack?, why) for a kind of weight: the numerical probes on the first of ``weights`` (all of one shape and
+    dtype), then the timings of one pass over all of them, dense and packed (``packed``: the same weights packed,
+    when the caller has them). Several distinct weights are read from memory, as a decode step reads them, where
+    one weight timed again and again may be served from cache."""
+    weight = weights[0]
     out, inn = weight.shape
     generator = torch.Generator().manual_seed(0)
     try:
         with torch.no_grad():
-            packed = compat.pack(weight) if packed is None else packed
+            packed = [compat.pack(w) for w in weights] if packed is None else packed
             bias = torch.randn(out, generator=generator).to(weight.dtype)
             for rows in PROBE_ROWS:
                 x = torch.randn(1, rows, inn, generator=generator).to(weight.dtype)
                 for b in (None,) if exact else (None, bias):  # exact mode packs no layer with a bias
                     reference = F.linear(x, weight, b)
-                    got = compat.packed_linear(x, packed, b)
+                    got = compat.packed_linear(x, packed[0], b)
                     if not admitted(got, reference, admission_bound(x, weight, reference), exact):
                         return False, f"not {'bit-identical to' if exact else 'within the bound of'} F.linear " \
                                       f"at {rows} rows{' with a bias' if b is not None else ''}"
             times = {}
             for rows in sorted({DECODE_ROWS, PREFILL_ROWS}):
                 x = torch.randn(1, rows, inn, generator=generator).to(weight.dtype)
-                ways = (lambda x=x: F.linear(x, weight), lambda x=x: compat.packed_linear(x, packed, None))
+                ways = (lambda x=x: [F.linear(x, w) for w in weights],
+                        lambda x=x: [compat.packed_linear(x, p, None) for p in packed])
                 first, second = best_times(ways, x.device), best_times(ways, x.device)
-                times[rows] = [min(a, b) for a, b in zip(first, second, strict=True)]
+                times[rows] = [min(a, b) / len(weights) for a, b in zip(first, second, strict=True)]
     except (RuntimeError, NotImplementedError) as exc:  # a dtype or shape oneDNN does not pack here
         return False, f"oneDNN refused it: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     (dense, fast), (dense_prefill, fast_prefill) = times[DECODE_ROWS], times[PREFILL_ROWS]
+    over = f" (each, a pass over {len(weights)})" if len(weights) > 1 else ""
     timing = (f"{DECODE_ROWS} row {dense * 1e3:.3f} -> {fast * 1e3:.3f} ms, "
-              f"{PREFILL_ROWS} rows {dense_prefill * 1e3:.3f} -> {fast_prefill * 1e3:.3f} ms")
+              f"{PREFILL_ROWS} rows {dense_prefill * 1e3:.3f} -> {fast_prefill * 1e3:.3f} ms{over}")
     if fast * _TIE >= dense:
         return False, f"not faster at decode ({timing})"
     if fast_prefill > dense_prefill * _TIE:
