@@ -1,6 +1,8 @@
 """``linear_kernels``: every plain ``nn.Linear`` (the LM head included, tied or not) holds its weight in the
 runtime layout, and runs the kernel, measured fastest for its kind on this machine; transformers 5.x's experts
-modules run, at decode, the experts implementation measured fastest (:mod:`fusion_linear_kernels.experts`).
+modules hold their expert weights prepacked per expert where that measured faster
+(:mod:`fusion_linear_kernels.packed_experts`), and otherwise run, at decode, the experts implementation measured
+fastest (:mod:`fusion_linear_kernels.experts`).
 
 Decode is bound by reading weights, and how close a GEMV gets to the memory's bandwidth depends
 on the layout the kernel reads and on the kernel: ``F.linear`` on a dense bfloat16 weight has oneDNN

@@ -11,14 +11,17 @@ of the stack's shape and dtype holding one packed ``[out, in]`` matrix per exper
 slices are packed transposed). The dense stack is released; :class:`PrepackExperts` is the invertible
 transform, its inverse the stack again, bit for bit, which ``state_dict``, saves and ``unfuse`` present.
 
-**Where it packs** (at load, per module, :func:`packs_module`): every 3-D weight of the module is a plain
-CPU floating tensor that :func:`fusion_linear_kernels.packing.ineligible` admits (not a quantizer's, not a
-DTensor, not in a distributed job), its per-expert kind packs (:func:`fusion_linear_kernels.packing.packs`:
-the packed GEMM within the bound of ``F.linear``, or bit-identical in exact mode, faster at one row and not
-slower at 64), and :func:`routed` (the computation a packed module runs) gives the configured
+**Where it packs** (at load, once per kind of module, :func:`packs_module`; :func:`decisions` lists them with
+the timings): every 3-D weight of the module is a plain CPU floating tensor that
+:func:`fusion_linear_kernels.packing.ineligible` admits (not a quantizer's, not a DTensor, not in a
+distributed job); each stack's expert matrices pack (:func:`fusion_linear_kernels.packing.measure`: the
+packed GEMM within the bound of ``F.linear``, or bit-identical in exact mode, and faster at one row and not
+slower at 64 over a pass of several experts, :func:`timed_experts`: one matrix timed again and again stays
+in cache, where packing measured no faster); and :func:`routed` over packed experts gives the configured
 implementation's output on synthetic inputs of 1 and 3 rows within
-:func:`fusion_linear_kernels.experts.admission_bound` (bit-identical in exact mode; measured once per kind of
-module). Biases stay dense.
+:func:`fusion_linear_kernels.experts.admission_bound` (bit-identical in exact mode). Biases stay dense. No
+weight read directly by a parent's code (``<...>.experts.gate_up_proj``:
+:mod:`fusion_linear_kernels.direct_reads`) is packed.
 
 **At run time** a packed module runs :func:`routed` for every row count (prefill groups the rows by expert;
 transformers' implementations cannot read a packed stack): autograd through the packed GEMMs' custom

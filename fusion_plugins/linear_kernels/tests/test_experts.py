@@ -192,9 +192,10 @@ def _packed_modules(model: Any) -> list[ExpertsKernelsMixin]:
     return found
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+    """Within the tolerance of ``dtype`` (the computation's), relative to the largest expected value."""
     scale = float(want.abs().max()) + 1
-    assert float((got - want).abs().max()) <= TOLERANCES[torch.float32] * scale, float((got - want).abs().max())
+    assert float((got - want).abs().max()) <= TOLERANCES[dtype] * scale, float((got - want).abs().max())
 
 
 @pytest.mark.parametrize("name", sorted(MOE_MODELS))
@@ -207,11 +208,11 @@ def test_packed_experts_decode_and_prefill_like_the_configured_implementation(ch
     _packed_modules(fused)
     long = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(0))  # prefill: rows grouped
     with torch.no_grad():
-        _close(fused(long).logits.float(), plain(long).logits.float())
+        _close(fused(long).logits.float(), plain(long).logits.float(), dtype)
     tokens, logits = _decode(fused)
     expected_tokens, expected_logits = _decode(plain)
     assert torch.equal(tokens, expected_tokens)
-    _close(logits.float(), expected_logits.float())
+    _close(logits.float(), expected_logits.float(), dtype)
     want, got = plain.state_dict(), fused.state_dict()  # the stacks as they were loaded, bit for bit
     assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
 
@@ -268,7 +269,9 @@ def test_packed_experts_compile_and_train_through_frozen_experts(checkpoints, ba
         fused.model.embed_tokens.weight.grad = None
         loss = run(input_ids=IDS, labels=IDS).loss
         loss.backward()
-        _close(fused.model.embed_tokens.weight.grad.float(), plain.model.embed_tokens.weight.grad.float())
+        # bf16 gradients: the routed sums round where transformers' implementation of this release rounds elsewhere
+        _close(fused.model.embed_tokens.weight.grad.float(), plain.model.embed_tokens.weight.grad.float(),
+               torch.bfloat16)
     fused.model.layers[1].mlp.experts.gate_up_proj.requires_grad_(True)
     with pytest.raises(RuntimeError, match=r"linear_kernels holds the weight of the experts of "
                                            r"model\.layers\.1\.mlp\.experts prepacked .* cannot be trained"):
