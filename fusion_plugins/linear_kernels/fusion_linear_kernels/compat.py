@@ -25,6 +25,11 @@ None), while its own CPU ``F.linear`` dispatch is slower at one row (``benchmark
 --quantize int8wo`` measures both). :func:`int8_rows` reads those fields by name and returns None for
 anything else (a nonzero zero point, another block size, quantized activations).
 
+The experts' packed stacks (:class:`fusion_linear_kernels.packed_experts.PackedExperts`) are a tensor subclass
+without storage of their own, built the way torch documents for wrapper subclasses: :func:`wrapper_tensor` calls
+``torch.Tensor._make_wrapper_subclass``, and :data:`NO_TORCH_FUNCTION` is ``torch._C._disabled_torch_function_impl``
+(the subclass handles operators in ``__torch_dispatch__`` only).
+
 A custom operator's kernel runs with autograd's dispatch keys excluded from the thread's dispatch state, so
 autograd records nothing inside it. The backward of the packed experts' operator recomputes the experts under
 autograd inside another operator (a traced backward must not look inside): :func:`recording_inside_an_operator`
@@ -122,3 +127,13 @@ def recording_inside_an_operator() -> Iterator[None]:
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), nothing_excluded), \
             torch.enable_grad():
         yield
+
+
+NO_TORCH_FUNCTION = torch._C._disabled_torch_function_impl
+"""A wrapper subclass's ``__torch_function__``: none of its own (operators reach ``__torch_dispatch__``)."""
+
+
+def wrapper_tensor(cls: type[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An instance of the wrapper subclass ``cls`` of ``shape`` and ``dtype`` on the CPU, without storage."""
+    tensor: torch.Tensor = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=torch.device("cpu"))
+    return tensor

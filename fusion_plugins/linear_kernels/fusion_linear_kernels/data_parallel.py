@@ -46,11 +46,11 @@ def label(weight: torch.Tensor, module_path: str) -> None:
         setattr(weight, _MODULE_ATTRIBUTE, module_path)
 
 
-def refusal(tensor: torch.Tensor) -> str:
-    """The message a strided view of a packed weight raises."""
+def refusal(tensor: torch.Tensor, held: str = "prepacked") -> str:
+    """The message a strided view of a packed weight raises (``held``: how the weight is held)."""
     module = getattr(tensor, _MODULE_ATTRIBUTE, None)
     which = f"the weight of {module!r}" if module else "a weight"
-    return (f"linear_kernels holds {which} prepacked (oneDNN's opaque layout), which has no strided view, so it "
+    return (f"linear_kernels holds {which} {held} (oneDNN's opaque layout), which has no strided view, so it "
             "cannot be sharded or broadcast (FSDP2's fully_shard, DDP): load the model in the distributed job (after "
             "torch.distributed.init_process_group, or under torchrun), where linear_kernels keeps every weight dense, "
             "or call fusion_core.unfuse(model) before wrapping it")

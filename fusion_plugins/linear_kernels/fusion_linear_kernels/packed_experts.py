@@ -68,9 +68,9 @@ class PackedExperts(torch.Tensor):
     @staticmethod
     def __new__(cls, experts: Sequence[torch.Tensor], shape: Sequence[int], dtype: torch.dtype,
                 transposed: bool) -> PackedExperts:
-        tensor = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=torch.device("cpu"))
-        tensor.experts, tensor.transposed = tuple(experts), transposed
-        return tensor
+        tensor = compat.wrapper_tensor(cls, tuple(shape), dtype)
+        tensor.experts, tensor.transposed = tuple(experts), transposed  # type: ignore[attr-defined]
+        return tensor  # type: ignore[return-value]
 
     def dense(self) -> torch.Tensor:
         """The dense stack: each expert's matrix unpacked (new memory, the original bytes)."""
@@ -80,7 +80,7 @@ class PackedExperts(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         return f"PackedExperts(shape={tuple(self.shape)}, dtype={self.dtype}, experts prepacked)"
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = compat.NO_TORCH_FUNCTION
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
@@ -89,7 +89,7 @@ class PackedExperts(torch.Tensor):
             twin = PackedExperts(self.experts, self.shape, self.dtype, self.transposed)
             twin.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("experts", "transposed")})
             return twin
-        raise NotImplementedError(f"{func}: {strided_view_refusal(self).replace('prepacked', 'prepacked per expert')}")
+        raise NotImplementedError(f"{func}: {strided_view_refusal(self, 'prepacked per expert')}")
 
 
 def is_packed_experts(tensor: torch.Tensor | None) -> bool:
@@ -184,6 +184,8 @@ def routed(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Te
 
     rows, top_k = top_k_index.shape
     sample_weights = top_k_weights.reshape(-1)
+    if rows == 0:
+        return hidden_states.new_zeros(hidden_states.shape)
     if rows == 1:  # a decode step: the row's experts in routing order, no grouping to do
         weighted = torch.cat([expert_output(expert, hidden_states) for expert in top_k_index[0].tolist()])
         return (weighted * sample_weights.unsqueeze(-1)).sum(dim=0, keepdim=True).to(hidden_states.dtype)
