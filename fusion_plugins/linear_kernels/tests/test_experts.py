@@ -290,3 +290,12 @@ def test_fsdp2_over_packed_experts_is_refused_by_name(checkpoints, _packing_wins
             fully_shard(fused.model.layers[0].mlp.experts)
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_packed_experts_take_a_call_with_no_rows(checkpoints, _packing_wins):
+    fused = _load(checkpoints["olmoe"], {"linear_kernels": True})
+    module = _packed_modules(fused)[0]
+    hidden = torch.randn(0, fused.config.hidden_size)
+    out = module(hidden, torch.zeros(0, fused.config.num_experts_per_tok, dtype=torch.long),
+                 torch.zeros(0, fused.config.num_experts_per_tok))
+    assert out.shape == hidden.shape
