@@ -28,7 +28,7 @@ experts), for other call signatures, and under ``torch.compile`` (the traced cod
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -86,47 +86,73 @@ def is_experts(module: nn.Module) -> bool:
             and any(p.dim() == 3 for p in module.parameters(recurse=False)))
 
 
-def routed_gemv(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The experts' output computed with one matrix-vector product per routed (row, expert) pair and projection.
+Projection = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", int, bool], torch.Tensor]
+"""``project(rows, stack, bias_stack, expert, transposed)``: ``rows`` through expert ``expert``'s matrix of a 3-D
+``stack`` (``[experts, out, in]``, or ``[experts, in, out]`` when ``transposed``), plus its bias."""
 
-    The arithmetic of transformers' ``batched_mm`` implementation (the same module attributes: gate or not,
-    biases, transposed weights, a post-expert norm; the weighted outputs summed over the routed experts, then
-    cast to the input's dtype), but each routed expert's weight is read where it lies, by a BLAS GEMV (``mv``;
-    a vector-matrix product for transposed weights), instead of being gathered into a batch (``batched_mm``) or
-    multiplied by oneDNN's GEMM, which reorders a bfloat16 weight on every call (``eager``, ``grouped_mm``).
-    Raises ``NotImplementedError`` under expert parallelism (its sentinel experts), which :func:`choose` reads
-    as "not applicable".
+
+def routed(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+           project: Projection, held: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """The experts' output over the routed (row, expert) pairs only, each expert's matrices applied by ``project``.
+
+    The arithmetic of transformers' ``batched_mm`` implementation (the module's gate or activation, biases,
+    transposed weights, a post-expert norm; each pair's output times its routing weight, summed over the routed
+    experts, then cast to the input's dtype), with the pairs grouped by expert (one row at decode: the row's
+    experts in routing order). ``held`` stands in for the module's own 3-D weights, by name. Raises
+    ``NotImplementedError`` under expert parallelism (its sentinel experts), which :func:`choose` reads as "not
+    applicable".
     """
     if getattr(module, "_is_expert_parallel", False):
-        raise NotImplementedError("routed_gemv does not run expert-parallel experts")
+        raise NotImplementedError("the routed experts' computation does not run expert-parallel experts")
     # transformers 5.0's dispatcher sets no has_gate (every expert is gated there) nor a post-expert norm.
     gated, biased = bool(getattr(module, "has_gate", True)), bool(getattr(module, "has_bias", False))
     transposed = bool(getattr(module, "is_transposed", False))
-    up = module.gate_up_proj if gated else module.up_proj
-    up_bias = (module.gate_up_proj_bias if gated else module.up_proj_bias) if biased else None
-    down, down_bias = module.down_proj, (module.down_proj_bias if biased else None)
+    up_name = "gate_up_proj" if gated else "up_proj"
+    up, down = (getattr(module, name) if held is None or name not in held else held[name]
+                for name in (up_name, "down_proj"))
+    up_bias = getattr(module, f"{up_name}_bias") if biased else None
+    down_bias = module.down_proj_bias if biased else None
+    post_norm = getattr(module, "has_post_expert_norm", False)
 
-    def project(weight: torch.Tensor, vector: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(vector, weight) if transposed else torch.mv(weight, vector)
+    def expert_output(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        hidden = project(rows, up, up_bias, expert, transposed)
+        hidden = module._apply_gate(hidden) if gated else module.act_fn(hidden)
+        out = project(hidden, down, down_bias, expert, transposed)
+        return module.post_expert_norm(out) if post_norm else out
 
-    outputs = []
-    for row, experts in zip(hidden_states, top_k_index.tolist(), strict=True):
-        per_expert = []
-        for expert in experts:
-            hidden = project(up[expert], row)
-            if up_bias is not None:
-                hidden = hidden + up_bias[expert]
-            hidden = module._apply_gate(hidden.unsqueeze(0)).squeeze(0) if gated else module.act_fn(hidden)
-            out = project(down[expert], hidden)
-            if down_bias is not None:
-                out = out + down_bias[expert]
-            if getattr(module, "has_post_expert_norm", False):
-                out = module.post_expert_norm(out.unsqueeze(0)).squeeze(0)
-            per_expert.append(out)
-        outputs.append(torch.stack(per_expert))
-    weighted = torch.stack(outputs) * top_k_weights.unsqueeze(-1)  # (rows, top_k, hidden)
-    return weighted.sum(dim=1).to(hidden_states.dtype)
+    rows, top_k = top_k_index.shape
+    sample_weights = top_k_weights.reshape(-1)
+    if rows == 0:
+        return hidden_states.new_zeros(hidden_states.shape)
+    if rows == 1:  # a decode step: the row's experts in routing order, no grouping to do
+        weighted = torch.cat([expert_output(expert, hidden_states) for expert in top_k_index[0].tolist()])
+        return (weighted * sample_weights.unsqueeze(-1)).sum(dim=0, keepdim=True).to(hidden_states.dtype)
+    flat_ids = top_k_index.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    ids, counts = torch.unique_consecutive(flat_ids[order], return_counts=True)
+    pieces = []
+    for pairs, expert in zip(torch.split(order, counts.tolist()), ids.tolist(), strict=True):
+        pieces.append(expert_output(expert, hidden_states[pairs // top_k]) * sample_weights[pairs].unsqueeze(-1))
+    weighted = torch.cat(pieces)[torch.argsort(order)]  # back in (row, k) order
+    return weighted.view(rows, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def _gemv(rows: torch.Tensor, stack: torch.Tensor, bias: torch.Tensor | None, expert: int,
+          transposed: bool) -> torch.Tensor:
+    """One BLAS matrix-vector product per row (``mv``; a vector-matrix product for a transposed stack), the bias
+    added after."""
+    weight = stack[expert]
+    out = torch.stack([torch.matmul(row, weight) if transposed else torch.mv(weight, row) for row in rows])
+    return out if bias is None else out + bias[expert]
+
+
+def routed_gemv(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts' output computed with one matrix-vector product per routed (row, expert) pair and projection
+    (:func:`routed` with BLAS GEMVs): each routed expert's weight is read where it lies, instead of being gathered
+    into a batch (``batched_mm``) or multiplied by oneDNN's GEMM, which reorders a bfloat16 weight on every call
+    (``eager``, ``grouped_mm``)."""
+    return routed(module, hidden_states, top_k_index, top_k_weights, _gemv)
 
 
 def implementation(module: nn.Module, name: str) -> ExpertsForward:

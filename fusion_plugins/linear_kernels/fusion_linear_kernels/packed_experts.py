@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fusion_core.transforms import Shape, TransformOp
-from fusion_linear_kernels import compat, packing
+from fusion_linear_kernels import compat, experts, packing
 from fusion_linear_kernels.data_parallel import refusal as strided_view_refusal
 from fusion_linear_kernels.tolerance import admitted
 
@@ -97,10 +97,16 @@ def is_packed_experts(tensor: torch.Tensor | None) -> bool:
     return isinstance(tensor, PackedExperts)
 
 
+def expert_matrix(stack: torch.Tensor, expert: int, transposed: bool) -> torch.Tensor:
+    """Expert ``expert``'s ``[out, in]`` matrix of a dense 3-D ``stack``, contiguous (what oneDNN packs)."""
+    matrix = stack.detach()[expert]
+    return (matrix.t() if transposed else matrix).contiguous()
+
+
 def pack(stack: torch.Tensor, transposed: bool) -> PackedExperts:
     """``stack`` (dense, 3-D, on the CPU) packed per expert."""
-    matrices = [(matrix.t() if transposed else matrix).contiguous() for matrix in stack.detach()]
-    return PackedExperts([compat.pack(matrix) for matrix in matrices], stack.shape, stack.dtype, transposed)
+    matrices = [compat.pack(expert_matrix(stack, e, transposed)) for e in range(stack.shape[0])]
+    return PackedExperts(matrices, stack.shape, stack.dtype, transposed)
 
 
 #: Bytes of expert matrices a packing measurement reads per pass: more than a CPU's last-level cache, so the pass
@@ -115,7 +121,7 @@ def timed_experts(stack: torch.Tensor, transposed: bool) -> list[torch.Tensor]:
     each = dense[0].numel() * dense.element_size()
     count = max(1, min(16, int(dense.shape[0]), -(-TIMED_BYTES // max(each, 1))))
     picks = sorted({round(i * (dense.shape[0] - 1) / max(count - 1, 1)) for i in range(count)})
-    return [(dense[e].t() if transposed else dense[e]).contiguous() for e in picks]
+    return [expert_matrix(dense, e, transposed) for e in picks]
 
 
 @dataclass(frozen=True)
@@ -146,57 +152,27 @@ class PrepackExperts(TransformOp):
 
 
 # -- the computation ---------------------------------------------------------------------------------
-def _expert_linear(x: torch.Tensor, stack: torch.Tensor, bias: torch.Tensor | None, expert: int,
-                   transposed: bool, path: str) -> torch.Tensor:
-    b = None if bias is None else bias[expert]
-    if is_packed_experts(stack):
-        return packing.linear(x, stack.experts[expert], b, path)  # type: ignore[attr-defined]
-    weight = stack[expert]
-    return F.linear(x, weight.t() if transposed else weight, b)
+def _projection(path: str) -> experts.Projection:
+    """An expert's matrix applied by the packed GEMM where its stack is packed (``F.linear`` on a dense one)."""
+
+    def project(rows: torch.Tensor, stack: torch.Tensor, bias: torch.Tensor | None, expert: int,
+                transposed: bool) -> torch.Tensor:
+        b = None if bias is None else bias[expert]
+        if is_packed_experts(stack):
+            return packing.linear(rows, stack.experts[expert], b, path)  # type: ignore[attr-defined]
+        weight = stack[expert]
+        return F.linear(rows, weight.t() if transposed else weight, b)
+
+    return project
 
 
 def routed(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
            top_k_weights: torch.Tensor, path: str = "", held: Mapping[str, torch.Tensor] | None = None,
            ) -> torch.Tensor:
-    """The experts' output, the routed (row, expert) pairs grouped by expert, one GEMM per routed expert and
-    projection, packed where the module's stacks are (:class:`PackedExperts`).
-
-    The arithmetic of transformers' ``batched_mm`` implementation (the module's gate or activation, biases,
-    transposed stacks, a post-expert norm; each pair's output times its routing weight, summed over the
-    routed experts, then cast to the input's dtype). ``held`` stands in for the module's own 3-D weights, by name.
-    """
-    if getattr(module, "_is_expert_parallel", False):
-        raise NotImplementedError("packed experts do not run expert-parallel experts")
-    gated, biased = bool(getattr(module, "has_gate", True)), bool(getattr(module, "has_bias", False))
-    transposed = bool(getattr(module, "is_transposed", False))
-    up_name = "gate_up_proj" if gated else "up_proj"
-    up, down = (getattr(module, name) if held is None or name not in held else held[name]
-                for name in (up_name, "down_proj"))
-    up_bias = getattr(module, f"{up_name}_bias") if biased else None
-    down_bias = module.down_proj_bias if biased else None
-    post_norm = getattr(module, "has_post_expert_norm", False)
-
-    def expert_output(expert: int, rows: torch.Tensor) -> torch.Tensor:
-        hidden = _expert_linear(rows, up, up_bias, expert, transposed, path)
-        hidden = module._apply_gate(hidden) if gated else module.act_fn(hidden)
-        out = _expert_linear(hidden, down, down_bias, expert, transposed, path)
-        return module.post_expert_norm(out) if post_norm else out
-
-    rows, top_k = top_k_index.shape
-    sample_weights = top_k_weights.reshape(-1)
-    if rows == 0:
-        return hidden_states.new_zeros(hidden_states.shape)
-    if rows == 1:  # a decode step: the row's experts in routing order, no grouping to do
-        weighted = torch.cat([expert_output(expert, hidden_states) for expert in top_k_index[0].tolist()])
-        return (weighted * sample_weights.unsqueeze(-1)).sum(dim=0, keepdim=True).to(hidden_states.dtype)
-    flat_ids = top_k_index.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    ids, counts = torch.unique_consecutive(flat_ids[order], return_counts=True)
-    pieces = []
-    for pairs, expert in zip(torch.split(order, counts.tolist()), ids.tolist(), strict=True):
-        pieces.append(expert_output(expert, hidden_states[pairs // top_k]) * sample_weights[pairs].unsqueeze(-1))
-    weighted = torch.cat(pieces)[torch.argsort(order)]  # back in (row, k) order
-    return weighted.view(rows, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    """The experts' output (:func:`fusion_linear_kernels.experts.routed`: ``batched_mm``'s arithmetic over the routed
+    pairs, grouped by expert), one GEMM per routed expert and projection, packed where the module's stacks are
+    (:class:`PackedExperts`); ``path`` names the module in a refusal, ``held`` stands in for its 3-D weights."""
+    return experts.routed(module, hidden_states, top_k_index, top_k_weights, _projection(path), held)
 
 
 # -- torch.compile: the packed module as one operator ------------------------------------------------
@@ -307,8 +283,6 @@ def configured_name(module: nn.Module) -> str:
 def packs_module(module: nn.Module, exact: bool) -> bool:
     """Whether ``module``'s expert weights are held packed (see the module docs); measured once per kind of module
     (class, weight shapes, dtype, mode, configured implementation, experts per row)."""
-    from fusion_linear_kernels import experts
-
     weights = stacks(module)
     transposed = bool(getattr(module, "is_transposed", False))
     if not weights or any(not is_packed_experts(w) and (type(w) not in (torch.Tensor, nn.Parameter) or w.shape[0] == 0
@@ -332,8 +306,6 @@ def packs_module(module: nn.Module, exact: bool) -> bool:
 def _measure(module: nn.Module, weights: dict[str, torch.Tensor], configured: Any, exact: bool, top_k: int,
              transposed: bool) -> tuple[bool, str]:
     """The per-expert kinds pack, and :func:`routed` over the routed experts packed gives the configured output."""
-    from fusion_linear_kernels.experts import admission_bound
-
     if "down_proj" not in weights:
         return False, "no down_proj"
     timings = []
@@ -350,15 +322,15 @@ def _measure(module: nn.Module, weights: dict[str, torch.Tensor], configured: An
         for rows in PROBE_ROWS:
             x, index, routing = _probe_inputs(rows, hidden, count, top_k, down.dtype, generator)
             used = set(index.reshape(-1).tolist())
-            packed = {name: PackedExperts([compat.pack((w[e].t() if transposed else w[e]).contiguous())
-                                           if e in used else w[e] for e in range(count)], w.shape, w.dtype, transposed)
+            packed = {name: PackedExperts([compat.pack(expert_matrix(w, e, transposed)) if e in used else w[e]
+                                           for e in range(count)], w.shape, w.dtype, transposed)
                       for name, w in weights.items()}  # only the routed experts packed: the probe's memory is small
             try:
                 reference = configured(module, x, index, routing)
                 got = routed(module, x, index, routing, held=packed)
             except (RuntimeError, NotImplementedError, ValueError, AttributeError, KeyError) as exc:
                 return False, f"the packed experts did not run: {type(exc).__name__}: {exc}"
-            if not admitted(got, reference, admission_bound(reference, top_k), exact):
+            if not admitted(got, reference, experts.admission_bound(reference, top_k), exact):
                 return False, (f"not {'bit-identical to' if exact else 'within the bound of'} {configured_name(module)}"
                                f" at {rows} rows")
     return True, "; ".join(timings)
