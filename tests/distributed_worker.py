@@ -313,7 +313,6 @@ def gathered_styles() -> tuple[str, str]:
 # -- data parallelism --------------------------------------------------------------------------------
 def data_parallel(rank: int, world: int, path: Path, out: Path) -> Checks:
     """DDP and FSDP2 training steps: the fused model against the unfused one, same group, same batches."""
-    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
     from transformers import AutoModelForCausalLM
 
@@ -334,11 +333,7 @@ def data_parallel(rank: int, world: int, path: Path, out: Path) -> Checks:
     same_state(checks, "DDP trained weights", fused.state_dict(), plain.state_dict())
 
     fused, plain = models()
-    for model in (fused, plain):
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    losses = [sgd_step(m, ids) for m in (fused, plain)]
+    losses = [sgd_step(fsdp2(m), ids) for m in (fused, plain)]
     checks["FSDP2 loss"] = [abs(losses[0] - losses[1]) <= 1e-5, f"{losses}"]
     same_state(checks, "FSDP2 trained weights", full_state(fused), full_state(plain))
     fusion_core.save_pretrained(fused, out / "fsdp")
@@ -349,10 +344,19 @@ def data_parallel(rank: int, world: int, path: Path, out: Path) -> Checks:
     return checks
 
 
+def fsdp2(model: Any) -> Any:
+    """``model`` sharded by FSDP2 as the data-parallel scenarios shard it: each decoder layer, then the model."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
 def with_kernels_in_the_job(checks: Checks, models: Callable[..., tuple[Any, Any]], ids: torch.Tensor) -> None:
     """linear_kernels loaded in the job packs nothing (a packed weight has no storage to broadcast or shard), so
     DDP and FSDP2 wrap it and train like the unfused model."""
-    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
     kernels = {**FUSION, "linear_kernels": True}
@@ -362,11 +366,7 @@ def with_kernels_in_the_job(checks: Checks, models: Callable[..., tuple[Any, Any
     losses = [sgd_step(DistributedDataParallel(m), ids) for m in (fused, plain)]
     checks["DDP loss (linear_kernels)"] = [abs(losses[0] - losses[1]) <= 1e-5, f"{losses}"]
     fused, plain = models(kernels)
-    for model in (fused, plain):
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    losses = [sgd_step(m, ids) for m in (fused, plain)]
+    losses = [sgd_step(fsdp2(m), ids) for m in (fused, plain)]
     checks["FSDP2 loss (linear_kernels)"] = [abs(losses[0] - losses[1]) <= 1e-5, f"{losses}"]
     same_state(checks, "FSDP2 trained weights (linear_kernels)", full_state(fused), full_state(plain))
 

@@ -26,10 +26,10 @@ from torch import nn
 
 
 @functools.cache
-def weights_read(cls: type, leaf: str = "weight") -> frozenset[str]:
-    """The attribute names ``n`` for which the source of ``cls`` (its MRO's classes, torch's own excluded) reads
-    ``<expression>.n.<leaf>``."""
-    names: set[str] = set()
+def attributes_read(cls: type) -> frozenset[tuple[str, str]]:
+    """The pairs ``(n, leaf)`` for which the source of ``cls`` (its MRO's classes, torch's own excluded) reads
+    ``<expression>.n.leaf``; each class's source is parsed once."""
+    pairs: set[tuple[str, str]] = set()
     for klass in cls.__mro__:
         if klass is object or klass.__module__.split(".")[0] == "torch":
             continue
@@ -38,9 +38,9 @@ def weights_read(cls: type, leaf: str = "weight") -> frozenset[str]:
         except (OSError, TypeError, SyntaxError):  # no readable source (built dynamically)
             continue
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr == leaf and isinstance(node.value, ast.Attribute):
-                names.add(node.value.attr)
-    return frozenset(names)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+                pairs.add((node.value.attr, node.attr))
+    return frozenset(pairs)
 
 
 def read_directly(model: nn.Module, path: str, leaves: tuple[str, ...] = ("weight",)) -> str | None:
@@ -51,7 +51,7 @@ def read_directly(model: nn.Module, path: str, leaves: tuple[str, ...] = ("weigh
     for index in range(len(parents) + 1):
         if module is None:
             return None
-        if any(name in weights_read(type(module), leaf) for leaf in leaves):
+        if any((name, leaf) in attributes_read(type(module)) for leaf in leaves):
             return type(module).__qualname__
         if index < len(parents):
             module = module._modules.get(parents[index])

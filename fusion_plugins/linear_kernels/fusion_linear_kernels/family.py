@@ -51,7 +51,7 @@ _PACKED_STATE = "_fusion_linear_kernels_packed"
 #: In a fused layer's ``__dict__``: whether its weight is packed, for traced code (see ``LinearKernelsMixin.forward``).
 PACKED_FLAG = "_fusion_linear_kernels_weight_packed"
 #: In a packed experts module's ``__dict__``: the key its traced operator finds it by (see ``ExpertsKernelsMixin``).
-_OPERATOR_KEY = "_fusion_linear_kernels_operator_key"
+OPERATOR_KEY = "_fusion_linear_kernels_operator_key"
 
 
 class LinearKernelsOptions(FamilyOptions):
@@ -208,14 +208,16 @@ class ExpertsKernelsMixin(PackedParametersMixin):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.__dict__.get(PACKED_FLAG):  # transformers' implementations cannot read packed stacks
-            hidden_states, top_k_index, top_k_weights = _experts_arguments(args, kwargs)
-            recording = torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad
-                                                     or self._trained())
+            hidden_states, top_k_index, top_k_weights = \
+                args if len(args) == 3 and not kwargs else _experts_arguments(args, kwargs)
+            trained = torch.is_grad_enabled() and self._trained()
+            recording = trained or (torch.is_grad_enabled() and (hidden_states.requires_grad
+                                                                 or top_k_weights.requires_grad))
             if torch.compiler.is_compiling() or recording:  # one operator: traced opaquely, differentiated by it
-                trained = packed_experts.TRAINED if torch.is_grad_enabled() and self._trained() else \
-                    packed_experts.FROZEN
-                return packed_experts.packed_experts_op(hidden_states, top_k_index, top_k_weights, trained,
-                                                        self.__dict__[_OPERATOR_KEY], self.fusion_path)
+                return packed_experts.packed_experts_op(
+                    hidden_states, top_k_index, top_k_weights,
+                    packed_experts.TRAINED if trained else packed_experts.FROZEN,
+                    self.__dict__[OPERATOR_KEY], self.fusion_path)
             return packed_experts.routed(self, hidden_states, top_k_index, top_k_weights, self.fusion_path)
         if torch.compiler.is_compiling() or kwargs or len(args) != 3:
             return super().forward(*args, **kwargs)
@@ -235,7 +237,7 @@ class ExpertsKernelsMixin(PackedParametersMixin):
         module for the traced operator, and label each packed stack with its path (what a refusal names)."""
         self.__dict__[PACKED_FLAG] = self.packed
         if self.packed:
-            self.__dict__[_OPERATOR_KEY] = packed_experts.register(self)
+            self.__dict__[OPERATOR_KEY] = packed_experts.register(self)
             for name, stack in self._parameters.items():
                 if is_packed_experts(stack):
                     data_parallel.label(stack, f"{self.fusion_path}.{name}")

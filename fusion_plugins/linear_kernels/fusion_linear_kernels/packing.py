@@ -112,13 +112,8 @@ def packs(weight: torch.Tensor, exact: bool, packed: torch.Tensor | None = None)
     kind: PackKind = (tuple(weight.shape), weight.dtype, exact)
     decision = _DECISIONS.get(kind)
     if decision is None:
-        decision = _DECISIONS[kind] = _measure(weight.detach(), exact, packed)
+        decision = _DECISIONS[kind] = measure([weight.detach()], exact, None if packed is None else [packed])
     return decision[0]
-
-
-def _measure(weight: torch.Tensor, exact: bool, packed: torch.Tensor | None) -> tuple[bool, str]:
-    """(pack?, why) for ``weight``'s kind: the numerical probes, then the timings (module docs)."""
-    return measure([weight], exact, None if packed is None else [packed])
 
 
 def measure(weights: Sequence[torch.Tensor], exact: bool,

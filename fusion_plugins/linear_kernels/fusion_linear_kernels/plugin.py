@@ -42,6 +42,7 @@ from fusion_core.transforms import ModulePlan
 from fusion_linear_kernels.direct_reads import read_directly
 from fusion_linear_kernels.experts import is_experts
 from fusion_linear_kernels.family import (
+    OPERATOR_KEY,
     PACKED_FLAG,
     LinearKernelsFamily,
     LinearKernelsMixin,
@@ -111,15 +112,11 @@ def bind_packing(model: nn.Module, built: MutableSequence[tuple[nn.Module, Modul
     for index, (module, plan) in enumerate(built):
         if plan.family != LinearKernelsFamily.name:
             continue
-        if is_experts(module):
-            names = tuple(stacks(module))
-            if not any(id(p) in shared for p in stacks(module).values()) and read_directly(model, plan.path,
-                                                                                            names) is None:
-                built[index] = (module, experts_packing_plan(module, plan))
-            continue
-        weight = module._parameters.get("weight")
-        if weight is not None and id(weight) not in shared and read_directly(model, plan.path) is None:
-            built[index] = (module, packing_plan(module, plan))
+        packable = stacks(module) if is_experts(module) else {"weight": module._parameters.get("weight")}
+        if (packable and all(p is not None and id(p) not in shared for p in packable.values())
+                and read_directly(model, plan.path, tuple(packable)) is None):
+            bind = experts_packing_plan if is_experts(module) else packing_plan
+            built[index] = (module, bind(module, plan))
 
 
 @hookimpl
@@ -132,7 +129,8 @@ def fusion_module_fused(module: nn.Module, plan: ModulePlan) -> None:
 def fusion_module_unfused(module: nn.Module, plan: ModulePlan) -> None:
     if plan.family != LinearKernelsFamily.name:
         return
-    module.__dict__.pop(PACKED_FLAG, None)
+    for derived in (PACKED_FLAG, OPERATOR_KEY):
+        module.__dict__.pop(derived, None)
     order = {name: index for index, name in enumerate(plan.original_leaves)}
     parameters = module._parameters
     items = sorted(parameters.items(), key=lambda item: order.get(item[0], len(order)))

@@ -244,6 +244,7 @@ def test_packed_experts_save_copy_pickle_convert_and_unfuse(checkpoints, tmp_pat
         _close(converted(IDS).logits.float(), plain.to(torch.bfloat16)(IDS).logits.float())
     fusion_core.unfuse(fused)
     assert not any(isinstance(m, ExpertsKernelsMixin) for m in fused.modules())
+    assert not any(key.startswith("_fusion_linear_kernels") for m in fused.modules() for key in m.__dict__)
     want = AutoModelForCausalLM.from_pretrained(directory).state_dict()
     assert all(type(p) is torch.nn.Parameter for p in fused.parameters())
     assert all(torch.equal(fused.state_dict()[k], want[k]) for k in want)
@@ -292,10 +293,20 @@ def test_fsdp2_over_packed_experts_is_refused_by_name(checkpoints, _packing_wins
         torch.distributed.destroy_process_group()
 
 
-def test_packed_experts_take_a_call_with_no_rows(checkpoints, _packing_wins):
+def test_packed_experts_take_arguments_by_name_and_calls_with_no_rows(checkpoints, _packing_wins):
     fused = _load(checkpoints["olmoe"], {"linear_kernels": True})
     module = _packed_modules(fused)[0]
-    hidden = torch.randn(0, fused.config.hidden_size)
-    out = module(hidden, torch.zeros(0, fused.config.num_experts_per_tok, dtype=torch.long),
-                 torch.zeros(0, fused.config.num_experts_per_tok))
-    assert out.shape == hidden.shape
+    top_k = fused.config.num_experts_per_tok
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, fused.config.hidden_size, generator=generator)
+    index = torch.stack([torch.randperm(fused.config.num_experts, generator=generator)[:top_k] for _ in range(2)])
+    weights = torch.softmax(torch.randn(2, top_k, generator=generator), -1)
+    with torch.no_grad():
+        by_position = module(hidden, index, weights)
+        assert torch.equal(module(hidden, top_k_index=index, top_k_weights=weights), by_position)
+        assert torch.equal(module(top_k_weights=weights, hidden_states=hidden, top_k_index=index), by_position)
+        with pytest.raises(TypeError, match=r"an experts module takes \(hidden_states, top_k_index, top_k_weights\)"):
+            module(hidden, index, top_k_weights=weights, extra=1)
+        empty = torch.randn(0, fused.config.hidden_size)
+        out = module(empty, torch.zeros(0, top_k, dtype=torch.long), torch.zeros(0, top_k))
+    assert out.shape == empty.shape
