@@ -2,10 +2,9 @@
 
 At a decode step a mixture-of-experts layer reads the routed experts' weights, and every implementation
 transformers ships multiplies a bfloat16 expert weight with oneDNN's GEMM, which reorders the weight on
-every call (``grouped_mm`` runs one ``mm`` per expert on the CPU). Measured on the development machine
-(OLMoE widths, 8 of 64 experts routed, weights not in cache): ``grouped_mm`` 7.3 ms a layer, one packed
-GEMM per routed expert and projection 5.3 ms (``benchmarks/bench_decode.py --model olmoe-1b-7b`` measures it
-end to end). So, like a linear layer's weight (:mod:`fusion_linear_kernels.packing`), each 3-D expert
+every call (``grouped_mm`` runs one ``mm`` per expert on the CPU). ``benchmarks/bench_decode.py --model
+olmoe-1b-7b --layers 4`` prints, per stack, the packed against the dense GEMM over a pass of experts, and the
+decode it gives end to end. So, like a linear layer's weight (:mod:`fusion_linear_kernels.packing`), each 3-D expert
 weight (``gate_up_proj`` or ``up_proj``, and ``down_proj``) may be held as a :class:`PackedExperts`: a tensor
 of the stack's shape and dtype holding one packed ``[out, in]`` matrix per expert (a transposed stack's
 slices are packed transposed). The dense stack is released; :class:`PrepackExperts` is the invertible
