@@ -9,7 +9,7 @@ Random bf16 weights at the real shapes and vocabulary, saved by transformers its
 1 GB (built once, cached under ``$FUSION_BENCH_CHECKPOINTS`` or /tmp/fusion-bench). Every
 measurement is a fresh process (``bench_io.run_worker``): imports and the model's modeling module
 first, then the peak-RSS mark is reset (``/proc/self/clear_refs``) and the process loads
-(``from_pretrained`` with ``dtype=torch.bfloat16``), runs one 16-token forward, and for the save rows
+(``from_pretrained`` with ``dtype=torch.bfloat16``, or ``--dtype``), runs one 16-token forward, and for the save rows
 saves to a fresh directory. "first token" counts from the load call; "from process start" from
 before torch, transformers and (fused) fusion_core are imported, as the user of a script waits.
 Contenders alternate order from round to round; ``plain (A/A)`` is a second plain contender: its
@@ -112,13 +112,14 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     config = transformers.AutoConfig.from_pretrained(args["path"])
     auto._model_mapping[type(config)]  # the modeling module, imported before the clock starts
     tokens = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
+    dtype = getattr(torch, args.get("dtype", "bfloat16"))
     out: dict[str, Any] = {}
     reset_peak_rss()
     start = time.perf_counter()
     if fusion_core is not None:
-        model = fusion_core.from_pretrained(auto, args["path"], fusion_config=spec["fusion"], dtype=torch.bfloat16)
+        model = fusion_core.from_pretrained(auto, args["path"], fusion_config=spec["fusion"], dtype=dtype)
     else:
-        model = auto.from_pretrained(args["path"], dtype=torch.bfloat16)
+        model = auto.from_pretrained(args["path"], dtype=dtype)
     out["load_s"] = time.perf_counter() - start
     with torch.no_grad():
         model(input_ids=tokens)
@@ -159,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="1.5b")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-save", action="store_true", help="load and first token only")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                        help="the dtype loads ask for (the checkpoint is bf16: another dtype casts every tensor)")
     parser.add_argument("--anchor", metavar="PYTHON", default=None,
                         help="the python of another transformers environment: its plain load is one more contender "
                              "(transformers 5.x's own stacked experts beside a fused 4.57 load)")
@@ -186,14 +189,15 @@ def main(argv: list[str] | None = None) -> int:
                 kind, python = contenders[name]
                 save = None if args.no_save else str(save_root / "out")
                 samples[name].append(run_worker({"kind": kind, "path": str(path), "shape": args.shape,
-                                                 "save": save}, python))
+                                                 "save": save, "dtype": args.dtype}, python))
             _log(f"  round {r + 1}/{args.rounds} done")
     finally:
         shutil.rmtree(save_root, ignore_errors=True)
     fusion = SHAPES[args.shape]["fusion"]
     table = Table(
         f"{args.shape} shapes, {checkpoint_bytes(path) / 1e9:.1f} GB bf16 in "
-        f"{len(list(path.glob('*.safetensors')))} shards, {fusion}, transformers {transformers.__version__}: "
+        f"{len(list(path.glob('*.safetensors')))} shards loaded as {args.dtype}, {fusion}, "
+        f"transformers {transformers.__version__}: "
         f"median [p10-p90] of {args.rounds} fresh processes each",
         ["loader", "load s", "first token s", "from process start s", "peak RSS GB", "save s", "save peak RSS GB",
          "first token vs plain", "from process start vs plain", "peak RSS vs plain", "save vs plain",

@@ -32,9 +32,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+import torch
 from torch import nn
 
 from fusion_core import streaming
+from fusion_core.aliases import in_process_group
+from fusion_core.casting import Casts, hold_stored_dtypes, stored_dtypes
 from fusion_core.checkpoint import check_checkpoint, planned_tensors, read_checkpoint_index
 from fusion_core.compat import transformers as compat
 from fusion_core.config import FusionConfig, parse_fusion_config
@@ -43,7 +46,7 @@ from fusion_core.errors import CheckpointError, FusionError, FusionLoadError, Sa
 from fusion_core.integration_needs import load_needs, loaded_needs, warn_unserved_libraries
 from fusion_core.layout import convert_to_fused, fuse_instance, fused_layout, module_plan
 from fusion_core.mapped_files import MappedFiles
-from fusion_core.memory import check_memory
+from fusion_core.memory import check_memory, onto_cpu
 from fusion_core.parallel.saving import gathered_save_kwargs, is_writer, rank_zero_directory
 from fusion_core.patching import LOAD_LOCK, BuildScope, class_patch_scope
 from fusion_core.plugins import PluginSource, get_registry
@@ -136,15 +139,22 @@ def from_pretrained(
     _call_plugins(registry.hook.fusion_load_planned, "fusion_load_planned", plan=discovery.plan,
                   model_class=model_cls, config=config, load_kwargs=MappingProxyType(kwargs),
                   families=fusion.specs())
+    as_stored: dict[str, torch.dtype] = {}  # parts a merge casts: loaded as stored (fusion_core.casting)
     if local.is_dir():
         directory = local / kwargs.get("subfolder", "")
         pre_quantized = getattr(config, "quantization_config", None) is not None
         check_checkpoint(directory, discovery.plan, fused_dir, pre_quantized=pre_quantized,
                          names=discovery.names, key_mapping=kwargs.get("key_mapping"))
         if not pre_quantized:  # a quantizer stores and allocates in its own form
-            check_memory(read_checkpoint_index(directory), discovery.plan, fused_dir, kwargs)
+            tensors = read_checkpoint_index(directory)
+            check_memory(tensors, discovery.plan, fused_dir, kwargs)
+            if not fused_dir and _merges_may_cast(kwargs):
+                as_stored = stored_dtypes(tensors, discovery.plan, discovery.names, kwargs.get("key_mapping"))
     on_built = convert_to_fused if fused_dir else None
-    with LOAD_LOCK, class_patch_scope(discovery.routes, on_built=on_built) as scope, _loading_reports() as reports:
+    casts: dict[int, Casts] = {}
+    with (LOAD_LOCK, class_patch_scope(discovery.routes, on_built=on_built) as scope,
+          _loading_reports(lambda: casts.update(hold_stored_dtypes(scope.built, as_stored)) if as_stored else None)
+          as reports):
         model = model_cls.from_pretrained(name_or_path, config=config, **kwargs)
     info = _report_of(model, reports)
     built, plan = _reconcile_build(model, scope, discovery, fusion, fused_dir)
@@ -152,7 +162,7 @@ def from_pretrained(
     for need in loaded_needs(model):
         registry.require_integration(need.integration, need.workflow)
 
-    convert_with_hooks(model, built, fusion, lambda: _convert_built(built, fused_dir, fusion.sources()))
+    convert_with_hooks(model, built, fusion, lambda: _convert_built(built, fused_dir, fusion.sources(), casts))
     mark_fused(model, fusion, plan)
     return (model, info) if want_info else model
 
@@ -172,6 +182,17 @@ def convert_with_hooks(
             [convert], {"model": model, "built": built, "families": fusion.specs()}
         )
     warn_unserved_libraries({entry.name for entry in registry.integrations()})
+
+
+def _merges_may_cast(load_kwargs: dict[str, Any]) -> bool:
+    """Whether merges may cast parts loaded as stored (:mod:`fusion_core.casting`): a plain load onto the CPU.
+
+    A quantizer (it picks each tensor's dtype itself), tensor parallelism (its shards are cast as they
+    are cut) and an accelerator or offloading ``device_map`` keep transformers' own cast.
+    """
+    if any(load_kwargs.get(name) is not None for name in ("quantization_config", "tp_plan", "device_mesh")):
+        return False
+    return onto_cpu(load_kwargs.get("device_map")) and not in_process_group()
 
 
 def _call_plugins(hook: Any, name: str, **kwargs: Any) -> None:
@@ -194,11 +215,18 @@ def _call_plugins(hook: Any, name: str, **kwargs: Any) -> None:
 _REPORTS: contextvars.ContextVar[list[tuple[Any, compat.Report]] | None] = contextvars.ContextVar(
     "fusion_core_loading_reports", default=None
 )
+# What to do before transformers loads weights into a model it built, in the current context.
+_BEFORE_LOAD: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+    "fusion_core_before_load", default=None
+)
 
 
 def _record_reports(function: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(function)
     def _load_pretrained_model(*args: Any, **kwargs: Any) -> Any:
+        before = _BEFORE_LOAD.get()
+        if before is not None:
+            before()
         result = function(*args, **kwargs)
         reports = _REPORTS.get()
         if reports is not None:
@@ -210,8 +238,11 @@ def _record_reports(function: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @contextmanager
-def _loading_reports() -> Iterator[list[tuple[Any, compat.Report]]]:
+def _loading_reports(before: Callable[[], None] | None = None) -> Iterator[list[tuple[Any, compat.Report]]]:
     """Collect transformers' loading report of every model loaded in this block (callers hold LOAD_LOCK).
+
+    ``before`` runs when transformers is about to load weights into a model it built (the load method is
+    called), before it reads any.
 
     transformers' load method (:data:`fusion_core.compat.transformers.LOAD_METHOD`), which every
     ``from_pretrained`` calls, is wrapped for the duration of the block; the wrapper only records
@@ -220,10 +251,12 @@ def _loading_reports() -> Iterator[list[tuple[Any, compat.Report]]]:
     install = not getattr(compat.raw_load_method().__func__, "__fusion_core_wrapper__", False)
     reports: list[tuple[Any, compat.Report]] = []
     token = _REPORTS.set(reports)
+    before_token = _BEFORE_LOAD.set(before)
     try:
         with compat.wrapped_load_method(_record_reports) if install else nullcontext():
             yield reports
     finally:
+        _BEFORE_LOAD.reset(before_token)
         _REPORTS.reset(token)
 
 
@@ -266,18 +299,22 @@ def _verify_loading_info(info: dict[str, Any], plan: FusionPlan, fused_dir: bool
 
 # -- after transformers' load ---------------------------------------------------------------------
 def _convert_built(
-    built: list[tuple[nn.Module, ModulePlan]], fused_dir: bool, sources: dict[str, PluginSource]
+    built: list[tuple[nn.Module, ModulePlan]], fused_dir: bool, sources: dict[str, PluginSource],
+    casts: dict[int, Casts],
 ) -> None:
-    """Bring every loaded fused instance into its fused layout and let it finalize; errors name the family."""
+    """Bring every loaded fused instance into its fused layout and let it finalize; errors name the family.
+
+    ``casts``: per module (by ``id``), the parts loaded as stored that the merge casts (:mod:`fusion_core.casting`).
+    """
     verified: set[tuple[object, ...]] = set()
     files = MappedFiles.snapshot() if not fused_dir else None
     with streaming.readers():
         for module, plan in built:
-            _convert_one(module, plan, sources[plan.family], fused_dir, verified, files)
+            _convert_one(module, plan, sources[plan.family], fused_dir, verified, files, casts.get(id(module)))
 
 
 def _convert_one(module: nn.Module, plan: ModulePlan, source: PluginSource, fused_dir: bool,
-                 verified: set[tuple[object, ...]], files: MappedFiles | None) -> None:
+                 verified: set[tuple[object, ...]], files: MappedFiles | None, casts: Casts | None) -> None:
     """Fuse one loaded instance (see :func:`_convert_built`)."""
     try:
         if not fused_dir:
@@ -287,7 +324,7 @@ def _convert_one(module: nn.Module, plan: ModulePlan, source: PluginSource, fuse
                     f"family {plan.family!r}, module {plan.path!r}: tensors {unloaded} are on the meta device "
                     "after loading (offloaded to disk?); fused modules must be loaded onto a real device"
                 )
-        fuse_instance(module, plan, verified, convert=not fused_dir, files=files)
+        fuse_instance(module, plan, verified, convert=not fused_dir, files=files, casts=casts)
     except FusionLoadError as exc:
         raise FusionLoadError(f"{exc} [{source}]") from None
     except Exception as exc:  # the family's fusion_finalize or op, on real data

@@ -13,7 +13,7 @@ them. Inside :func:`fused_layout` the fused tensors are presented as they are.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -104,7 +104,7 @@ def _pop_leaf(module: nn.Module, leaf: str) -> tuple[torch.Tensor, bool, bool]:
 
 def convert_to_fused(
     module: nn.Module, plan: ModulePlan, verified: set[tuple[object, ...]] | None = None,
-    files: MappedFiles | None = None,
+    files: MappedFiles | None = None, casts: Mapping[str, torch.dtype] | None = None,
 ) -> None:
     """Apply ``plan``'s forward transforms to ``module``'s tensors in place (meta tensors too).
 
@@ -113,7 +113,9 @@ def convert_to_fused(
     mapped files, shows a source is a clean view of one), any other by the op's ``forward``.
     With ``verified`` (a set kept for one load), the first conversion of each (family, op, shapes,
     dtype) is run backwards and compared bit for bit with the loaded tensors: an op whose inverse
-    loses data fails the load instead of a later save silently writing other bytes.
+    loses data fails the load instead of a later save silently writing other bytes. ``casts`` names
+    the parts loaded in their stored dtype, with the dtype each is cast to as it is merged
+    (:mod:`fusion_core.casting`); the check compares with the cast parts.
     """
     for bound in plan.transforms:
         tensors = []
@@ -133,11 +135,14 @@ def convert_to_fused(
                 )
             tensors.append(tensor)
             kinds.append((is_param, requires_grad))
+        wanted = [casts.get(spec.name) if casts else None for spec in bound.sources]
         with torch.no_grad():
-            merged = streaming.merge(bound.op, tensors, files)
+            merged = streaming.merge(bound.op, tensors, files, _one_dtype(tensors, wanted))
+            if merged is None and any(wanted):  # the op runs on the parts as transformers would have cast them
+                tensors, wanted = _cast(tensors, wanted), [None] * len(wanted)
             outputs = (merged,) if merged is not None else bound.op.forward(tensors)
             if verified is not None:
-                _verify_inverse(plan, bound, tensors, outputs, verified)
+                _verify_inverse(plan, bound, tensors, wanted, outputs, verified)
         is_param = kinds[0][0]
         requires_grad = any(rg for _, rg in kinds)
         for spec, output in zip(bound.targets, outputs, strict=True):
@@ -148,12 +153,27 @@ def convert_to_fused(
                 owner.register_buffer(name, output)
 
 
+def _one_dtype(tensors: list[torch.Tensor], wanted: list[torch.dtype | None]) -> torch.dtype | None:
+    """The dtype every part has once cast as ``wanted`` says; None with no cast, or when they would differ."""
+    if not any(wanted):
+        return None
+    dtypes = {want or t.dtype for t, want in zip(tensors, wanted, strict=True)}
+    return dtypes.pop() if len(dtypes) == 1 else None
+
+
+def _cast(tensors: list[torch.Tensor], wanted: list[torch.dtype | None]) -> list[torch.Tensor]:
+    return [t if want is None else t.to(want) for t, want in zip(tensors, wanted, strict=True)]
+
+
 def _verify_inverse(
-    plan: ModulePlan, bound: Any, tensors: list[torch.Tensor], outputs: Any, verified: set[tuple[object, ...]]
+    plan: ModulePlan, bound: Any, tensors: list[torch.Tensor], wanted: list[torch.dtype | None], outputs: Any,
+    verified: set[tuple[object, ...]],
 ) -> None:
-    key = (plan.family, repr(bound.op), tuple(s.shape for s in bound.sources), tuple(t.dtype for t in tensors))
+    dtypes = tuple(want or t.dtype for t, want in zip(tensors, wanted, strict=True))
+    key = (plan.family, repr(bound.op), tuple(s.shape for s in bound.sources), dtypes)
     if key in verified:
         return
+    tensors = _cast(tensors, wanted)  # the loaded parts, cast as the merge cast them
     shapes = [s.shape for s in bound.sources]
     # What a save presents: aliases of the merged bytes where the op allows them, else the op's inverse.
     back = split_views(bound.op, list(outputs), shapes) or bound.op.inverse(list(outputs), shapes)
@@ -268,13 +288,13 @@ def finalize(module: nn.Module, plan: ModulePlan) -> None:
 
 def fuse_instance(
     module: nn.Module, plan: ModulePlan, verified: set[tuple[object, ...]] | None = None, *, convert: bool = True,
-    files: MappedFiles | None = None,
+    files: MappedFiles | None = None, casts: Mapping[str, torch.dtype] | None = None,
 ) -> None:
     """Fuse one built instance in place, as ``plan`` says: the one code path for "fuse one module".
 
     Switches ``module`` to ``plan.fused_class`` (a routed build already did), moves its tensors
     into the fused layout (``convert=False`` when they were loaded in that layout already; see
-    :func:`convert_to_fused` for ``verified`` and ``files``), attaches the hooks that present the original
+    :func:`convert_to_fused` for ``verified``, ``files`` and ``casts``), attaches the hooks that present the original
     layout, calls the fused class's ``fusion_finalize``, and then the
     :func:`~fusion_core.hookspecs.fusion_module_fused` hook of every plugin. Raises
     :class:`~fusion_core.errors.FusionLoadError` for an instance of another class or with
@@ -288,7 +308,7 @@ def fuse_instance(
             )
         module.__class__ = plan.fused_class
     if convert:
-        convert_to_fused(module, plan, verified, files)
+        convert_to_fused(module, plan, verified, files, casts)
     finalize(module, plan)
     get_registry().hook.fusion_module_fused(module=module, plan=plan)
 

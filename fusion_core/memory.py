@@ -97,9 +97,10 @@ def estimate_load(
     return LoadEstimate(merged, merged + casts)
 
 
-def _onto_cpu(device_map: Any) -> bool:
+def onto_cpu(device_map: Any) -> bool:
+    """Whether a load with this ``device_map`` puts every tensor in CPU memory (None: no map, the CPU)."""
     if isinstance(device_map, Mapping):
-        return bool(device_map) and all(_onto_cpu(device) for device in device_map.values())
+        return bool(device_map) and all(onto_cpu(device) for device in device_map.values())
     return device_map is None or str(device_map) == "cpu"
 
 
@@ -109,7 +110,7 @@ def check_memory(
     """Raise :class:`InsufficientMemoryError` when a load onto the CPU would allocate more than is available."""
     if os.environ.get(SKIP_ENV, "").strip().lower() in {"1", "true", "yes", "on"}:
         return
-    if not _onto_cpu(load_kwargs.get("device_map")):
+    if not onto_cpu(load_kwargs.get("device_map")):
         return
     load_dtype = load_kwargs.get("dtype", load_kwargs.get("torch_dtype"))
     estimate = estimate_load(tensors, plan, fused_layout, load_dtype)

@@ -28,7 +28,7 @@ STAGES: list[set[str]] = [
     {"patching"},
     {"layout"},
     {"checkpoint", "record", "parallel.saving"},
-    {"memory"},
+    {"memory", "casting"},
     {"hf", "inplace", "routing", "integration_needs", "state"},
 ]
 #: Imports that run against the flow, each with why it must (the three places the flow loops back).

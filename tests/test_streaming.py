@@ -135,6 +135,51 @@ def test_sharded_loads_with_and_without_a_dtype_conversion_compute_what_plain_lo
         assert same_bits(fused(tokens).logits, plain(tokens).logits)
 
 
+def _merge_calls(monkeypatch: pytest.MonkeyPatch, refuse: bool = False) -> list[tuple[list[torch.dtype], object]]:
+    """Record (the parts' dtypes, the dtype asked for) of every merge of real tensors; ``refuse``: each returns None."""
+    calls: list[tuple[list[torch.dtype], object]] = []
+    merge = streaming.merge
+
+    def spy(op: object, tensors: list[torch.Tensor], files: object, dtype: torch.dtype | None = None) -> object:
+        if tensors and not tensors[0].is_meta:
+            calls.append(([t.dtype for t in tensors], dtype))
+            if refuse:
+                return None
+        return merge(op, tensors, files, dtype)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(streaming, "merge", spy)
+    return calls
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_a_load_in_another_dtype_loads_the_merged_parts_as_stored_and_casts_them_once(
+    llama_bf16: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused: bool
+) -> None:
+    plain = _plain(llama_bf16, dtype=torch.float32)
+    calls = _merge_calls(monkeypatch, refuse=refused)
+    fused = _fused(llama_bf16, dtype=torch.float32)
+    # transformers left every merged part as the checkpoint stores it; the merge cast it (or, refused, the op did)
+    assert calls and all(dtypes == [torch.bfloat16] * len(dtypes) and dtype == torch.float32 for dtypes, dtype in calls)
+    assert {t.dtype for t in fused.state_dict().values()} == {torch.float32}
+    tokens = torch.randint(0, plain.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert same_bits(fused(tokens).logits, plain(tokens).logits)
+    plain.save_pretrained(tmp_path / "plain")
+    fusion_core.save_pretrained(fused, tmp_path / "fused")
+    assert filecmp.cmp(tmp_path / "plain" / "model.safetensors", tmp_path / "fused" / "model.safetensors",
+                       shallow=False)
+
+
+def test_a_load_in_the_stored_dtype_or_onto_a_device_map_casts_nothing_in_the_merge(
+    llama_bf16: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _merge_calls(monkeypatch)
+    _fused(llama_bf16, dtype=torch.bfloat16)
+    _fused(llama_bf16, dtype=torch.float32, device_map="auto")  # not known to be the CPU: transformers casts
+    assert calls and all(dtype is None for _, dtype in calls)
+    assert {dtypes[0] for dtypes, _ in calls} == {torch.bfloat16, torch.float32}
+
+
 def test_state_dict_parts_alias_the_merged_weight_each_with_a_storage_of_its_own(llama_bf16: Path) -> None:
     fused = _fused(llama_bf16)
     state = fused.state_dict()
