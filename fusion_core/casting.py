@@ -37,10 +37,10 @@ Casts = dict[str, torch.dtype]
 def stored_dtypes(
     tensors: Mapping[str, TensorInfo], plan: FusionPlan, names: LoadedNames | None,
     key_mapping: Mapping[str, str] | None = None,
-) -> dict[str, torch.dtype]:
-    """Model key -> the dtype the checkpoint stores it in, for every part a streamed merge of ``plan`` reads."""
+) -> dict[str, tuple[str, torch.dtype]]:
+    """Model key -> (its checkpoint key, the dtype stored there), for every part a streamed merge of ``plan`` reads."""
     matcher = KeyMatcher(tensors, names, key_mapping)
-    stored: dict[str, torch.dtype] = {}
+    stored: dict[str, tuple[str, torch.dtype]] = {}
     for module in plan.modules:
         for bound in module.transforms:
             if bound.op.flat_offsets([s.shape for s in bound.sources]) is None:
@@ -49,25 +49,24 @@ def stored_dtypes(
                 key = module.full_key(spec.name)
                 ckpt_key = matcher.lookup(key)
                 dtype = _CASTABLE.get(tensors[ckpt_key].dtype) if ckpt_key is not None else None
-                if dtype is not None:
-                    stored[key] = dtype
+                if ckpt_key is not None and dtype is not None:
+                    stored[key] = (ckpt_key, dtype)
     return stored
 
 
 def hold_stored_dtypes(
-    built: list[tuple[nn.Module, ModulePlan]], stored: Mapping[str, torch.dtype]
+    built: list[tuple[nn.Module, ModulePlan]], stored: Mapping[str, tuple[str, torch.dtype]]
 ) -> dict[int, Casts]:
     """Give the still-meta parts of ``built`` their stored dtype; per module (by ``id``), what each part is cast to.
 
-    Called on the model transformers built, before it loads any weight. A part already given a
-    stored dtype keeps its first recorded target, so calling this twice changes nothing.
+    Called on the model transformers built, before it loads any weight (``stored``: :func:`stored_dtypes`).
     """
     casts: dict[int, Casts] = {}
     for module, plan in built:
         held: Casts = {}
         for bound in plan.transforms:
             for spec in bound.sources:
-                dtype = stored.get(plan.full_key(spec.name))
+                dtype = stored[key][1] if (key := plan.full_key(spec.name)) in stored else None
                 owner, _, leaf = spec.name.rpartition(".")
                 holder = module.get_submodule(owner) if owner else module
                 param = holder._parameters.get(leaf)

@@ -139,7 +139,7 @@ def from_pretrained(
     _call_plugins(registry.hook.fusion_load_planned, "fusion_load_planned", plan=discovery.plan,
                   model_class=model_cls, config=config, load_kwargs=MappingProxyType(kwargs),
                   families=fusion.specs())
-    as_stored: dict[str, torch.dtype] = {}  # parts a merge casts: loaded as stored (fusion_core.casting)
+    as_stored: dict[str, tuple[str, torch.dtype]] = {}  # parts a merge casts, loaded as stored (fusion_core.casting)
     if local.is_dir():
         directory = local / kwargs.get("subfolder", "")
         pre_quantized = getattr(config, "quantization_config", None) is not None
@@ -147,9 +147,9 @@ def from_pretrained(
                          names=discovery.names, key_mapping=kwargs.get("key_mapping"))
         if not pre_quantized:  # a quantizer stores and allocates in its own form
             tensors = read_checkpoint_index(directory)
-            check_memory(tensors, discovery.plan, fused_dir, kwargs)
             if not fused_dir and _merges_may_cast(kwargs):
                 as_stored = stored_dtypes(tensors, discovery.plan, discovery.names, kwargs.get("key_mapping"))
+            check_memory(tensors, discovery.plan, fused_dir, kwargs, {key for key, _ in as_stored.values()})
     on_built = convert_to_fused if fused_dir else None
     casts: dict[int, Casts] = {}
     with (LOAD_LOCK, class_patch_scope(discovery.routes, on_built=on_built) as scope,

@@ -11,7 +11,9 @@ conservative:
   up a view of the loaded storage is counted too, and so is a merge whose parts lie back to back in
   the checkpoint, which becomes a view of them);
 - **casts**: every stored floating-point tensor whose dtype differs from the target dtype, in the
-  target dtype (a cast cannot stay mapped; a tensor kept in its stored dtype is assumed to).
+  target dtype (a cast cannot stay mapped; a tensor kept in its stored dtype is assumed to), but
+  for the parts a merge casts as it builds the merged tensor (:mod:`fusion_core.casting`): their
+  cast is the merged copy, already counted.
 
 The target dtype is the load's ``dtype`` (or ``torch_dtype``); ``"auto"``, and no dtype on
 transformers 5 (whose default is ``"auto"``), keep each tensor's stored dtype, merged copies
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,9 +83,12 @@ def _target_itemsize(load_dtype: Any) -> int | None:
 
 
 def estimate_load(
-    tensors: Mapping[str, TensorInfo], plan: FusionPlan, fused_layout: bool, load_dtype: Any
+    tensors: Mapping[str, TensorInfo], plan: FusionPlan, fused_layout: bool, load_dtype: Any,
+    cast_in_merge: Collection[str] = (),
 ) -> LoadEstimate:
-    """The bytes a fused load of ``tensors`` (a checkpoint's headers) will newly allocate; see the module docstring."""
+    """The bytes a fused load of ``tensors`` (a checkpoint's headers) will newly allocate; see the module docstring.
+
+    ``cast_in_merge``: the checkpoint keys of the parts a merge casts (not cast on their own)."""
     itemsize = _target_itemsize(load_dtype)
     floats = [info for info in tensors.values() if info.dtype in FLOAT_DTYPES]
     widest = max((DTYPE_SIZES[info.dtype] for info in floats), default=4)
@@ -92,7 +97,8 @@ def estimate_load(
         for module in plan.modules for bound in module.transforms for target in bound.targets
     )
     casts = 0 if itemsize is None else sum(
-        math.prod(info.shape) * itemsize for info in floats if DTYPE_SIZES[info.dtype] != itemsize
+        math.prod(info.shape) * itemsize for info in floats
+        if DTYPE_SIZES[info.dtype] != itemsize and info.key not in cast_in_merge
     )
     return LoadEstimate(merged, merged + casts)
 
@@ -105,15 +111,18 @@ def onto_cpu(device_map: Any) -> bool:
 
 
 def check_memory(
-    tensors: Mapping[str, TensorInfo], plan: FusionPlan, fused_layout: bool, load_kwargs: Mapping[str, Any]
+    tensors: Mapping[str, TensorInfo], plan: FusionPlan, fused_layout: bool, load_kwargs: Mapping[str, Any],
+    cast_in_merge: Collection[str] = (),
 ) -> None:
-    """Raise :class:`InsufficientMemoryError` when a load onto the CPU would allocate more than is available."""
+    """Raise :class:`InsufficientMemoryError` when a load onto the CPU would allocate more than is available.
+
+    ``cast_in_merge``: as :func:`estimate_load` takes it."""
     if os.environ.get(SKIP_ENV, "").strip().lower() in {"1", "true", "yes", "on"}:
         return
     if not onto_cpu(load_kwargs.get("device_map")):
         return
     load_dtype = load_kwargs.get("dtype", load_kwargs.get("torch_dtype"))
-    estimate = estimate_load(tensors, plan, fused_layout, load_dtype)
+    estimate = estimate_load(tensors, plan, fused_layout, load_dtype, cast_in_merge)
     available = available_memory()
     if available is None or estimate.total <= available[0]:
         return
