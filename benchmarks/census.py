@@ -12,6 +12,9 @@ and the ``MODEL_MAPPING_NAMES`` types no other mapping covers) the census
 3. saves the fused model with ``fusion_core.save_pretrained``, compares it byte for byte with the
    source checkpoint, and reloads that save plainly (its outputs must match the plain model's too).
 
+``--cast`` saves each checkpoint in bf16 and loads it as float32 on both sides (every tensor cast; the
+merged parts by the merge, :mod:`fusion_core.casting`); the fused save is then compared with plain's save.
+
 Each row gets one outcome:
 
 - ``fused-exact``: something was fused, outputs within ``TOLERANCES[float32]``, the save identical;
@@ -28,6 +31,7 @@ Run it (``nice`` it on a shared machine)::
 
     .venvs/tf5/bin/python benchmarks/census.py [--image-text] [--encoders] [--only llama qwen3_moe] [--json out.json]
     .venvs/tf5/bin/python benchmarks/census.py --kernels-win   # linear_kernels packs and switches kernels everywhere
+    .venvs/tf5/bin/python benchmarks/census.py --cast          # bf16 checkpoints loaded as float32
 """
 
 from __future__ import annotations
@@ -163,10 +167,10 @@ def tiny_config(model_type: str) -> Any:
     return config
 
 
-def build_checkpoint(auto_cls: Any, model_type: str, target: Path) -> None:
+def build_checkpoint(auto_cls: Any, model_type: str, target: Path, dtype: torch.dtype | None = None) -> None:
     torch.manual_seed(0)
     model = auto_cls.from_config(tiny_config(model_type))
-    model.save_pretrained(target)
+    (model if dtype is None else model.to(dtype)).save_pretrained(target)
 
 
 # -- one model ---------------------------------------------------------------------------------
@@ -193,32 +197,36 @@ def _fused_families(model: Any) -> str:
     return ", ".join(f"{family}×{count}" for family, count in counts.items())
 
 
-def census_one(model_type: str, auto_cls: Any, fusion_config: dict[str, Any], work: Path) -> Row:
+def census_one(model_type: str, auto_cls: Any, fusion_config: dict[str, Any], work: Path, cast: bool = False) -> Row:
+    """One model type (see the module docs); ``cast``: a bf16 checkpoint, loaded as float32 by both sides."""
     row = Row(model_type, auto_cls.__name__)
-    source, saved = work / f"{model_type}-source", work / f"{model_type}-saved"
+    source, saved, reference = work / f"{model_type}-source", work / f"{model_type}-saved", work / "plain-saved"
+    load = {"dtype": torch.float32} if cast else {}
     try:
-        build_checkpoint(auto_cls, model_type, source)
+        build_checkpoint(auto_cls, model_type, source, torch.bfloat16 if cast else None)
     except Exception as error:
         row.note = f"could not build a tiny model: {_message(error)}"
         return row
     try:
-        plain = auto_cls.from_pretrained(source)
+        plain = auto_cls.from_pretrained(source, **load)
         inputs = _inputs(plain)
         expected = _run(plain, inputs)
+        if cast:  # what the fused save must equal: plain's save of its float32 model
+            plain.save_pretrained(reference)
     except Exception as error:
         row.note = f"plain transformers fails: {_message(error)}"
         return row
     stage = "fused load"
     try:
-        fused = fusion_core.from_pretrained(auto_cls, source, fusion_config=fusion_config)
+        fused = fusion_core.from_pretrained(auto_cls, source, fusion_config=fusion_config, **load)
         row.families = _fused_families(fused)
         stage = "fused forward"
         _, row.max_rel_diff = compare_outputs(expected, _run(fused, inputs))
         stage = "fused save"
         fusion_core.save_pretrained(fused, saved)
-        trip = compare_checkpoints(source, saved)
+        trip = compare_checkpoints(reference if cast else source, saved)
         stage = "plain reload of the fused save"
-        _, reload_diff = compare_outputs(expected, _run(auto_cls.from_pretrained(saved), inputs))
+        _, reload_diff = compare_outputs(expected, _run(auto_cls.from_pretrained(saved, **load), inputs))
     except fusion_core.FusionError as error:
         row.outcome, row.note = "refused", f"{stage}: {_message(error)}"
         return row
@@ -296,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="linear_kernels packs every weight it may and takes another kernel wherever one is "
                              "admitted (its timers report the alternatives fastest): tiny models then exercise what "
                              "real sizes choose")
+    parser.add_argument("--cast", action="store_true",
+                        help="save each tiny checkpoint in bf16 and load it as float32, plain and fused (the merges "
+                             "cast the parts they build: fusion_core.casting); the fused save is compared with "
+                             "plain's save of its float32 model")
     args = parser.parse_args(argv)
     if args.kernels_win:
         _kernels_win()
@@ -319,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{len(rows) + 1}/{len(chosen)}] {model_type}", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix="fusion-census-") as tmp, \
                 contextlib.redirect_stdout(io.StringIO()):  # models that print while building
-            rows.append(census_one(model_type, auto_cls, fusion_config, Path(tmp)))
+            rows.append(census_one(model_type, auto_cls, fusion_config, Path(tmp), cast=args.cast))
     _print_table(rows)
     counts = Counter(row.outcome for row in rows)
     print(f"\ntransformers {transformers.__version__}, families {sorted(fusion_config)}, {len(rows)} model types "
