@@ -81,4 +81,15 @@ def hold_stored_dtypes(
     return casts
 
 
-__all__ = ["Casts", "hold_stored_dtypes", "stored_dtypes"]
+def cast_back(module: nn.Module, held: Casts) -> None:
+    """Give the parts :func:`hold_stored_dtypes` held their dtype back, in a module that is left unfused
+    (built elsewhere than planned): it must hold what plain transformers would have loaded."""
+    for name, dtype in held.items():
+        owner, _, leaf = name.rpartition(".")
+        holder = module.get_submodule(owner) if owner else module
+        param = holder._parameters[leaf]
+        if param is not None and param.dtype != dtype:
+            holder._parameters[leaf] = nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+
+
+__all__ = ["Casts", "cast_back", "hold_stored_dtypes", "stored_dtypes"]

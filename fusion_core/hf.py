@@ -37,7 +37,7 @@ from torch import nn
 
 from fusion_core import streaming
 from fusion_core.aliases import in_process_group
-from fusion_core.casting import Casts, hold_stored_dtypes, stored_dtypes
+from fusion_core.casting import Casts, cast_back, hold_stored_dtypes, stored_dtypes
 from fusion_core.checkpoint import check_checkpoint, planned_tensors, read_checkpoint_index
 from fusion_core.compat import transformers as compat
 from fusion_core.config import FusionConfig, parse_fusion_config
@@ -157,7 +157,7 @@ def from_pretrained(
           as reports):
         model = model_cls.from_pretrained(name_or_path, config=config, **kwargs)
     info = _report_of(model, reports)
-    built, plan = _reconcile_build(model, scope, discovery, fusion, fused_dir)
+    built, plan = _reconcile_build(model, scope, discovery, fusion, fused_dir, casts)
     _verify_loading_info(info, plan, fused_dir)
     for need in loaded_needs(model):
         registry.require_integration(need.integration, need.workflow)
@@ -341,7 +341,8 @@ def _convert_one(module: nn.Module, plan: ModulePlan, source: PluginSource, fuse
 
 
 def _reconcile_build(
-    model: nn.Module, scope: BuildScope, discovery: Discovery, fusion: FusionConfig, fused_dir: bool
+    model: nn.Module, scope: BuildScope, discovery: Discovery, fusion: FusionConfig, fused_dir: bool,
+    casts: dict[int, Casts],
 ) -> tuple[list[tuple[nn.Module, ModulePlan]], FusionPlan]:
     """The fused instances that sit where discovery planned them, and the plan of this load.
 
@@ -351,8 +352,9 @@ def _reconcile_build(
     ``required=False`` then leaves the planned modules it could not place unfused, with a
     warning: the instances built for them are still in their original layout (only a routed
     class switch happened, before any weight was read), so switching the class back leaves
-    exactly what plain transformers loaded. A required family, or any family in a fused-layout
-    checkpoint (whose tensors are stored fused and cannot load into an original module), raises.
+    exactly what plain transformers loaded (parts loaded as stored for a merge, ``casts``, are cast
+    back). A required family, or any family in a fused-layout checkpoint (whose tensors are stored fused
+    and cannot load into an original module), raises.
     """
     paths = {id(m): name for name, m in model.named_modules()}
     built: list[tuple[nn.Module, ModulePlan]] = []
@@ -386,6 +388,7 @@ def _reconcile_build(
         logger.warning("fusion family %r: %s; left unfused (required=False)", family, what)
     for module, plan, _ in strays.values():
         module.__class__ = plan.original_class
+        cast_back(module, casts.pop(id(module), {}))
     kept = tuple(plan for _, plan in built)
     gone = tuple(name for name in discovery.plan.families if not any(p.family == name for p in kept))
     return built, replace(discovery.plan, modules=kept, skipped=discovery.plan.skipped + gone)

@@ -56,6 +56,42 @@ class DriftModel(PreTrainedModel):
         return self.third(self.second(self.overlapping(self.first(video))))
 
 
+class GatedMLP(nn.Module):
+    def __init__(self, width: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(width, inner, bias=False)
+        self.up_proj = nn.Linear(width, inner, bias=False)
+        self.down_proj = nn.Linear(inner, width, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DriftMLPModel(PreTrainedModel):
+    """Two gated MLPs of different widths, constructed in the other order in discovery's meta build."""
+
+    config_class = DriftConfig
+
+    def __init__(self, config: DriftConfig):
+        super().__init__(config)
+        w = config.width
+        if META_BUILD[0]:
+            first, second = GatedMLP(w, 2 * w), GatedMLP(w, 4 * w)
+        else:
+            second = GatedMLP(w, 4 * w)
+            first = GatedMLP(w, 2 * w)
+        self.first, self.second = first, second
+        self.post_init()
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight)
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
 @pytest.fixture(scope="module")
 def drift_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("drift")
@@ -105,3 +141,17 @@ def test_modules_built_elsewhere_than_planned_raise_when_required(drift_dir, dri
     with pytest.raises(fusion_core.FusionLoadError,
                        match="family 'patch_embeddings': module planned at 'first' was built at 'second'"):
         fusion_core.from_pretrained(DriftModel, drift_dir, fusion_config={"patch_embeddings": True})
+
+
+def test_modules_left_unfused_hold_what_plain_loads_when_the_load_casts(drifting, tmp_path):
+    # a bf16 checkpoint loaded as float32: the gated MLPs' parts are loaded as stored for their merge
+    # (fusion_core.casting); the two built where the other was planned are left unfused, cast back
+    torch.manual_seed(0)
+    DriftMLPModel(DriftConfig()).to(torch.bfloat16).save_pretrained(tmp_path)
+    plain = DriftMLPModel.from_pretrained(tmp_path, dtype=torch.float32)
+    model = fusion_core.from_pretrained(DriftMLPModel, tmp_path, fusion_config={"gate_up": {"required": False}},
+                                        dtype=torch.float32)
+    assert fusion_core.get_fusion_plan(model).modules == () and type(model.first) is GatedMLP
+    expected, got = plain.state_dict(), model.state_dict()
+    assert {t.dtype for t in got.values()} == {torch.float32}
+    assert all(torch.equal(got[key], expected[key]) for key in expected)
