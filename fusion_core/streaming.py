@@ -34,7 +34,7 @@ import functools
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
 
 import torch
@@ -96,7 +96,7 @@ def merge(
             jobs[0]()
         elif jobs:
             with _reading_threads(len(jobs)) as pool:
-                list(pool.map(_run, jobs))
+                _run_all(pool, jobs)
     finally:
         for fd in descriptors.values():
             if fd is not None:
@@ -187,8 +187,13 @@ def _copy(target: torch.Tensor, source: torch.Tensor, start: int, stop: int) -> 
     target[start:stop].copy_(source[start:stop])
 
 
-def _run(job: Callable[[], None]) -> None:
-    job()
+def _run_all(pool: ThreadPoolExecutor, jobs: list[Callable[[], None]]) -> None:
+    """Run ``jobs`` on ``pool``; return once every one has ended, then raise the first failure. A job still
+    running when the merge gives up (a short read) would go on writing into a merged tensor already freed."""
+    futures = [pool.submit(job) for job in jobs]
+    wait(futures)
+    for future in futures:
+        future.result()
 
 
 def _read(fd: int, offset: int, address: int, length: int) -> None:

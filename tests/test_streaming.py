@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,30 @@ def test_a_part_written_after_mapping_is_copied_from_memory_not_read_from_the_fi
     merged = streaming.merge(Concat(3), parts, MappedFiles.snapshot())
     assert merged is not None and same_bits(merged, torch.cat(parts))
     assert merged[parts[0].shape[0] + 3, 5] == 7.0
+
+
+def test_a_merge_whose_read_fails_raises_only_once_no_read_can_still_write_into_it(
+        llama_bf16: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    attn = _plain(llama_bf16).model.layers[0].self_attn
+    parts = [attn.q_proj.weight.detach(), attn.k_proj.weight.detach(), attn.v_proj.weight.detach()]
+    files = MappedFiles.snapshot()
+    failing = files.file_extent(parts[0])
+    assert failing is not None and all(clean(p) for p in parts)
+    ended: list[int] = []
+    real_read = streaming._read
+
+    def read(fd: int, offset: int, address: int, length: int) -> None:
+        if offset == failing.offset:
+            raise OSError("short read: 0 of 1 bytes")  # as a file truncated under the load
+        time.sleep(0.2)
+        real_read(fd, offset, address, length)
+        ended.append(offset)
+
+    monkeypatch.setattr(streaming, "_read", read)
+    with pytest.raises(OSError, match="short read"):
+        streaming.merge(Concat(3), parts, files)
+    # Every other read had ended when the merge raised: none writes into the freed merged tensor afterwards.
+    assert len(ended) == 2
 
 
 def test_parts_back_to_back_in_memory_become_a_view_and_any_other_order_a_copy() -> None:
