@@ -4,6 +4,7 @@
     python benchmarks/bench_scale.py --shape 7b --rounds 1 # Qwen2.5-7B shapes (~15 GB of bf16 on disk)
     python benchmarks/bench_scale.py --shape olmoe         # OLMoE-1B-7B widths, moe_experts (4.57)
     python benchmarks/bench_scale.py --shape qwen2vl       # a Qwen2-VL-2B-sized checkpoint, patch_embeddings
+    python benchmarks/bench_scale.py --no-save --steps     # also: the fused load's fixed costs, step by step
 
 Random bf16 weights at the real shapes and vocabulary, saved by transformers itself in shards of
 1 GB (built once, cached under ``$FUSION_BENCH_CHECKPOINTS`` or /tmp/fusion-bench). Every
@@ -15,6 +16,12 @@ before torch, transformers and (fused) fusion_core are imported, as the user of 
 Contenders alternate order from round to round; ``plain (A/A)`` is a second plain contender: its
 ratio to plain is the harness's own noise. Peak RSS is VmHWM (file pages of the mapped checkpoint
 included, as the kernel counts them).
+
+``--steps`` adds fused processes of their own, left out of the ratios (their clocks change what they time):
+each times importing pydantic before anything of fusion-core, then the steps of the load
+(:func:`step_timers`). The floor it prints is plain's first token plus the three costs a fused load has
+and plain's has not: pydantic (fusion_config is a pydantic model), the meta model discovery plans on,
+and the merges.
 """
 
 from __future__ import annotations
@@ -107,6 +114,13 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     transformers.logging.disable_progress_bar()
     fusion_core = importlib.import_module("fusion_core") if args["kind"] == "fused" else None
 
+    steps: dict[str, float] = {}
+    if args.get("steps"):
+        start = time.perf_counter()
+        pydantic = importlib.import_module("pydantic")
+        pydantic.BaseModel, pydantic.RootModel  # noqa: B018 (pydantic imports its machinery on first access)
+        steps["pydantic import"] = time.perf_counter() - start
+        step_timers(steps)
     spec = SHAPES[args["shape"]]
     auto = getattr(transformers, spec["auto"])
     config = transformers.AutoConfig.from_pretrained(args["path"])
@@ -127,6 +141,8 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     out["process_first_token_s"] = time.perf_counter() - process_start
     out["peak_mb"] = peak_rss_mb()
     out["rss_mb"] = rss_mb()
+    if steps:
+        out["steps"] = steps
     if args.get("save"):
         target = Path(args["save"])
         shutil.rmtree(target, ignore_errors=True)
@@ -140,6 +156,39 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
         out["saved"] = sorted(p.name for p in target.iterdir() if "safetensors" in p.name)
         shutil.rmtree(target, ignore_errors=True)
     return out
+
+
+#: step of a fused load -> (module, function) whose calls it sums
+STEPS = {
+    "fusion-core's loader import": None,
+    "plugin registry": ("fusion_core.hf", "get_registry"),
+    "discovery": ("fusion_core.hf", "discover"),
+    "  of which the meta model": ("fusion_core.discovery", "build_meta_model"),
+    "conversion": ("fusion_core.hf", "_convert_built"),
+    "  of which the merges": ("fusion_core.streaming", "merge"),
+}
+
+
+def step_timers(steps: dict[str, float]) -> None:
+    """Import fusion-core's loader (timed) and wrap each function of :data:`STEPS` to add its calls' time to
+    ``steps`` (the functions are looked up by module attribute where their callers look them up)."""
+    start = time.perf_counter()
+    importlib.import_module("fusion_core.hf")
+    steps["fusion-core's loader import"] = time.perf_counter() - start
+    for step, target in STEPS.items():
+        if target is None:
+            continue
+        module = importlib.import_module(target[0])
+        function = getattr(module, target[1])
+
+        def timed(*args: Any, _function: Any = function, _step: str = step, **kwargs: Any) -> Any:
+            begun = time.perf_counter()
+            try:
+                return _function(*args, **kwargs)
+            finally:
+                steps[_step] = steps.get(_step, 0.0) + time.perf_counter() - begun
+
+        setattr(module, target[1], timed)
 
 
 def _compile_sources() -> None:
@@ -179,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--anchor", metavar="PYTHON", default=None,
                         help="the python of another transformers environment: its plain load is one more contender "
                              "(transformers 5.x's own stacked experts beside a fused 4.57 load)")
+    parser.add_argument("--steps", action="store_true",
+                        help="also time the fused load step by step, in processes of its own (see the module docs)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     import subprocess
@@ -196,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                                  capture_output=True, text=True, check=True).stdout.strip()
         contenders[f"plain, transformers {version}"] = ("plain", args.anchor)
     save_root = Path(tempfile.mkdtemp(prefix="fusion-bench-scale-", dir=path.parent))
+    if args.steps:
+        contenders["fused, timed by step"] = ("fused", sys.executable)
     samples: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
     try:
         run_worker({"kind": "plain", "path": str(path), "shape": args.shape})  # page cache warm for all alike
@@ -204,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                 kind, python = contenders[name]
                 save = None if args.no_save else str(save_root / "out")
                 samples[name].append(run_worker({"kind": kind, "path": str(path), "shape": args.shape,
-                                                 "save": save, "dtype": args.dtype}, python))
+                                                 "save": save, "dtype": args.dtype,
+                                                 "steps": name == "fused, timed by step"}, python))
             _log(f"  round {r + 1}/{args.rounds} done")
     finally:
         shutil.rmtree(save_root, ignore_errors=True)
@@ -221,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     plain = samples["plain"]
     for name in contenders:
         runs = samples[name]
+        if runs and "steps" in runs[0]:
+            continue
 
         def col(key: str, runs: list[dict[str, Any]] = runs) -> list[float]:
             return [x[key] for x in runs]
@@ -238,9 +294,32 @@ def main(argv: list[str] | None = None) -> int:
     print(table.text())
     print()
     print(table.markdown())
+    if args.steps:
+        print()
+        print(_steps_table(samples["fused, timed by step"], plain, args).markdown())
     if args.json is not None:
         args.json.write_text(json.dumps({"machine": machine_info(), "samples": samples}, indent=1, default=str))
     return 0
+
+
+def _steps_table(runs: list[dict[str, Any]], plain: list[dict[str, Any]], args: argparse.Namespace) -> Any:
+    """Median [p10-p90] seconds of each step, and the floor the costs plain's load has not put under the ratio."""
+    from bench_common import Summary, Table
+
+    table = Table(f"{args.shape} fused load by step ({args.dtype}): median [p10-p90] of {args.rounds} fresh processes",
+                  ["step", "seconds"])
+    names = ["pydantic import", *STEPS]
+    for name in names:
+        table.rows.append([name, Summary.of([run["steps"].get(name, 0.0) for run in runs]).fmt(digits=3)])
+    table.rows.append(["load (this process, pydantic imported before it)",
+                       Summary.of([run["load_s"] for run in runs]).fmt(digits=3)])
+    first_token = Summary.of([run["first_token_s"] for run in plain]).median
+    floor = sum(Summary.of([run["steps"].get(name, 0.0) for run in runs]).median
+                for name in ("pydantic import", "  of which the meta model", "  of which the merges"))
+    table.notes.append(f"plain's first token {first_token:.3f} s; with pydantic, the meta model and the merges "
+                       f"added ({floor:.3f} s) a fused first token could be no less than "
+                       f"{(first_token + floor) / first_token:.3f}x plain's")
+    return table
 
 
 if __name__ == "__main__":
