@@ -99,3 +99,32 @@ def test_end_to_end_rows_pair_each_round_and_rotate_the_order() -> None:
     assert set(first) == {"plain", "fused"}
     speed = bench_e2e.speed(samples, "fused", "total")
     assert (speed.median, speed.min, speed.max, speed.n) == (2.0, 1.0, 2.0, 3)  # the ratio of medians is 4/3
+
+
+_STEPS_PROBE = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+sys.path.insert(0, sys.argv[1])
+import bench_scale
+steps = {}
+bench_scale.step_timers(steps)
+import fusion_core
+config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=128)
+LlamaForCausalLM(config).save_pretrained(sys.argv[2])
+fusion_core.from_pretrained(AutoModelForCausalLM, sys.argv[2], fusion_config={"qkv": True, "gate_up": True})
+print(json.dumps(steps))
+"""
+
+
+def test_the_step_timers_of_bench_scale_time_every_step_of_a_fused_load(tmp_path: Path) -> None:
+    """``bench_scale.py --steps`` wraps fusion-core functions by name: a renamed one must fail here, not at size."""
+    proc = subprocess.run([sys.executable, "-c", _STEPS_PROBE, str(ROOT / "benchmarks"), str(tmp_path / "tiny")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_scale
+
+    steps = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(steps) == set(bench_scale.STEPS) and all(seconds > 0 for seconds in steps.values()), steps
