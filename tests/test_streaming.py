@@ -97,7 +97,7 @@ def test_a_part_written_after_mapping_is_copied_from_memory_not_read_from_the_fi
     assert merged[parts[0].shape[0] + 3, 5] == 7.0
 
 
-def test_a_merge_whose_read_fails_raises_only_once_no_read_can_still_write_into_it(
+def test_a_merge_whose_read_fails_raises_only_after_its_other_reads_have_ended(
         llama_bf16: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     attn = _plain(llama_bf16).model.layers[0].self_attn
     parts = [attn.q_proj.weight.detach(), attn.k_proj.weight.detach(), attn.v_proj.weight.detach()]
