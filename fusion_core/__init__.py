@@ -19,6 +19,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from fusion_core.compat.transformers import check_supported as _check_supported
+from fusion_core.lazy import resolve as _resolve
 
 _check_supported()  # an unsupported transformers fails here, with the range, not deep inside a load
 
@@ -70,6 +71,8 @@ __all__ = sorted([*_EXPORTS, "__version__"])
 
 
 def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return _resolve(globals(), _EXPORTS, name)
     if name == "__version__":
         from importlib import metadata
 
@@ -77,8 +80,6 @@ def __getattr__(name: str) -> Any:
             value: Any = metadata.version("fusion-core")
         except metadata.PackageNotFoundError:  # a source tree that is not installed
             value = "0+unknown"
-    elif name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
     else:
         try:  # submodules as attributes: fusion_core.discovery, fusion_core.testing, ...
             value = importlib.import_module(f"{__name__}.{name}")

@@ -59,7 +59,7 @@ from fusion_core.record import (
     pop_stored_fusion_config,
     write_config,
 )
-from fusion_core.transforms import FusionPlan, ModulePlan, attach_plan, attached_plan, declined
+from fusion_core.transforms import FusionPlan, ModulePlan, attach_plan, attached_plan, declined, detach_plan
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +68,7 @@ __all__ = ["LOAD_LOCK", "from_pretrained", "get_fusion_plan", "save_pretrained"]
 
 def get_fusion_plan(model: nn.Module) -> FusionPlan | None:
     """The :class:`FusionPlan` a model was loaded with, or None for a model fusion did not touch."""
-    plan = attached_plan(model)
-    return plan if isinstance(plan, FusionPlan) else None
+    return attached_plan(model, FusionPlan)
 
 
 def mark_fused(model: nn.Module, fusion: FusionConfig, plan: FusionPlan) -> None:
@@ -80,7 +79,7 @@ def mark_fused(model: nn.Module, fusion: FusionConfig, plan: FusionPlan) -> None
 
 def mark_unfused(model: nn.Module) -> None:
     """Undo :func:`mark_fused`: no plan, and no record for a later save to write."""
-    attach_plan(model, None)
+    detach_plan(model, FusionPlan)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, RECORD_KEY):
         delattr(config, RECORD_KEY)

@@ -27,7 +27,7 @@ from fusion_core.errors import FusionError, FusionLoadError
 from fusion_core.mapped_files import MappedFiles
 from fusion_core.plugins import get_registry
 from fusion_core.spec import FusedModule
-from fusion_core.transforms import ModulePlan, attach_plan, attached_plan
+from fusion_core.transforms import ModulePlan, attach_plan, attached_plan, detach_plan
 from fusion_core.wrapped import same_bits
 
 _PRESENT_FUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("fusion_core_present_fused", default=False)
@@ -65,8 +65,7 @@ def take_own_block(state_dict: dict[str, Any], prefix: str) -> dict[str, Any]:
 
 def module_plan(module: nn.Module) -> ModulePlan | None:
     """The plan a fused instance was built from, or None for a module fusion did not touch."""
-    plan = attached_plan(module)
-    return plan if isinstance(plan, ModulePlan) else None
+    return attached_plan(module, ModulePlan)
 
 
 def _owner(module: nn.Module, leaf: str, create: bool = False) -> tuple[nn.Module, str]:
@@ -274,7 +273,7 @@ def detach_original_layout(module: nn.Module) -> None:
     The hooks are found by the functions they call, not by handles: a handle of a deep-copied or
     unpickled module would still point at the original module's hook table.
     """
-    attach_plan(module, None)
+    detach_plan(module, ModulePlan)
     torch_compat.remove_layout_hooks(module, _present_original, _accept_original)
 
 

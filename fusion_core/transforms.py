@@ -17,6 +17,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -515,24 +516,25 @@ def bind_transforms(
 
 
 # -- the plan attached to a model or module --------------------------------------------------------
-PLAN_ATTRIBUTE = "_fusion_plan"
-"""Instance attribute holding the plan: a :class:`FusionPlan` on a fused model, a :class:`ModulePlan`
-on each fused module. Read it with :func:`attached_plan`, write it with :func:`attach_plan`."""
+PLAN_ATTRIBUTES: dict[type, str] = {FusionPlan: "_fusion_plan", ModulePlan: "_fusion_module_plan"}
+"""Instance attribute holding each kind of plan: a :class:`FusionPlan` on a fused model, a :class:`ModulePlan`
+on each fused module. A model fused at its root by a family (``linear_cross_entropy``) carries both, so
+they live under two names. Read them with :func:`attached_plan`, write them with :func:`attach_plan`."""
+
+PlanT = TypeVar("PlanT", FusionPlan, ModulePlan)
 
 
-def attached_plan(obj: object) -> FusionPlan | ModulePlan | None:
-    """The plan attached to ``obj`` (a model's :class:`FusionPlan`, a fused module's :class:`ModulePlan`), or None."""
-    plan: FusionPlan | ModulePlan | None = getattr(obj, "__dict__", {}).get(PLAN_ATTRIBUTE)
+def attached_plan(obj: object, kind: type[PlanT]) -> PlanT | None:
+    """The plan of ``kind`` (:class:`FusionPlan` on a model, :class:`ModulePlan` on a fused module) on ``obj``."""
+    plan: PlanT | None = getattr(obj, "__dict__", {}).get(PLAN_ATTRIBUTES[kind])
     return plan
 
 
-def attach_plan(obj: object, plan: FusionPlan | ModulePlan | None) -> None:
-    """Attach ``plan`` to ``obj`` (replacing one of the same kind); None removes what is attached."""
-    if plan is None:
-        obj.__dict__.pop(PLAN_ATTRIBUTE, None)
-        return
-    current = attached_plan(obj)
-    if current is not None and type(current) is not type(plan):
-        raise PlanError(f"{type(obj).__name__} already carries a {type(current).__name__}; it cannot also carry a "
-                        f"{type(plan).__name__} (a model fused as a whole by one family?)")
-    obj.__dict__[PLAN_ATTRIBUTE] = plan
+def attach_plan(obj: object, plan: FusionPlan | ModulePlan) -> None:
+    """Attach ``plan`` to ``obj``, replacing the plan of its kind there."""
+    obj.__dict__[PLAN_ATTRIBUTES[type(plan)]] = plan
+
+
+def detach_plan(obj: object, kind: type[FusionPlan] | type[ModulePlan]) -> None:
+    """Remove the plan of ``kind`` from ``obj`` (nothing when there is none)."""
+    obj.__dict__.pop(PLAN_ATTRIBUTES[kind], None)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion_core.compare import TOLERANCES, Comparison, compare_outputs, relative_error
+from fusion_core.compare import TOLERANCES, Comparison, compare_checkpoints, compare_outputs, relative_error
 from fusion_core.compat import transformers as compat
 from fusion_core.layout import fuse_instance
 from fusion_core.plugins import validate_spec
@@ -39,7 +39,8 @@ __all__ = [
     "assert_numerically_equivalent", "assert_options_schema", "assert_quantizers_see_the_same_weights",
     "assert_state_dict_round_trip",
     "assert_tensor_parallel_rule",
-    "assert_transform_op", "assert_transform_round_trip", "build_model", "fuse_module", "model_config",
+    "assert_transform_op", "assert_transform_round_trip", "build_model", "compare_checkpoints", "fuse_module",
+    "model_config",
     "module_factory",
     "registered", "relative_error", "resolve_model",
 ]

@@ -44,8 +44,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fusion_core import Concat, FamilyOptions, FusionFamily, WeightTransform
-from fusion_core.merged import MergedProjectionsMixin, is_plain_linear, merge_children, merge_refusal
-from fusion_core.parallel.rules import PackedColwise
+from fusion_core.plugin import MergedProjectionsMixin, PackedColwise, is_plain_linear, merge_children, merge_refusal
 from fusion_gate_up.recognition import gated_products, resolve_activation
 
 PROJECTIONS = ("gate_proj", "up_proj")

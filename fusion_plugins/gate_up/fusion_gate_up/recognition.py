@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from fusion_core.forward_source import Aliases, aliases, alternatives, forwards, self_call, value_of
+from fusion_core.plugin import Aliases, aliases, alternatives, forwards, self_call, value_of
 
 
 @dataclass(frozen=True)

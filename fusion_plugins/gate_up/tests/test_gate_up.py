@@ -12,13 +12,13 @@ from fusion_gate_up.family import refusal
 from torch import nn
 
 import fusion_core
-from fusion_core.compare import compare_checkpoints
-from fusion_core.merged import MergedSlice
+from fusion_core.plugin import MergedSlice
 from fusion_core.testing import kit
 from fusion_core.testing.kit import (
     TOLERANCES,
     assert_numerically_equivalent,
     assert_state_dict_round_trip,
+    compare_checkpoints,
     fuse_module,
 )
 from fusion_core.testing.tiny_models import TEXT_MODELS

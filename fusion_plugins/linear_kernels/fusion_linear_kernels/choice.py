@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.nn import functional as F
 
-from fusion_core.merge_policy import best_times
+from fusion_core.plugin import best_times
 from fusion_linear_kernels import compat, kernels
 from fusion_linear_kernels.kernels import LINEAR, Candidate
 from fusion_linear_kernels.tolerance import admission_bound, admitted

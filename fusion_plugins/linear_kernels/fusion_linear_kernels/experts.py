@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion_core.merge_policy import best_times
+from fusion_core.plugin import best_times
 from fusion_linear_kernels.choice import MAX_ROWS
 from fusion_linear_kernels.tolerance import admitted
 

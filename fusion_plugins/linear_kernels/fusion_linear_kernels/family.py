@@ -38,9 +38,16 @@ from pydantic import Field
 from torch import nn
 from torch.nn import functional as F
 
-from fusion_core.merged import LinearKernel, MergedProjection, is_plain_linear
-from fusion_core.spec import FamilyOptions, FusedModule, FusionFamily, fused_subclass
-from fusion_core.transforms import BoundTransform, ModulePlan, WeightTransform, attached_plan, bind_transforms
+from fusion_core import FamilyOptions, FusedModule, FusionFamily, ModulePlan, WeightTransform
+from fusion_core.plugin import (
+    BoundTransform,
+    LinearKernel,
+    MergedProjection,
+    attached_plan,
+    bind_transforms,
+    fused_subclass,
+    is_plain_linear,
+)
 from fusion_linear_kernels import data_parallel, experts, packed_experts, packing
 from fusion_linear_kernels.choice import linear, linear_exact, linear_within_bound
 from fusion_linear_kernels.packed_experts import PrepackExperts, is_packed_experts
@@ -89,7 +96,7 @@ class PackedParametersMixin(FusedModule):
     @property
     def fusion_path(self) -> str:
         """The module's path in its model (from its fusion plan), for messages."""
-        plan = attached_plan(self)
+        plan = attached_plan(self, ModulePlan)
         return getattr(plan, "path", "") or ""
 
     def fusion_mark_layout(self) -> None:

@@ -41,7 +41,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fusion_core.transforms import Shape, TransformOp
+from fusion_core import TransformOp
+from fusion_core.plugin import Shape
 from fusion_linear_kernels import compat, experts, packing
 from fusion_linear_kernels.data_parallel import refusal as strided_view_refusal
 from fusion_linear_kernels.tolerance import admitted

@@ -52,8 +52,8 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from fusion_core.merge_policy import best_times
-from fusion_core.transforms import Shape, TransformOp
+from fusion_core import TransformOp
+from fusion_core.plugin import Shape, best_times
 from fusion_linear_kernels import compat
 from fusion_linear_kernels.data_parallel import in_distributed_job
 from fusion_linear_kernels.tolerance import admission_bound, admitted

@@ -34,11 +34,8 @@ from typing import Any
 
 from torch import nn
 
-from fusion_core.errors import SaveError
-from fusion_core.hookspecs import hookimpl
-from fusion_core.layout import fuse_instance, presenting_fused
-from fusion_core.merged import MergedLinear
-from fusion_core.transforms import ModulePlan
+from fusion_core import ModulePlan, SaveError, hookimpl
+from fusion_core.plugin import MergedLinear, fuse_instance, presenting_fused
 from fusion_linear_kernels.direct_reads import read_directly
 from fusion_linear_kernels.experts import is_experts
 from fusion_linear_kernels.family import (

@@ -23,7 +23,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import fusion_core
-from fusion_core.merged import MergedLinear
+from fusion_core.plugin import MergedLinear
 from fusion_core.testing.kit import TOLERANCES
 from fusion_core.testing.tiny_models import TEXT_MODELS
 

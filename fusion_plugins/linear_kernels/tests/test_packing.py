@@ -24,12 +24,10 @@ from torch.nn import functional as F
 from transformers import AutoModelForCausalLM
 
 import fusion_core
-from fusion_core.errors import SaveError
-from fusion_core.layout import fuse_instance
+from fusion_core import ModulePlan, SaveError
+from fusion_core.plugin import fuse_instance, same_bits
 from fusion_core.testing import kit
 from fusion_core.testing.tiny_models import TEXT_MODELS
-from fusion_core.transforms import ModulePlan
-from fusion_core.wrapped import same_bits
 
 pytestmark = pytest.mark.skipif(not compat.available(), reason="this torch build has no oneDNN prepacked linear")
 

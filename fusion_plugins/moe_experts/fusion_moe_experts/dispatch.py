@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from fusion_core.compat.torch import native_bf16_gemms
+from fusion_core.plugin import native_bf16_gemms
 
 #: What ``grouped_mm`` accepts (torch 2.13: "Float32, BFloat16 or Float16").
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

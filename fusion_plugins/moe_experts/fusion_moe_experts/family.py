@@ -47,7 +47,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fusion_core import FamilyOptions, FusedModule, FusionFamily, WeightTransform
-from fusion_core.spec import fused_subclass
+from fusion_core.plugin import fused_subclass
 from fusion_moe_experts.dispatch import Routed, expert_outputs
 from fusion_moe_experts.ops import StackExperts, StackPairs
 from fusion_moe_experts.recognise import method_fingerprints
@@ -118,7 +118,7 @@ class ExpertProjection(nn.Linear):
     bias = None  # type: ignore[assignment]
 
     def _refuse(self, what: str) -> ExpertProjectionError:
-        from fusion_core.layout import module_plan
+        from fusion_core.plugin import module_plan
 
         plan = module_plan(self.__dict__["_block"]) if self.__dict__.get("_block") is not None else None
         block = plan.path if plan is not None else "the fused block"

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from fusion_core import Concat, Stack, TransformOp
-from fusion_core.transforms import Shape
+from fusion_core.plugin import Shape
 
 
 def _unshard_dim(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     """A DTensor sharded along ``dim`` redistributed to shard ``dim + 1`` instead (``Replicate`` when there
     is none); any other tensor as it is."""
-    from fusion_core.parallel.rules import is_dtensor
+    from fusion_core.plugin import is_dtensor
 
     if not is_dtensor(tensor) or not any(p.is_shard(dim) for p in tensor.placements):
         return tensor

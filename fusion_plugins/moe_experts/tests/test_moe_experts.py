@@ -31,7 +31,7 @@ from fusion_moe_experts.recognise import method_fingerprints
 from torch import nn
 
 import fusion_core
-from fusion_core.errors import DiscoveryError
+from fusion_core import DiscoveryError
 from fusion_core.testing import kit
 from fusion_core.testing.kit import TOLERANCES
 
@@ -360,7 +360,7 @@ def test_without_grouped_mm_each_expert_runs_one_gemm_on_its_rows(monkeypatch):
     """``F.grouped_mm`` is public from torch 2.10, above the floor (2.6): on a torch without it each expert's rows
     run one GEMM (an expert with none included), forward and backward, and the bf16 upcast (grouped GEMMs too) is
     not chosen; each sorted row is its expert's gated MLP ``down(act(gate x) * up x)``, computed row by row."""
-    from fusion_core.compare import relative_error
+    from fusion_core.testing.kit import relative_error
 
     generator = torch.Generator().manual_seed(5)
     experts, inner = 5, 16
@@ -399,7 +399,7 @@ def test_a_fused_model_runs_on_a_torch_without_grouped_mm(monkeypatch):
 def test_bf16_experts_are_upcast_on_a_cpu_without_native_bf16_only_where_it_pays(monkeypatch):
     """The kernel rule's exception (dispatch.upcasts), forced on so the test does not depend on the CPU it runs on:
     from UPCAST_ROWS_PER_EXPERT rows per expert, in inference only; the block computes what the original does."""
-    from fusion_core.compare import relative_error
+    from fusion_core.testing.kit import relative_error
 
     monkeypatch.setattr(dispatch, "native_bf16", lambda: False)
     block = _model("olmoe").get_submodule("model.layers.0.mlp").to(torch.bfloat16)
@@ -623,8 +623,8 @@ def test_fusion_plan_says_why_a_block_was_declined(tmp_path, caplog):
     import subprocess
     import sys
 
-    from fusion_core.config import parse_fusion_config
-    from fusion_core.discovery import discover
+    from fusion_core import parse_fusion_config
+    from fusion_core.plugin import discover
 
     config = _config("olmoe")
     base = transformers.OlmoeForCausalLM

@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fusion_core import FamilyOptions, Flatten, FusedModule, FusionFamily, WeightTransform
-from fusion_core.parallel.rules import Replicated
+from fusion_core.plugin import Replicated
 
 
 class PatchEmbeddingsOptions(FamilyOptions):

@@ -21,7 +21,7 @@ way), ``merge_and_unload()`` leaves the merged bytes a merge on the unfused mode
 **Switching on.** The plugin (:mod:`fusion_peft.plugin`) calls :func:`activate` whenever fusion-core
 fuses a module on a real device (not discovery's rehearsal on the meta device). When PEFT's LoRA
 module is already imported, its module factory and its ``target_modules="all-linear"`` expansion
-(:func:`fusion_core.compat.peft.wrap_lora_factories`) (which must count a slice as the ``nn.Linear`` it stands
+(:func:`fusion_core.plugin.wrap_lora_factories`) (which must count a slice as the ``nn.Linear`` it stands
 for) are wrapped now; otherwise a finder wraps them right after PEFT is imported. Nothing is imported early, and the
 wrapper hands every module that fusion did not make to PEFT unchanged. On a PEFT release without those private names,
 ``import peft`` and LoRA on unfused models still work; LoRA on a model holding fused modules is refused with an
@@ -55,15 +55,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion_core.compat import peft as compat
-from fusion_core.layout import module_plan
-from fusion_core.merged import PARTS_ATTRIBUTE, MergedProjection, MergedSlice
-from fusion_core.transforms import ModulePlan, attach_plan
-from fusion_core.wrapped import is_torch_tensor
+from fusion_core import ModulePlan
+from fusion_core.plugin import (
+    LORA_MODULE,
+    PARTS_ATTRIBUTE,
+    MergedProjection,
+    MergedSlice,
+    detach_plan,
+    is_torch_tensor,
+    module_plan,
+    wrap_lora_factories,
+)
 
 __all__ = ["activate", "tuner_layer_paths"]
 
-_LORA_MODULE = compat.LORA_MODULE
+_LORA_MODULE = LORA_MODULE
 _lock = threading.Lock()
 _state = {"installed": False, "finder": False}
 
@@ -116,7 +122,7 @@ def _install(lora_model_module: ModuleType) -> None:
     if _state["installed"]:
         return
     try:
-        compat.wrap_lora_factories(lora_model_module, _create_new_module, _all_linear)
+        wrap_lora_factories(lora_model_module, _create_new_module, _all_linear)
     except ImportError as exc:
         _refuse_lora_on_fused_models(lora_model_module, exc)
     _state["installed"] = True
@@ -369,7 +375,7 @@ def _stand_in(module: nn.Module, copy_tensors: bool) -> nn.Module:
     for name, value in module.__dict__.items():
         if name.endswith("_hooks") and isinstance(value, dict):
             stand_in.__dict__[name] = OrderedDict()
-    attach_plan(stand_in, None)
+    detach_plan(stand_in, ModulePlan)
     stand_in.__class__ = plan.original_class
     with torch.no_grad():
         for bound in plan.transforms:

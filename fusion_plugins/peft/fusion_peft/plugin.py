@@ -14,9 +14,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from fusion_core.hookspecs import hookimpl
-from fusion_core.integration import Integration
-from fusion_core.transforms import ModulePlan
+from fusion_core import Integration, ModulePlan, hookimpl
 from fusion_peft.lora import activate, tuner_layer_paths
 
 INTEGRATION = Integration("peft", "PEFT LoRA on fused models, targeting the original module names")

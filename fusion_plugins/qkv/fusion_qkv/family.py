@@ -47,9 +47,14 @@ from pydantic import Field, field_validator
 from torch import nn
 
 from fusion_core import Concat, FamilyOptions, FusionFamily, TransformOp, WeightTransform
-from fusion_core.merged import MergedProjectionsMixin, is_plain_linear, merge_children, merge_refusal
-from fusion_core.parallel.rules import PackedColwise
-from fusion_core.wrapped import concat
+from fusion_core.plugin import (
+    MergedProjectionsMixin,
+    PackedColwise,
+    concat,
+    is_plain_linear,
+    merge_children,
+    merge_refusal,
+)
 from fusion_qkv.recognition import input_refusal, projection_triples
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj")

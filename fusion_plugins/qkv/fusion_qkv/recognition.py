@@ -8,7 +8,7 @@ names is kept: a triple is three ``nn.Linear`` children whose names differ only 
 
 A triple is worth one merged GEMM only when the three are applied to the same tensor. That is a
 property of the class's ``forward``, not of the instance, so it is read from the source of the
-first ``forward`` in the class's MRO that calls the projections (:mod:`fusion_core.forward_source`):
+first ``forward`` in the class's MRO that calls the projections (:func:`fusion_core.plugin.forwards`):
 the argument of every call is followed through plain aliases (``current = kv if kv is not None
 else hidden_states``, ``a or b``, a name assigned in both branches of an ``if``), and the three
 must share at least one possible input. Whisper's and BART's attention (``k_proj(current_states)``,
@@ -26,9 +26,7 @@ from typing import Any
 
 from torch import nn
 
-from fusion_core import forward_source
-from fusion_core.forward_source import aliases, alternatives, forwards
-from fusion_core.merged import MergedSlice
+from fusion_core.plugin import MergedSlice, aliases, alternatives, calls, forwards
 
 #: The role words of a triple, in concatenation order.
 ROLE_WORDS = (("q", "k", "v"), ("query", "key", "value"))
@@ -62,14 +60,14 @@ def input_refusal(cls: type[nn.Module], names: tuple[str, str, str]) -> str | No
 @functools.lru_cache(maxsize=256)
 def _input_refusal(cls: Any, names: tuple[str, str, str]) -> str | None:
     for klass, _, tree in forwards(cls):
-        calls = forward_source.calls(tree, names)
-        if not any(calls.values()):
+        found = calls(tree, names)
+        if not any(found.values()):
             continue
-        missing = [name for name in names if not calls[name]]
+        missing = [name for name in names if not found[name]]
         if missing:
             return f"{klass.__qualname__}.forward does not call {'/'.join(missing)}: q/k/v are not one attention input"
         assigned = aliases(tree)
-        inputs = {name: set().union(*(alternatives(arg, assigned) for arg in args)) for name, args in calls.items()}
+        inputs = {name: set().union(*(alternatives(arg, assigned) for arg in args)) for name, args in found.items()}
         if set.intersection(*inputs.values()):
             return None
         shown = ", ".join(f"{name}({' | '.join(sorted(inputs[name]))})" for name in names)

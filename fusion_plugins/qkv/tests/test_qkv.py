@@ -13,7 +13,7 @@ from fusion_qkv.family import CROSS_ATTENTION_PATHS, refusal
 from torch import nn
 
 import fusion_core
-from fusion_core.merged import MergedSlice
+from fusion_core.plugin import MergedSlice
 from fusion_core.testing import kit
 from fusion_core.testing.kit import (
     TOLERANCES,

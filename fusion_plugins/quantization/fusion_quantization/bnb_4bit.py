@@ -28,8 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion_core.errors import FusionLoadError, SaveError
-from fusion_core.transforms import ModulePlan
+from fusion_core import FusionLoadError, ModulePlan, SaveError
 from fusion_quantization.compat import Packed4bit, linear_4bit, part_block_scales, read_4bit, state_4bit_entries
 from fusion_quantization.detect import package_of
 from fusion_quantization.replaced import PartsLayout, QuantizedParts, leave_stand_ins, replace_container

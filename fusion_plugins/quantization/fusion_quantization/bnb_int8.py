@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion_core.errors import FusionLoadError
+from fusion_core import FusionLoadError
 from fusion_quantization.compat import INT8_SAVED, int8_linear, int8_part_entries, int8_scales, int8_settings
 from fusion_quantization.detect import package_of
 from fusion_quantization.replaced import PartsLayout, QuantizedParts, replace_container

@@ -27,8 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion_core.errors import FusionError
-from fusion_core.transforms import ModulePlan
+from fusion_core import FusionError, ModulePlan
 from fusion_quantization.detect import TORCH_AO, quantizer_of, unwrapped
 
 GUARD_ATTRIBUTE = "fusion_quantization_guard"

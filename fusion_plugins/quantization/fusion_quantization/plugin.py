@@ -26,12 +26,8 @@ from typing import Any, NoReturn
 
 from torch import nn
 
-from fusion_core.errors import FusionLoadError, SaveError
-from fusion_core.hookspecs import hookimpl
-from fusion_core.integration import Integration
-from fusion_core.integration_needs import load_quantization
-from fusion_core.layout import presenting_fused
-from fusion_core.transforms import Concat, FusionPlan, ModulePlan
+from fusion_core import Concat, FusionLoadError, FusionPlan, Integration, ModulePlan, SaveError, hookimpl
+from fusion_core.plugin import load_quantization, presenting_fused
 from fusion_quantization.bnb_4bit import BLOCKSIZE, fills_whole_blocks, take_packed
 from fusion_quantization.bnb_4bit import install as install_4bit
 from fusion_quantization.bnb_int8 import collect as collect_int8

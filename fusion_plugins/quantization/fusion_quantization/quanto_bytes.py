@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion_core.errors import FusionLoadError
+from fusion_core import FusionLoadError
 from fusion_quantization.compat import (
     QUANTO_SAVED,
     QUANTO_SAVED_SCALES,

@@ -27,9 +27,13 @@ from typing import Any
 
 from torch import nn
 
-from fusion_core.compat.torch import remove_state_dict_post_hooks
-from fusion_core.layout import module_plan, presenting_fused, take_own_block
-from fusion_core.wrapped import is_torch_tensor
+from fusion_core.plugin import (
+    is_torch_tensor,
+    module_plan,
+    presenting_fused,
+    remove_state_dict_post_hooks,
+    take_own_block,
+)
 from fusion_quantization.compat import (
     QUANTO_SAVE_ORDER,
     QUANTO_SAVED,

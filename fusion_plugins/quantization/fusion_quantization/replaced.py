@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion_core.transforms import BoundTransform, Concat, ModulePlan
+from fusion_core import Concat, ModulePlan
+from fusion_core.plugin import BoundTransform
 from fusion_quantization.detect import package_of
 
 #: Packages whose layers replace ``nn.Linear`` at load (bitsandbytes' ``Linear8bitLt`` / ``Linear4bit``, quanto's

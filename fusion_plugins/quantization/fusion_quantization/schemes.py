@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from fusion_core.patterns import compile_pattern
+from fusion_core.plugin import compile_pattern
 from fusion_quantization.compat import TORCHAO_DEFAULT, TORCHAO_PATTERN_PREFIX, torchao_module_table
 
 SKIPPED = "left unquantized"

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fusion_core.parallel.rules import PackedColwise, Replicated, TensorParallelRule, is_dtensor
-from fusion_core.transforms import BoundTransform, LeafSpec, ModulePlan
+from fusion_core import ModulePlan
+from fusion_core.plugin import BoundTransform, LeafSpec, PackedColwise, Replicated, TensorParallelRule, is_dtensor
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor

@@ -13,9 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from fusion_core.hookspecs import hookimpl
-from fusion_core.integration import Integration
-from fusion_core.transforms import ModulePlan
+from fusion_core import Integration, ModulePlan, hookimpl
 from fusion_tensor_parallel.sharded import finish, localize_built
 
 INTEGRATION = Integration(

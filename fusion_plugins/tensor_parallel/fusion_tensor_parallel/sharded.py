@@ -30,12 +30,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion_core.compat import transformers as compat
-from fusion_core.errors import FusionLoadError
-from fusion_core.merged import MergedLinear, MergedProjectionsMixin
-from fusion_core.parallel.rules import Replicated, TensorParallelRule, is_dtensor
-from fusion_core.spec import ModuleFusionSpec, spec_member
-from fusion_core.transforms import Concat, ModulePlan, Shape, TransformOp, attach_plan, attached_plan
+from fusion_core import Concat, FusionLoadError, ModuleFusionSpec, ModulePlan, TransformOp
+from fusion_core.plugin import (
+    MergedLinear,
+    MergedProjectionsMixin,
+    Replicated,
+    Shape,
+    TensorParallelRule,
+    attach_plan,
+    attached_plan,
+    is_dtensor,
+    plan_style,
+    spec_member,
+    tensor_parallel_mesh,
+    tensor_parallel_size,
+)
 from fusion_tensor_parallel.execution import (
     PlanStyles,
     ShardedModule,
@@ -53,12 +62,12 @@ def style_lookup(model: nn.Module) -> StyleLookup | None:
     """The plan style of a parameter path in ``model``'s tensor-parallel plan; None when no plan is applied.
 
     transformers' own matching rule (wildcards for layer numbers, module entries covering their
-    ``weight`` and ``bias``; :func:`fusion_core.compat.transformers.plan_style`).
+    ``weight`` and ``bias``; :func:`fusion_core.plugin.plan_style`).
     """
     plan = getattr(model, "tp_plan", None) or {}
-    if compat.tensor_parallel_size(model) <= 1 or not plan:
+    if tensor_parallel_size(model) <= 1 or not plan:
         return None
-    return PlanStyles(lambda name: compat.plan_style(name, plan), compat.tensor_parallel_mesh(model))
+    return PlanStyles(lambda name: plan_style(name, plan), tensor_parallel_mesh(model))
 
 
 def family_rule(spec: ModuleFusionSpec[Any] | None) -> TensorParallelRule:
@@ -305,8 +314,8 @@ def _keep_local(module: nn.Module, plan: ModulePlan, sharded: ShardedModule) -> 
 
 
 def _plan(module: nn.Module) -> ModulePlan:
-    plan = attached_plan(module)
-    if not isinstance(plan, ModulePlan):
+    plan = attached_plan(module, ModulePlan)
+    if plan is None:
         raise TypeError(f"{type(module).__name__} is not a module fusion-core fused")
     return plan
 
@@ -316,7 +325,7 @@ def _merged_projection(module: nn.Module, plan: ModulePlan) -> MergedLinear:
     if not isinstance(merged, MergedLinear):
         raise FusionLoadError(
             f"family {plan.family!r}, module {plan.path!r}: PackedColwise needs a merged projection "
-            "(fusion_core.merged.MergedProjectionsMixin) to run on this rank's rows"
+            "(fusion_core.plugin.MergedProjectionsMixin) to run on this rank's rows"
         )
     return merged
 

@@ -1,0 +1,147 @@
+"""The plugin surface: every name a family or an integration may use beyond the top-level package.
+
+A plugin imports from fusion-core only :mod:`fusion_core` (the user API, the protocol, the weight
+transform ops, the errors) and this module; the shipped plugins do exactly that, and
+``tests/test_plugin_surface.py`` fails on any other import. Everything here is public and
+documented in ``docs/api.md``; whatever a plugin needs that is missing here is a gap in this
+surface, to be filled here, never a reason to import a private module.
+
+The names, by what they serve:
+
+- **plans** (plain immutable data, :mod:`fusion_core.transforms`): :class:`ModulePlan` (what fusion
+  does to one module), :class:`FusionPlan` (one load), :class:`BoundTransform` / :class:`LeafSpec`
+  (a transform bound to one instance's tensor shapes), ``Shape``, :func:`bind_transforms`, and the
+  plans attached to models and modules: :func:`module_plan`, :func:`attached_plan`,
+  :func:`attach_plan`, :func:`detach_plan`.
+- **fused instances** (:mod:`fusion_core.layout`, :mod:`fusion_core.spec`): :func:`fuse_instance`
+  (convert one built instance to its plan's fused layout), :func:`presenting_fused` (is a save
+  writing the fused layout right now), :func:`take_own_block` (a state-dict post-hook's own keys),
+  :func:`fused_subclass` (one fused class per mixin and original class, picklable),
+  :func:`spec_member` (an optional spec member or its default).
+- **merged projections** (:mod:`fusion_core.merged`), for families that merge sibling ``nn.Linear``
+  layers (``qkv``, ``gate_up``): :class:`MergedProjectionsMixin`, :class:`MergedLinear`,
+  :class:`MergedProjection`, :class:`MergedSlice`, :class:`LinearKernel`, :data:`PARTS_ATTRIBUTE`,
+  :func:`merge_children`, :func:`merge_refusal`, :func:`is_plain_linear`.
+- **reading a forward's source** (:mod:`fusion_core.forward_source`), for an exact ``is_fusable``:
+  :func:`forwards`, :func:`aliases`, :class:`Aliases`, :func:`alternatives`, :func:`calls`,
+  :func:`self_call`, :func:`value_of`.
+- **tensors** (:mod:`fusion_core.wrapped`): :func:`concat` (merging parts, tensor subclasses
+  included), :func:`is_torch_tensor`, :func:`same_bits`; **timing** a choice: :func:`best_times`.
+- **tensor parallelism** (:mod:`fusion_core.parallel.rules`): :class:`TensorParallelRule`,
+  :class:`Replicated`, :class:`PackedColwise`, :func:`is_dtensor`.
+- **integrations**: :func:`load_quantization` (the quantization config a load asked for),
+  :func:`compile_pattern` (RE2 patterns, as ``target_modules`` uses them), :func:`discover` (the plan
+  a load would use, without reading a weight).
+- **facts about other libraries' releases** (the compat modules, where their private names live):
+  :data:`LORA_MODULE`, :func:`wrap_lora_factories` (PEFT), :func:`native_bf16_gemms`,
+  :func:`remove_state_dict_post_hooks` (torch), :func:`plan_style`, :func:`tensor_parallel_mesh`,
+  :func:`tensor_parallel_size` (transformers).
+
+The names are imported on first use, like the top-level package's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fusion_core.lazy import resolve as _resolve
+
+# public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    "BoundTransform": "fusion_core.transforms",
+    "FusionPlan": "fusion_core.transforms",
+    "LeafSpec": "fusion_core.transforms",
+    "ModulePlan": "fusion_core.transforms",
+    "Shape": "fusion_core.transforms",
+    "attach_plan": "fusion_core.transforms",
+    "attached_plan": "fusion_core.transforms",
+    "bind_transforms": "fusion_core.transforms",
+    "detach_plan": "fusion_core.transforms",
+    "fuse_instance": "fusion_core.layout",
+    "module_plan": "fusion_core.layout",
+    "presenting_fused": "fusion_core.layout",
+    "take_own_block": "fusion_core.layout",
+    "fused_subclass": "fusion_core.spec",
+    "spec_member": "fusion_core.spec",
+    "LinearKernel": "fusion_core.merged",
+    "MergedLinear": "fusion_core.merged",
+    "MergedProjection": "fusion_core.merged",
+    "MergedProjectionsMixin": "fusion_core.merged",
+    "MergedSlice": "fusion_core.merged",
+    "PARTS_ATTRIBUTE": "fusion_core.merged",
+    "is_plain_linear": "fusion_core.merged",
+    "merge_children": "fusion_core.merged",
+    "merge_refusal": "fusion_core.merged",
+    "Aliases": "fusion_core.forward_source",
+    "aliases": "fusion_core.forward_source",
+    "alternatives": "fusion_core.forward_source",
+    "calls": "fusion_core.forward_source",
+    "forwards": "fusion_core.forward_source",
+    "self_call": "fusion_core.forward_source",
+    "value_of": "fusion_core.forward_source",
+    "concat": "fusion_core.wrapped",
+    "is_torch_tensor": "fusion_core.wrapped",
+    "same_bits": "fusion_core.wrapped",
+    "best_times": "fusion_core.merge_policy",
+    "PackedColwise": "fusion_core.parallel.rules",
+    "Replicated": "fusion_core.parallel.rules",
+    "TensorParallelRule": "fusion_core.parallel.rules",
+    "is_dtensor": "fusion_core.parallel.rules",
+    "load_quantization": "fusion_core.integration_needs",
+    "compile_pattern": "fusion_core.patterns",
+    "discover": "fusion_core.discovery",
+    "LORA_MODULE": "fusion_core.compat.peft",
+    "wrap_lora_factories": "fusion_core.compat.peft",
+    "native_bf16_gemms": "fusion_core.compat.torch",
+    "remove_state_dict_post_hooks": "fusion_core.compat.torch",
+    "plan_style": "fusion_core.compat.transformers",
+    "tensor_parallel_mesh": "fusion_core.compat.transformers",
+    "tensor_parallel_size": "fusion_core.compat.transformers",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    return _resolve(globals(), _EXPORTS, name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # the same names, for type checkers and IDEs
+    from fusion_core.compat.peft import LORA_MODULE, wrap_lora_factories
+    from fusion_core.compat.torch import native_bf16_gemms, remove_state_dict_post_hooks
+    from fusion_core.compat.transformers import plan_style, tensor_parallel_mesh, tensor_parallel_size
+    from fusion_core.discovery import discover
+    from fusion_core.forward_source import Aliases, aliases, alternatives, calls, forwards, self_call, value_of
+    from fusion_core.integration_needs import load_quantization
+    from fusion_core.layout import fuse_instance, module_plan, presenting_fused, take_own_block
+    from fusion_core.merge_policy import best_times
+    from fusion_core.merged import (
+        PARTS_ATTRIBUTE,
+        LinearKernel,
+        MergedLinear,
+        MergedProjection,
+        MergedProjectionsMixin,
+        MergedSlice,
+        is_plain_linear,
+        merge_children,
+        merge_refusal,
+    )
+    from fusion_core.parallel.rules import PackedColwise, Replicated, TensorParallelRule, is_dtensor
+    from fusion_core.patterns import compile_pattern
+    from fusion_core.spec import fused_subclass, spec_member
+    from fusion_core.transforms import (
+        BoundTransform,
+        FusionPlan,
+        LeafSpec,
+        ModulePlan,
+        Shape,
+        attach_plan,
+        attached_plan,
+        bind_transforms,
+        detach_plan,
+    )
+    from fusion_core.wrapped import concat, is_torch_tensor, same_bits
