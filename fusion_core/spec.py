@@ -110,6 +110,13 @@ class ModuleFusionSpec(Protocol[OptionsT]):
     """How the fused tensors shard under a tensor-parallel plan (:mod:`fusion_core.parallel.rules`);
     None (the default): the fused module runs unsharded, and a plan sharding it is refused."""
 
+    preserves: str
+    """What the fused forward preserves: ``"outputs"`` (the default), every output the original computed,
+    in every mode; or ``"training_loss"``, for a training-time fusion at the model's root that never builds
+    what it need not (``linear_cross_entropy``: the logits): in training mode, called with labels, the loss
+    and every gradient equal the original's and the other outputs may be None; in every other call the fused
+    forward is the original's. The conformance kit checks the declaration (:data:`PRESERVES`)."""
+
     owns_submodules: bool
     """True for a family that fuses a module whole, owning every tensor beneath it: another family's
     plan for a module inside one it fuses is then left to it (:attr:`fusion_core.FusionPlan.nested`)
@@ -168,8 +175,12 @@ def _no_module_transforms(module: nn.Module, config: Any, options: Any) -> Seque
     return None
 
 
+PRESERVES = ("outputs", "training_loss")
+"""The values :attr:`ModuleFusionSpec.preserves` may take."""
+
 OPTIONAL_MEMBERS: dict[str, Any] = {
     "tensor_parallel": None,
+    "preserves": "outputs",
     "owns_submodules": False,
     "sample_inputs": _no_sample_inputs,
     "refusal": _no_refusal,
@@ -208,6 +219,9 @@ class FusionFamily(Generic[OptionsT]):
 
     owns_submodules: ClassVar[bool] = False
     """See :attr:`ModuleFusionSpec.owns_submodules`."""
+
+    preserves: ClassVar[str] = "outputs"
+    """See :attr:`ModuleFusionSpec.preserves`."""
 
     tensor_parallel: ClassVar[TensorParallelRule | None] = None
     """See :attr:`ModuleFusionSpec.tensor_parallel`."""

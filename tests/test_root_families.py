@@ -1,0 +1,100 @@
+"""Families at the model's root: a family may fuse the ``*ForCausalLM`` class itself, composing with the others.
+
+A root module carries its :class:`~fusion_core.ModulePlan` beside the model's
+:class:`~fusion_core.FusionPlan`; both survive a load, a save in the original layout and ``unfuse``.
+A family that declares ``preserves = "training_loss"`` is held by the conformance kit to exactly
+that: the loss and every gradient in training mode with labels, and the original outputs elsewhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+import fusion_core
+from fusion_core.testing import kit
+
+
+class _Root(fusion_core.FusedModule):
+    """A root fusion that only changes the class (what a loss fusion starts from)."""
+
+
+class _LossScaled(fusion_core.FusedModule):
+    """A broken training fusion: its loss is off by 1%."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        outputs = super().forward(*args, **kwargs)
+        if outputs.loss is not None:
+            outputs.loss = outputs.loss * 1.01
+        return outputs
+
+
+class _LogitsShifted(fusion_core.FusedModule):
+    """A broken training fusion: without labels its logits are not the original's."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        outputs = super().forward(*args, **kwargs)
+        if kwargs.get("labels") is None:
+            outputs.logits = outputs.logits + 1e-3
+        return outputs
+
+
+def _root_family(mixin: type, preserves: str = "outputs") -> fusion_core.FusionFamily[Any]:
+    class RootFamily(fusion_core.FusionFamily[fusion_core.FamilyOptions]):
+        """Fuses the causal LM's own class."""
+
+        name = "root_test"
+        target_modules_patterns = ("^$",)
+        fused_mixin = mixin
+
+        def is_fusable(self, module: nn.Module, options: fusion_core.FamilyOptions) -> bool:
+            return type(module).__name__.endswith("ForCausalLM")
+
+    family = RootFamily()
+    family.preserves = preserves  # type: ignore[misc]
+    return family
+
+
+def _tensors(directory: Path) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    for shard in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                tensor = handle.get_tensor(key)
+                out[key] = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    return out
+
+
+def test_a_root_family_composes_saves_the_original_layout_and_unfuses(llama: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    fusion_core.register_family(_root_family(_Root))
+    model = fusion_core.from_pretrained(AutoModelForCausalLM, llama,
+                                        fusion_config={"root_test": True, "qkv": True, "gate_up": True})
+    plan = fusion_core.get_fusion_plan(model)
+    assert plan is not None and set(plan.families) == {"root_test", "qkv", "gate_up"}
+    assert isinstance(model, _Root) and plan.by_path()[""].family == "root_test"
+    plain = AutoModelForCausalLM.from_pretrained(llama)
+    ids = torch.arange(1, 9).unsqueeze(0)
+    with torch.no_grad():
+        assert kit.relative_error(plain(ids).logits, model(ids).logits) <= kit.TOLERANCES[torch.float32]
+    fusion_core.save_pretrained(model, tmp_path / "saved")
+    assert _tensors(tmp_path / "saved") == _tensors(llama)
+    fusion_core.unfuse(model)
+    assert type(model) is type(plain) and fusion_core.get_fusion_plan(model) is None
+
+
+def test_the_kit_accepts_a_root_family_that_preserves_the_training_loss(tmp_path: Path) -> None:
+    kit.assert_fused_load(_root_family(_Root, "training_loss"), "llama", tmp_path)
+
+
+@pytest.mark.parametrize(("mixin", "message"), [(_LossScaled, "training loss"), (_LogitsShifted, "without labels")])
+def test_the_kit_catches_a_family_that_breaks_its_training_declaration(mixin: type, message: str,
+                                                                       tmp_path: Path) -> None:
+    with pytest.raises(AssertionError, match=message):
+        kit.assert_fused_load(_root_family(mixin, "training_loss"), "llama", tmp_path)
