@@ -15,8 +15,15 @@ TORCH_SPEC="torch==2.13.0"
 BASE_SPEC="$TORCH_SPEC setuptools>=77 wheel"
 TF4_SPEC="transformers>=4.57,<4.58"
 TF5_SPEC="transformers>=5,<6"
+# The newest 5.x, 5.25.0, requires kernels>=0.19.1, which the package registry here does not serve, so
+# pip's resolver settles TF5_SPEC on 5.24. Environments of the TF5 line are resolved with TF5_SPEC and
+# then get this release without its dependencies (its others are 5.24's); transformers' hub kernels are
+# switched off (USE_HUB_KERNELS=NO, exported below; the tests' conftest.py sets it too).
+TF5_NEWEST="transformers==5.25.0"
+export USE_HUB_KERNELS="${USE_HUB_KERNELS:-NO}"
 TEST_SPEC="pytest>=8 hypothesis>=6.100 accelerate>=1.0 peft>=0.17"
-TOOLS_SPEC="$TEST_SPEC ruff>=0.6 mypy>=1.10 mkdocs>=1.6 mkdocstrings[python]>=0.26"
+# trl (SFTTrainer) for the training tests, on the two main lines.
+TOOLS_SPEC="$TEST_SPEC ruff>=0.6 mypy>=1.10 mkdocs>=1.6 mkdocstrings[python]>=0.26 trl>=1.16"
 # The quantizers users bring, as the quantization tests run them: in environments of their own (with
 # torchao installed, transformers imports it on every load, ~0.5 s, and its warnings reach stderr).
 # Pinned to the releases checked (their ranges and the private names read: fusion_quantization/compat.py).
@@ -71,6 +78,13 @@ ensure_env() {
         done
         "$venv/bin/python" -m pip install -q --no-build-isolation "$TORCH_SPEC" "$tf_spec" "${editables[@]}" >&2
         echo "$pkg_want" > "$venv/.fusion-packages"
+    fi
+    if [[ "$tf_spec" == "$TF5_SPEC" ]]; then
+        local have
+        have="$("$venv/bin/python" -c 'import importlib.metadata as m; print("transformers==" + m.version("transformers"))')"
+        if [[ "$have" != "$TF5_NEWEST" ]]; then
+            "$venv/bin/python" -m pip install -q --no-deps "$TF5_NEWEST" >&2
+        fi
     fi
     echo "$venv/bin/python"
 }
