@@ -30,7 +30,8 @@ TOOLS_SPEC="$TEST_SPEC ruff>=0.6 mypy>=1.10 mkdocs>=1.6 mkdocstrings[python]>=0.
 QUANT_SPEC="torchao==0.18.0 bitsandbytes==0.50.2 optimum-quanto==0.2.7"
 # The minors between 4.57 and the newest 5.x that CI runs the range subset on (tests marked `range`):
 # the first 5.x release and minors spread across the line, each the newest patch of its minor.
-RANGE_SPECS=("transformers>=5.0,<5.1" "transformers>=5.8,<5.9" "transformers>=5.16,<5.17" "transformers>=5.22,<5.23")
+RANGE_SPECS=("transformers>=5.0,<5.1" "transformers>=5.8,<5.9" "transformers>=5.16,<5.17" "transformers>=5.22,<5.23"
+             "transformers>=5.24,<5.25")
 
 # site_packages PYTHON -> its purelib directory
 site_packages() {

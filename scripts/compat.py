@@ -103,14 +103,21 @@ peft 0.21.2 and accelerate 1.15.0 (torchao is not installed: with it, every tran
 | transformers | what runs |
 |---|---|
 | 4.57.6 (newest 4.57.x) | the whole suite; the matrix above |
-| 5.24.0 (newest 5.x) | the whole suite; the matrix above |
-| 5.0.0, 5.8.1, 5.16.1, 5.22.2 | the range subset (`RANGE_TESTS` in `scripts/checks.py`) |
+| 5.25.0 (newest 5.x) | the whole suite; the matrix above |
+| 5.0.0, 5.8.1, 5.16.1, 5.22.2, 5.24.0 | the range subset (`RANGE_TESTS` in `scripts/checks.py`) |
 | 5.12.1, 5.20.2 | the range subset, once by hand (not in CI) |
 | 5.2.0, 5.4.0 | the range subset less tensor parallelism, once by hand (not in CI) |
 
 The range subset: every shipped family loaded, run, saved and reloaded on the tiny models and the
 decoder families, the compat fallbacks, `integrate_transformers` (Auto and model classes,
 `pipeline`, a Trainer script), PEFT LoRA, in-place fuse/unfuse, pickling, tensor parallelism.
+
+5.25.0 requires `kernels>=0.19.1`, a release the package registry CI installs from does not serve, so
+pip settles `transformers>=5,<6` on 5.24.0. The 5.x environments are resolved that way and then get
+5.25.0 without its dependencies (its other requirements are 5.24.0's), and transformers' hub kernels
+are switched off with `USE_HUB_KERNELS=NO` (`scripts/_env.sh`, and the tests' `conftest.py`): without
+`kernels`, 5.25.0's own plain `from_pretrained` raises unless they are. A user with `kernels`
+installed needs neither step; fusion-core does not use hub kernels either way.
 
 5.4.0 cannot build some MoE configs (OLMoE, PhiMoE) itself next to the current huggingface_hub (a
 strict dataclass rejects its own `tie_word_embeddings` default); the tests that need them skip.

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 SUPPORTED_RANGE = ">=4.57,<6"
 """The transformers releases fusion-core declares (``pyproject.toml``) and tests."""
 
-CHECKED_RELEASES = ("4.57.6", "5.0.0", "5.2.0", "5.4.0", "5.8.1", "5.12.1", "5.16.1", "5.20.2", "5.22.2", "5.24.0")
+CHECKED_RELEASES = ("4.57.6", "5.0.0", "5.2.0", "5.4.0", "5.8.1", "5.12.1", "5.16.1", "5.20.2", "5.22.2", "5.24.0", "5.25.0")
 """The releases the entries below were checked on, each in its own environment (CI: 4.57.6, 5.0.0, 5.8.1,
 5.16.1, 5.22.2, 5.24.0; the others by hand, 5.2.0 and 5.4.0 without tensor parallelism)."""
 
