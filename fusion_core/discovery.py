@@ -98,12 +98,32 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def config_fingerprint(config: Any) -> str:
+def config_fingerprint(config: Any) -> str | None:
+    """A digest of the config's content, or None when it cannot be written out whole (then nothing is cached).
+
+    Only the JSON the config writes names every value; a ``repr`` fallback would shorten large
+    values (``tensor([...])``) and let two different configs share one cached plan.
+    """
     try:
         text = config.to_json_string(use_diff=False)
     except Exception:  # an exotic config attribute that JSON cannot hold
-        text = repr(sorted(vars(config).items(), key=lambda kv: kv[0]))
+        return None
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+class _Identity:
+    """A spec in a cache key, by identity: holding it keeps its ``id`` from being reused by another object."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.value is self.value
 
 
 _cache: dict[tuple[Any, ...], Discovery] = {}
@@ -121,19 +141,21 @@ def discover(model_cls: Any, config: Any, fusion_config: FusionConfig) -> Discov
     The families are the ones ``fusion_config`` was validated against (see :meth:`FusionConfig.families`).
     """
     families = fusion_config.families()
+    fingerprint = config_fingerprint(config)
     key = (
         model_cls,
-        config_fingerprint(config),
-        tuple((f.name, id(f.spec), o.model_dump_json()) for f, o in families),
+        fingerprint,
+        tuple((f.name, _Identity(f.spec), o.model_dump_json()) for f, o in families),
     )
     with _cache_lock:
-        hit = _cache.get(key)
+        hit = _cache.get(key) if fingerprint is not None else None
     if hit is not None:
         return hit
     with LOAD_LOCK:  # building the meta model may patch nn.Module.register_parameter process-wide
         result = _discover(model_cls, config, families)
-    with _cache_lock:
-        _cache[key] = result
+    if fingerprint is not None:
+        with _cache_lock:
+            _cache[key] = result
     return result
 
 
