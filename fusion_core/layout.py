@@ -23,11 +23,11 @@ from torch import nn
 from fusion_core import streaming
 from fusion_core.aliases import split_views
 from fusion_core.compat import torch as torch_compat
-from fusion_core.errors import FusionError, FusionLoadError
+from fusion_core.errors import FusionError, FusionLoadError, SaveError
 from fusion_core.mapped_files import MappedFiles
 from fusion_core.plugins import get_registry
 from fusion_core.spec import FusedModule
-from fusion_core.transforms import ModulePlan, attach_plan, attached_plan, detach_plan
+from fusion_core.transforms import BoundTransform, ModulePlan, attach_plan, attached_plan, detach_plan
 from fusion_core.wrapped import same_bits
 
 _PRESENT_FUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("fusion_core_present_fused", default=False)
@@ -200,6 +200,7 @@ def _present_original(
     with torch.no_grad():
         for bound in plan.transforms:
             if not all(t.name in block for t in bound.targets):
+                _refuse_stray_fused(plan, bound, block, prefix)
                 continue
             fused = [block.pop(t.name) for t in bound.targets]
             shapes = [s.shape for s in bound.sources]
@@ -219,6 +220,26 @@ def _present_original(
 
     for leaf in sorted(block, key=position):
         state_dict[prefix + leaf] = block[leaf]
+
+
+def _refuse_stray_fused(plan: ModulePlan, bound: BoundTransform, block: dict[str, Any], prefix: str) -> None:
+    """Raise when a transform's fused tensors are in the block but not all under the names it gives them.
+
+    Something replaced or wrapped the fused module after the load (a wrapper holding it as ``.inner``, a
+    tensor renamed): the inverse cannot run, and writing what is there would put fused-layout tensors in
+    a save that claims the original layout. A transform none of whose tensors are in the block (a
+    partial state dict) has nothing to convert.
+    """
+    stray = sorted(key for key in block for target in bound.targets
+                   if key == target.name or (target.name.rpartition(".")[0]
+                                             and key.startswith(target.name.rpartition(".")[0] + ".")))
+    if stray:
+        raise SaveError(
+            f"family {plan.family!r}, module {plan.path or '<root>'!r}: cannot write the original layout: the "
+            f"fused tensor(s) {[t.name for t in bound.targets]} are not all where the plan put them "
+            f"(found {[prefix + key for key in stray]}); was the fused module replaced or wrapped after the load? "
+            "Unwrap it, or save with save_original_format=False"
+        )
 
 
 def _presented(module: nn.Module, leaf: str) -> str:

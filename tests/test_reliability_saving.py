@@ -239,3 +239,21 @@ def test_a_fused_module_the_model_replaced_is_refused_before_anything_is_written
                                                     r"replaced the fused module"):
         fusion_core.save_pretrained(model, tmp_path / "out")
     assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_an_original_format_save_refuses_fused_tensors_a_wrapper_moved(llama: Path, tmp_path: Path) -> None:
+    """A fused module wrapped after the load keeps its fused tensor under a new name: the save refuses, writing nothing."""
+    from transformers import AutoModelForCausalLM
+
+    model = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config={"qkv": True})
+    attention = model.model.layers[0].self_attn
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+    attention.qkv_proj = Wrapper(attention.qkv_proj)
+    with pytest.raises(fusion_core.SaveError, match=r"'qkv'.*model\.layers\.0\.self_attn\.qkv_proj\.inner\.weight"):
+        fusion_core.save_pretrained(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
