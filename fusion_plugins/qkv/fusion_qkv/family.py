@@ -159,6 +159,9 @@ def refusal(module: nn.Module) -> str | None:
         return "projections share a module or a weight"
     if len({child.in_features for child in children}) != 1:
         return "k/v read a different width than q (cross-attention)"
+    if hasattr(module, "num_random_blocks"):
+        return ("block-sparse attention (BigBird): the model rebuilds it from its q/k/v children when an input is "
+                "shorter than its blocks, so it stays unfused")
     return input_refusal(type(module), names) or merge_refusal(module, children, MERGED)
 
 

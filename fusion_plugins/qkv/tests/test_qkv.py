@@ -251,3 +251,22 @@ def test_discovery_plans_every_self_attention(name):
 def test_fused_load_through_the_kit(tiny, tmp_path):
     comparison = kit.assert_fused_load(FAMILY, tiny, tmp_path)
     assert comparison.modules and all(".visual." not in m.module for m in comparison.modules)
+
+
+def test_block_sparse_attention_is_declined_so_the_model_loads_runs_short_inputs_and_saves(tmp_path):
+    """BigBird rebuilds a block-sparse attention from its q/k/v children when an input is short; fused, its
+    tensors would leave the module tree and the save would be refused. Declined, the model stays plain there."""
+    config = transformers.BigBirdConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, vocab_size=128, max_position_embeddings=256,
+                                        block_size=4, num_random_blocks=2, attention_type="block_sparse")
+    transformers.BigBirdForMaskedLM(config).save_pretrained(tmp_path / "source")
+    model = fusion_core.from_pretrained(transformers.AutoModelForMaskedLM, tmp_path / "source",
+                                        fusion_config={"qkv": {"required": False}})
+    plan = fusion_core.get_fusion_plan(model)
+    assert plan is not None and not plan.modules
+    assert {reason for _, _, reason in plan.refused} == {refusal(model.bert.encoder.layer[0].attention.self)}
+    assert "block-sparse" in plan.refused[0][2]
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, 8)))  # short: the model switches itself to full attention
+    fusion_core.save_pretrained(model, tmp_path / "saved")
+    assert kit.compare_checkpoints(tmp_path / "source", tmp_path / "saved").ok
