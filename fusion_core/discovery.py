@@ -14,10 +14,11 @@ fusion config and family objects.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import hashlib
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ from fusion_core.compat.transformers import LoadedNames, loaded_names
 from fusion_core.config import FusionConfig
 from fusion_core.errors import DiscoveryError, PlanError
 from fusion_core.layout import fuse_instance
-from fusion_core.patching import LOAD_LOCK, ClassRoute, construction_order, no_routing
+from fusion_core.patching import LOAD_LOCK, ClassRoute, construction_order, context_scoped_patch, no_routing
 from fusion_core.patterns import search_any
 from fusion_core.plugins import PluginSource, RegisteredFamily
 from fusion_core.spec import FamilyOptions, spec_member
@@ -80,22 +81,27 @@ def _instantiate(model_cls: Any, config: Any) -> nn.Module:
     return model
 
 
-@contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Register every new parameter on the meta device (process-wide while active: callers hold the load lock)."""
-    original = nn.Module.register_parameter
+_META_PARAMETERS: contextvars.ContextVar[bool] = contextvars.ContextVar("fusion_core_meta_parameters", default=False)
 
+
+def _meta_register_parameter(original: Callable[..., None]) -> Callable[..., None]:
     def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-            module._parameters[name] = meta
+        if _META_PARAMETERS.get() and param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
 
-    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign, assignment]
+    return register_parameter
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Register every new parameter on the meta device, in this context only (other threads build as usual)."""
+    context_scoped_patch(nn.Module, "register_parameter", _meta_register_parameter)
+    token = _META_PARAMETERS.set(True)
     try:
         yield
     finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+        _META_PARAMETERS.reset(token)
 
 
 def config_fingerprint(config: Any) -> str | None:

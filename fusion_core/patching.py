@@ -159,9 +159,39 @@ def no_routing() -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+def context_scoped_patch(cls: type, attribute: str, wrap: Callable[[Any], Any]) -> None:
+    """Make sure ``cls.attribute`` is a wrapper made by ``wrap`` (around whatever is there now); idempotent.
+
+    For the two process-wide patches fusion-core needs while it builds a meta model
+    (``nn.Module.__init__``, ``nn.Module.register_parameter``): the wrapper acts only in the context
+    that asked for it (a :class:`contextvars.ContextVar` it reads) and passes everything else through,
+    so it is installed once and never removed. Installing and restoring around each build raced with
+    other code patching the same attribute (transformers 4.57's ``init_empty_weights``, in a plain load
+    on another thread): whoever restored second put a stale function back for good. A wrapper someone
+    replaced is wrapped again the next time it is needed.
+    """
+    with _lock:
+        current = getattr(cls, attribute)
+        if getattr(current, "__fusion_core_patch__", None) == (cls, attribute):
+            return
+        wrapper = functools.wraps(current)(wrap(current))
+        wrapper.__fusion_core_patch__ = (cls, attribute)  # type: ignore[attr-defined]
+        setattr(cls, attribute, wrapper)
+
+
 _RECORDING: contextvars.ContextVar[list[nn.Module] | None] = contextvars.ContextVar(
     "fusion_core_construction_order", default=None
 )
+
+
+def _recording_init(original: Callable[..., None]) -> Callable[..., None]:
+    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        record = _RECORDING.get()
+        if record is not None:
+            record.append(self)
+        original(self, *args, **kwargs)
+
+    return __init__
 
 
 @contextmanager
@@ -170,23 +200,13 @@ def construction_order() -> Iterator[list[nn.Module]]:
 
     The order the build wrappers count instances in (:meth:`BuildScope.reserve`), discarded
     instances included: a decoder layer that builds an attention module and then replaces it
-    constructs two. ``nn.Module.__init__`` is wrapped process-wide while the block runs (callers
-    hold :data:`LOAD_LOCK`); it records only in this context, so other threads are unaffected.
+    constructs two. ``nn.Module.__init__`` carries a wrapper that records only in this context
+    (:func:`context_scoped_patch`), so modules other threads build are neither recorded nor changed.
     """
     order: list[nn.Module] = []
-    original = nn.Module.__init__
-
-    @functools.wraps(original)
-    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-        record = _RECORDING.get()
-        if record is not None:
-            record.append(self)
-        original(self, *args, **kwargs)
-
-    nn.Module.__init__ = __init__  # type: ignore[method-assign]
+    context_scoped_patch(nn.Module, "__init__", _recording_init)
     token = _RECORDING.set(order)
     try:
         yield order
     finally:
         _RECORDING.reset(token)
-        nn.Module.__init__ = original  # type: ignore[method-assign]

@@ -173,3 +173,59 @@ def test_the_loading_report_capture_is_gone_after_every_load(tiny_checkpoint, mo
     with pytest.raises(RuntimeError, match="transformers failed"):
         fusion_core.from_pretrained(cls, directory, fusion_config=PATCH)
     assert PreTrainedModel.__dict__["_load_pretrained_model"] is failing
+
+
+def _in_other_thread(inside, other):
+    """Run ``other()`` in a second thread while this thread is inside the context manager ``inside``."""
+    result: dict[str, object] = {}
+
+    def run():
+        try:
+            result["value"] = other()
+        except BaseException as exc:
+            result["error"] = exc
+
+    with inside:
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+    if "error" in result:
+        raise result["error"]  # type: ignore[misc]
+    return result["value"]
+
+
+def test_discovery_building_on_meta_leaves_modules_other_threads_build_alone():
+    """Discovery's fallback registers parameters on the meta device; a module another thread builds meanwhile
+    gets real parameters, and one built in discovery's own context gets meta ones."""
+    from fusion_core.discovery import _parameters_on_meta
+
+    built = _in_other_thread(_parameters_on_meta(), lambda: torch.nn.Linear(16, 16))
+    assert not any(p.is_meta for p in built.parameters())
+    with _parameters_on_meta():
+        assert all(p.is_meta for p in torch.nn.Linear(16, 16).parameters())
+    assert not any(p.is_meta for p in torch.nn.Linear(16, 16).parameters())
+
+
+def test_a_patch_another_library_makes_meanwhile_is_never_undone_by_discovery():
+    """Code that patches nn.Module.register_parameter while discovery builds (transformers 4.57's
+    init_empty_weights, in a plain load on another thread) keeps its patch until it restores it itself."""
+    from fusion_core.discovery import _parameters_on_meta
+    from fusion_core.patching import construction_order
+
+    for attribute, scope in (("register_parameter", _parameters_on_meta), ("__init__", construction_order)):
+        before = getattr(torch.nn.Module, attribute)
+        theirs_seen = []
+        inside = scope()
+        inside.__enter__()
+        saved = getattr(torch.nn.Module, attribute)
+
+        def theirs(*args, _saved=saved, **kwargs):
+            return _saved(*args, **kwargs)
+
+        setattr(torch.nn.Module, attribute, theirs)  # the other library's patch
+        inside.__exit__(None, None, None)  # discovery ends while the other patch is active
+        theirs_seen.append(getattr(torch.nn.Module, attribute) is theirs)
+        setattr(torch.nn.Module, attribute, saved)  # the other library restores what it saw
+        assert theirs_seen == [True], attribute
+        assert not any(p.is_meta for p in torch.nn.Linear(4, 4).parameters())
+        assert getattr(torch.nn.Module, attribute) in (before, saved)
