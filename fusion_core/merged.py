@@ -63,6 +63,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fusion_core import merge_policy
+from fusion_core.compat.torch import version_counter
 from fusion_core.spec import FusedModule
 from fusion_core.wrapped import row_slice
 
@@ -80,7 +81,7 @@ bias)``."""
 def _version(tensor: torch.Tensor) -> int:
     # Inference tensors have no version counter; in-place writes to them are only possible inside
     # inference mode, and no attention or MLP forward writes its input between two projections.
-    return -1 if tensor.is_inference() else tensor._version
+    return version_counter(tensor)
 
 
 class MergedLinear:

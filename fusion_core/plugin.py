@@ -35,7 +35,8 @@ The names, by what they serve:
 - **facts about other libraries' releases** (the compat modules, where their private names live):
   :data:`LORA_MODULE`, :func:`wrap_lora_factories` (PEFT), :func:`native_bf16_gemms`,
   :func:`remove_state_dict_post_hooks` (torch), :func:`plan_style`, :func:`tensor_parallel_mesh`,
-  :func:`tensor_parallel_size` (transformers).
+  :func:`tensor_parallel_size`, and for 5.x experts modules :func:`experts_implementation`,
+  :func:`is_expert_parallel`, :func:`apply_gate` (transformers).
 
 The names are imported on first use, like the top-level package's.
 """
@@ -97,6 +98,9 @@ _EXPORTS: dict[str, str] = {
     "plan_style": "fusion_core.compat.transformers",
     "tensor_parallel_mesh": "fusion_core.compat.transformers",
     "tensor_parallel_size": "fusion_core.compat.transformers",
+    "experts_implementation": "fusion_core.compat.transformers",
+    "is_expert_parallel": "fusion_core.compat.transformers",
+    "apply_gate": "fusion_core.compat.transformers",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -113,7 +117,14 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from fusion_core.compat.peft import LORA_MODULE, wrap_lora_factories
     from fusion_core.compat.torch import native_bf16_gemms, remove_state_dict_post_hooks
-    from fusion_core.compat.transformers import plan_style, tensor_parallel_mesh, tensor_parallel_size
+    from fusion_core.compat.transformers import (
+        apply_gate,
+        experts_implementation,
+        is_expert_parallel,
+        plan_style,
+        tensor_parallel_mesh,
+        tensor_parallel_size,
+    )
     from fusion_core.discovery import discover
     from fusion_core.forward_source import Aliases, aliases, alternatives, calls, forwards, self_call, value_of
     from fusion_core.integration_needs import load_quantization

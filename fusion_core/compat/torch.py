@@ -10,7 +10,7 @@ from the code.
 
 Beyond that, fusion-core reads and writes ``nn.Module._parameters`` / ``_buffers`` / ``_modules``
 directly, as torch's own ``__setattr__``, accelerate and PEFT do: the storage every module has
-had since torch 1.0. The two other private names are below.
+had since torch 1.0. The other private names are below.
 """
 
 from __future__ import annotations
@@ -54,3 +54,10 @@ def remove_state_dict_post_hooks(module: nn.Module, function: Callable[..., Any]
     table = module._state_dict_hooks
     for key in [k for k, h in table.items() if getattr(h, "func", h) is function]:
         del table[key]
+
+
+def version_counter(tensor: torch.Tensor) -> int:
+    """How many in-place writes ``tensor``'s storage has had (``Tensor._version``, every torch since 0.4; no
+    public equivalent in 2.13): a cached result computed from it is stale when the count moved. -1 for an
+    inference tensor, which has no counter (it can only be written inside inference mode)."""
+    return -1 if tensor.is_inference() else int(tensor._version)

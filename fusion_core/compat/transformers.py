@@ -19,14 +19,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 SUPPORTED_RANGE = ">=4.57,<6"
 """The transformers releases fusion-core declares (``pyproject.toml``) and tests."""
 
-CHECKED_RELEASES = ("4.57.6", "5.0.0", "5.2.0", "5.4.0", "5.8.1", "5.12.1", "5.16.1", "5.20.2", "5.22.2", "5.24.0", "5.25.0")
+CHECKED_RELEASES = (
+    "4.57.6", "5.0.0", "5.2.0", "5.4.0", "5.8.1", "5.12.1", "5.16.1", "5.20.2", "5.22.2", "5.24.0", "5.25.0",
+)
 """The releases the entries below were checked on, each in its own environment (CI: 4.57.6, 5.0.0, 5.8.1,
-5.16.1, 5.22.2, 5.24.0; the others by hand, 5.2.0 and 5.4.0 without tensor parallelism)."""
+5.16.1, 5.22.2, 5.24.0, 5.25.0; the others by hand, 5.2.0 and 5.4.0 without tensor parallelism)."""
 
 
 def installed_version() -> str | None:
@@ -200,6 +203,27 @@ def tensor_parallel_mesh(model: nn.Module) -> Any:
     if mesh is not None and mesh.ndim > 1 and "tp" in names:
         mesh = mesh["tp"]
     return mesh
+
+
+# -- 5.x experts modules -------------------------------------------------------------------------
+def experts_implementation(config: Any) -> str | None:
+    """The experts implementation a 5.x config selects (``config._experts_implementation``: ``"eager"``,
+    ``"batched_mm"``, ``"grouped_mm"``, ...; every checked 5.x release), or None (4.57, or not an experts model)."""
+    value = getattr(config, "_experts_implementation", None)
+    return value if isinstance(value, str) else None
+
+
+def is_expert_parallel(experts: nn.Module) -> bool:
+    """Whether a 5.x experts module holds only this rank's experts under expert parallelism
+    (``_is_expert_parallel``, set by 5.x's distributed loading; False where absent)."""
+    return bool(getattr(experts, "_is_expert_parallel", False))
+
+
+def apply_gate(experts: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """A gated 5.x experts module's activation of its gate/up rows (its ``_apply_gate``: ``act(gate) * up``,
+    with each model's own split and activation; every checked 5.x release)."""
+    gated: torch.Tensor = experts._apply_gate(hidden)
+    return gated
 
 
 # -- building a model from a config --------------------------------------------------------------

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion_core.plugin import best_times
+from fusion_core.plugin import apply_gate, best_times, experts_implementation, is_expert_parallel
 from fusion_linear_kernels.choice import MAX_ROWS
 from fusion_linear_kernels.tolerance import admitted
 
@@ -82,7 +82,7 @@ def is_experts(module: nn.Module) -> bool:
     """Whether ``module`` is a 5.x experts module dispatching through transformers' experts interface."""
     config = getattr(module, "config", None)
     return (_interface() is not None and original_forward(type(module)) is not None
-            and isinstance(getattr(config, "_experts_implementation", None), str)
+            and experts_implementation(config) is not None
             and any(p.dim() == 3 for p in module.parameters(recurse=False)))
 
 
@@ -102,7 +102,7 @@ def routed(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Te
     ``NotImplementedError`` under expert parallelism (its sentinel experts), which :func:`choose` reads as "not
     applicable".
     """
-    if getattr(module, "_is_expert_parallel", False):
+    if is_expert_parallel(module):
         raise NotImplementedError("the routed experts' computation does not run expert-parallel experts")
     # transformers 5.0's dispatcher sets no has_gate (every expert is gated there) nor a post-expert norm.
     gated, biased = bool(getattr(module, "has_gate", True)), bool(getattr(module, "has_bias", False))
@@ -116,7 +116,7 @@ def routed(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Te
 
     def expert_output(expert: int, rows: torch.Tensor) -> torch.Tensor:
         hidden = project(rows, up, up_bias, expert, transposed)
-        hidden = module._apply_gate(hidden) if gated else module.act_fn(hidden)
+        hidden = apply_gate(module, hidden) if gated else module.act_fn(hidden)
         out = project(hidden, down, down_bias, expert, transposed)
         return module.post_expert_norm(out) if post_norm else out
 
@@ -196,7 +196,7 @@ def applies(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.T
 def kind_of(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, exact: bool) -> ExpertsKind:
     """The kind a call's decision is filed under."""
     shapes = tuple(tuple(p.shape) for p in module.parameters(recurse=False))
-    configured = str(module.config._experts_implementation)  # type: ignore[union-attr]
+    configured = str(experts_implementation(module.config))  # type: ignore[union-attr]
     return (str(hidden_states.device), hidden_states.dtype, shapes, int(hidden_states.shape[0]),
             int(top_k_index.shape[-1]), configured, exact)
 
@@ -231,7 +231,7 @@ def run(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tenso
 def choose(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
            exact: bool) -> str:
     """The fastest admitted implementation for this input (the configured one unless another beats it by 2%)."""
-    configured = str(module.config._experts_implementation)  # type: ignore[union-attr]
+    configured = str(experts_implementation(module.config))  # type: ignore[union-attr]
     args = (hidden_states.detach(), top_k_index, top_k_weights.detach())
     with torch.no_grad():
         reference = implementation(module, configured)(module, *args)

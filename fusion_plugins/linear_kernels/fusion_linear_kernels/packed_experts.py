@@ -42,7 +42,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fusion_core import TransformOp
-from fusion_core.plugin import Shape
+from fusion_core.plugin import Shape, experts_implementation
 from fusion_linear_kernels import compat, experts, packing
 from fusion_linear_kernels.data_parallel import refusal as strided_view_refusal
 from fusion_linear_kernels.tolerance import admitted
@@ -277,7 +277,7 @@ def top_k_of(module: nn.Module) -> int:
 
 def configured_name(module: nn.Module) -> str:
     """The experts implementation the module's config selects."""
-    return str(module.config._experts_implementation)  # type: ignore[union-attr]
+    return str(experts_implementation(module.config))  # type: ignore[union-attr]
 
 
 def packs_module(module: nn.Module, exact: bool) -> bool:
