@@ -241,7 +241,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         else:
             inputs = ", ".join(f"{k}{_shape(v)}" for k, v in tower["inputs"].items())
             print(f"{path} ({inputs}): max abs {_num(tower['max_abs_error'])}, max rel "
-                  f"{_num(tower['max_rel_error'])}: {'ok' if tower['ok'] else 'FAIL'}")
+                  f"{_num(tower['max_rel_error'])}: {'ok' if tower['ok'] else 'FAIL'}"
+                  + (f" ({tower['note']})" if tower.get("note") else ""))
     trip = result["round_trip"]
     if trip["ok"]:
         print(f"Round trip: ok ({trip['tensors']} tensors identical to the source)")

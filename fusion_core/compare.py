@@ -18,6 +18,10 @@ It needs no knowledge of the architecture or of any family:
 - **round trip**: the fused model saved with ``save_original_format=True`` is compared tensor by
   tensor (names, dtypes, shapes, bytes) with the source checkpoint.
 
+"Not run" means the *plain* model (or sub-model) could not run the generic inputs. Once it has,
+a fused side that raises or returns differently shaped outputs on the same inputs is a failure
+(``ok`` False), with the exception's type and message in the report's ``note``.
+
 Tolerances (:data:`TOLERANCES`) bound :func:`relative_error` per dtype.
 """
 
@@ -285,6 +289,31 @@ def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _describe(exc: BaseException, first_line: bool = False) -> str:
+    """``Type: message`` of an exception (its first line only when ``first_line``)."""
+    message = str(exc)
+    if first_line and message:
+        message = message.splitlines()[0]
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+class _FusedFailed(Exception):
+    """The fused side failed on inputs the plain side ran: a check failure; ``str`` is the report's note."""
+
+
+def _compare_fused(expected: Any, run: Callable[[], Any], what: str) -> tuple[float, float]:
+    """:func:`compare_outputs` of ``expected`` and ``run()``; :class:`_FusedFailed` when the fused side fails."""
+    try:
+        with torch.no_grad():
+            got = run()
+    except Exception as exc:
+        raise _FusedFailed(f"the fused {what} raised {_describe(exc)} on inputs the plain {what} ran") from exc
+    try:
+        return compare_outputs(expected, got)
+    except AssertionError as exc:
+        raise _FusedFailed(f"the fused {what}'s output does not match the original's: {exc}") from exc
+
+
 @dataclass
 class Comparison:
     """Everything ``fusion check`` reports."""
@@ -343,33 +372,47 @@ def compare_models(
         try:
             with torch.no_grad():
                 expected = plain(**inputs)
-                remove()
-                got = fused(**inputs)
-            whole.max_abs_error, whole.max_rel_error = compare_outputs(expected, got)
-            whole.ran = True
-            whole.ok = whole.max_rel_error <= tolerance
-            with torch.no_grad():
-                timing = (
-                    median_seconds(lambda: plain(**inputs), repeats),
-                    median_seconds(lambda: fused(**inputs), repeats),
-                )
-        except Exception as exc:  # an architecture that needs more than generic inputs
-            whole.note = f"not run: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        except Exception as exc:  # an architecture that needs more than generic inputs: not run
+            whole.note = f"not run: {_describe(exc, first_line=True)}"
+        else:
+            # The plain model ran these inputs, so from here on an exception is the fused model's
+            # failure (its forward raised, or its outputs are shaped differently), never "not run".
+            remove()
+            try:
+                whole.max_abs_error, whole.max_rel_error = _compare_fused(expected, lambda: fused(**inputs), "model")
+                whole.ran = True
+                whole.ok = whole.max_rel_error <= tolerance
+                with torch.no_grad():
+                    timing = (
+                        median_seconds(lambda: plain(**inputs), repeats),
+                        median_seconds(lambda: fused(**inputs), repeats),
+                    )
+            except Exception as exc:
+                whole.ran, whole.ok, timing = False, False, None
+                whole.max_abs_error = whole.max_rel_error = None
+                whole.note = str(exc) if isinstance(exc, _FusedFailed) else f"timing run failed: {_describe(exc)}"
     remove()
     for path, kwargs in tower_inputs(plain, generator):
         step(path)
         captured_tower, remove_tower = _capture(plain, [m.path for m in plan.modules])
+        shapes = {k: list(v.shape) for k, v in kwargs.items()}
         try:
             with torch.no_grad():
                 expected = plain.get_submodule(path)(**kwargs)
-                remove_tower()
-                got = fused.get_submodule(path)(**kwargs)
-            a, r = compare_outputs(expected, got)
-            whole.towers[path] = {"max_abs_error": a, "max_rel_error": r, "ok": r <= tolerance,
-                                  "inputs": {k: list(v.shape) for k, v in kwargs.items()}}
-            whole.ok = whole.ok and r <= tolerance
-        except Exception as exc:
-            whole.towers[path] = {"ok": None, "note": f"not run: {type(exc).__name__}: {exc}"}
+        except Exception as exc:  # a tower these generic rows do not fit: not run
+            whole.towers[path] = {"ok": None, "note": f"not run: {_describe(exc)}"}
+        else:
+            remove_tower()
+            try:
+                a, r = _compare_fused(expected, functools.partial(fused.get_submodule(path), **kwargs), "sub-model")
+            except _FusedFailed as exc:  # the plain tower ran these rows: the fused one failed
+                whole.towers[path] = {"max_abs_error": None, "max_rel_error": None, "ok": False,
+                                      "inputs": shapes, "note": str(exc)}
+                whole.ok = False
+            else:
+                whole.towers[path] = {"max_abs_error": a, "max_rel_error": r, "ok": r <= tolerance,
+                                      "inputs": shapes}
+                whole.ok = whole.ok and r <= tolerance
         finally:
             remove_tower()
         for key, sets in captured_tower.items():
@@ -397,15 +440,19 @@ def compare_models(
             for args, kwargs in sets:
                 with torch.no_grad():
                     expected = original(*_clone(args), **_clone(kwargs))
-                    got = replacement(*_clone(args), **_clone(kwargs))
-                    a, r = compare_outputs(expected, got)
+                call = functools.partial(replacement, *_clone(args), **_clone(kwargs))
+                a, r = _compare_fused(expected, call, "module")
                 worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, r)
             args, kwargs = sets[0]
             with torch.no_grad():
                 for i, mod in enumerate((original, replacement)):
                     module_times[i] += median_seconds(functools.partial(mod, *args, **kwargs), repeats)
+        except _FusedFailed as exc:
+            report.note = str(exc)
+            reports.append(report)
+            continue
         except Exception as exc:
-            report.note = f"{type(exc).__name__}: {exc}"
+            report.note = _describe(exc)
             reports.append(report)
             continue
         report.max_abs_error, report.max_rel_error = worst_abs, worst_rel

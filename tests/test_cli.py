@@ -209,6 +209,51 @@ def test_check_fails_on_a_family_that_computes_something_else(tiny_checkpoint, f
     assert capsys.readouterr().out.rstrip().endswith("FAIL")
 
 
+def _raising_family(raise_on: str) -> PatchEmbeddingsFamily:
+    """patch_embeddings whose fused forward raises: on every call, or on its first call only."""
+    calls = []
+
+    class Raising(PatchLinearMixin):
+        def forward(self, input):
+            calls.append(None)
+            if raise_on == "every call" or len(calls) == 1:
+                raise RuntimeError(f"fused forward exploded (call {len(calls)})")
+            return super().forward(input)
+
+    class RaisingFamily(PatchEmbeddingsFamily):
+        name = "raising_patch"
+        fused_calls = calls
+
+        def make_fused_class(self, original_cls, options):
+            return type(original_cls.__name__, (Raising, original_cls), {})
+
+    return RaisingFamily()
+
+
+@pytest.mark.parametrize("raise_on", ["every call", "first call"])
+@pytest.mark.parametrize("name", ["vivit", "qwen2_vl"])  # whole model; a VL model's vision tower
+def test_check_fails_when_the_fused_model_raises(name, raise_on, tiny_checkpoint, fusion_registered, capsys):
+    """A fused forward that raises on inputs the plain model ran is a failure, not "not run".
+
+    The first call is the whole-model run (vivit) or the vision tower's run (qwen2_vl); a fused
+    forward that raises only there used to leave every module comparison passing: a PASS.
+    """
+    directory, _ = tiny_checkpoint(name)
+    family = _raising_family(raise_on)
+    fusion_registered(family)
+    code = cli.main(["check", str(directory), "-f", "raising_patch", "--repeats", "1", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1 and report["ok"] is False and report["whole_model"]["ok"] is False
+    failed = report["whole_model"] if name == "vivit" else report["whole_model"]["towers"]["model.visual"]
+    assert failed["ok"] is False and "RuntimeError: fused forward exploded (call 1)" in failed["note"]
+    assert "not run" not in failed["note"]
+    assert report["round_trip"]["ok"]
+    family.fused_calls.clear()
+    code = cli.main(["check", str(directory), "-f", "raising_patch", "--repeats", "1"])
+    human = capsys.readouterr().out
+    assert code == 1 and "RuntimeError: fused forward exploded" in human and human.rstrip().endswith("FAIL")
+
+
 # -- convert -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("shards", [None, "20KB"])
 def test_convert_round_trip_matches_save_pretrained_and_loads(shards, tiny_checkpoint, tmp_path):

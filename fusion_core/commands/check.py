@@ -2,8 +2,11 @@
 
 See :mod:`fusion_core.compare` for how inputs are chosen. The check fails (``ok`` is
 False) when a fused module or the whole model differs beyond the documented tolerance of the
-dtype, when a fused module could not be exercised at all, or when saving the fused model does
-not reproduce the source checkpoint exactly.
+dtype, when the fused model, a fused sub-model or a fused module raises (or returns differently
+shaped outputs) on inputs the plain one ran (the report's note gives the exception's type and
+message), when a fused module could not be exercised at all, or when saving the fused model does
+not reproduce the source checkpoint exactly. Only inputs the *plain* model cannot run are
+reported as "not run".
 """
 
 from __future__ import annotations
