@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "parse_fusion_config": "fusion_core.config",
     "CheckpointError": "fusion_core.errors",
     "DiscoveryError": "fusion_core.errors",
+    "FusionConfigError": "fusion_core.errors",
     "FusionError": "fusion_core.errors",
     "FusionLoadError": "fusion_core.errors",
     "PlanError": "fusion_core.errors",
@@ -94,39 +95,60 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # the same names, for type checkers and IDEs
-    from fusion_core.config import FusionConfig, parse_fusion_config
-    from fusion_core.errors import (
-        CheckpointError,
-        DiscoveryError,
-        FusionError,
-        FusionLoadError,
-        MissingIntegrationError,
-        PlanError,
-        PluginError,
-        SaveError,
-        UnknownFamilyError,
+    from fusion_core.config import (
+        FusionConfig as FusionConfig,
+        parse_fusion_config as parse_fusion_config,
     )
-    from fusion_core.hf import from_pretrained, get_fusion_plan, save_pretrained
-    from fusion_core.hookspecs import hookimpl
-    from fusion_core.inplace import fuse, unfuse
-    from fusion_core.integration import Integration
-    from fusion_core.layout import fused_layout
-    from fusion_core.plugins import get_registry, register_family, reset_registry, unregister_family
-    from fusion_core.routing import integrate_transformers
-    from fusion_core.spec import FamilyOptions, FusedModule, FusionFamily, ModuleFusionSpec
-    from fusion_core.state import reset_state
+    from fusion_core.errors import (
+        CheckpointError as CheckpointError,
+        DiscoveryError as DiscoveryError,
+        FusionConfigError as FusionConfigError,
+        FusionError as FusionError,
+        FusionLoadError as FusionLoadError,
+        MissingIntegrationError as MissingIntegrationError,
+        PlanError as PlanError,
+        PluginError as PluginError,
+        SaveError as SaveError,
+        UnknownFamilyError as UnknownFamilyError,
+    )
+    from fusion_core.hf import (
+        from_pretrained as from_pretrained,
+        get_fusion_plan as get_fusion_plan,
+        save_pretrained as save_pretrained,
+    )
+    from fusion_core.hookspecs import hookimpl as hookimpl
+    from fusion_core.inplace import (
+        fuse as fuse,
+        unfuse as unfuse,
+    )
+    from fusion_core.integration import Integration as Integration
+    from fusion_core.layout import fused_layout as fused_layout
+    from fusion_core.plugins import (
+        get_registry as get_registry,
+        register_family as register_family,
+        reset_registry as reset_registry,
+        unregister_family as unregister_family,
+    )
+    from fusion_core.routing import integrate_transformers as integrate_transformers
+    from fusion_core.spec import (
+        FamilyOptions as FamilyOptions,
+        FusedModule as FusedModule,
+        FusionFamily as FusionFamily,
+        ModuleFusionSpec as ModuleFusionSpec,
+    )
+    from fusion_core.state import reset_state as reset_state
     from fusion_core.transforms import (
-        Concat,
-        Flatten,
-        FusionPlan,
-        Identity,
-        ModulePlan,
-        Split,
-        Stack,
-        TransformOp,
-        Transpose,
-        Unstack,
-        WeightTransform,
+        Concat as Concat,
+        Flatten as Flatten,
+        FusionPlan as FusionPlan,
+        Identity as Identity,
+        ModulePlan as ModulePlan,
+        Split as Split,
+        Stack as Stack,
+        TransformOp as TransformOp,
+        Transpose as Transpose,
+        Unstack as Unstack,
+        WeightTransform as WeightTransform,
     )
 
     __version__: str

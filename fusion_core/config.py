@@ -3,8 +3,11 @@
 The accepted shape is ``{family_name: True | False | {option: value}}``. ``True`` enables a
 family with its default options, a mapping enables it with those options (validated by the
 family's own ``options_model``), ``False`` lists it disabled. Order is kept: families apply in
-the order given. Errors are ``pydantic.ValidationError`` s whose locations name the family and
-the field; an unknown family lists the installed ones and the distribution that would provide it.
+the order given. Every error of a config is reported at once, as a
+:class:`~fusion_core.errors.FusionConfigError` (an :class:`~fusion_core.errors.UnknownFamilyError`
+as well when a family is not installed) that is also a ``pydantic.ValidationError``: its message
+names the family and the field (pydantic's own text kept), its ``errors()`` give the locations,
+and an unknown family lists the installed ones and the distribution that would provide it.
 
 Family names are resolved against the registry once, here: the validated config keeps the
 registered families it was checked against, and discovery and the adapter use those.
@@ -12,17 +15,65 @@ registered families it was checked against, and discovery and the adapter use th
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from pydantic import PrivateAttr, RootModel, ValidationError, ValidationInfo, model_serializer, model_validator
-from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic_core import InitErrorDetails, PydanticCustomError, PydanticUndefined
 
+from fusion_core.errors import FusionConfigError, UnknownFamilyError
 from fusion_core.plugins import FamilyRegistry, PluginSource, RegisteredFamily, get_registry
 from fusion_core.spec import FamilyOptions, ModuleFusionSpec
 
+if TYPE_CHECKING:  # typing.Self is Python 3.11+; typing_extensions is needed by the type checker only
+    from typing_extensions import Self
+
 FamilySetting = bool | FamilyOptions
+
+
+class FusionConfigValidationError(FusionConfigError, ValidationError):
+    """What validating a ``fusion_config`` raises: a :class:`~fusion_core.errors.FusionConfigError` that is
+    also the ``pydantic.ValidationError`` it was (same message, same ``errors()``)."""
+
+
+class UnknownFamilyConfigError(UnknownFamilyError, FusionConfigValidationError):
+    """A ``fusion_config`` that names a family that is not installed (its other errors reported with it)."""
+
+
+def _as_fusion_config_error(exc: ValidationError) -> FusionConfigValidationError:
+    """``exc`` (a failed validation of :class:`FusionConfig`) as the same errors in a fusion-core error type."""
+    errors = exc.errors(include_url=False)
+    unknown = any(error["type"] == "unknown_family" for error in errors)
+    kind = UnknownFamilyConfigError if unknown else FusionConfigValidationError
+
+    def rebuilt(with_context: bool) -> FusionConfigValidationError:
+        # Each message is already rendered; it becomes the template of a custom error of the same type.
+        return kind.from_exception_data(exc.title, [
+            InitErrorDetails(
+                type=PydanticCustomError(error["type"], error["msg"], error.get("ctx") if with_context else None),
+                loc=error["loc"],
+                input=error.get("input"),
+            )
+            for error in errors
+        ])
+
+    converted = rebuilt(with_context=True)
+    if converted.errors(include_url=False) != errors:  # a rendered message that reads like a {placeholder}
+        converted = rebuilt(with_context=False)
+    return converted
+
+
+@contextlib.contextmanager
+def _fusion_config_errors() -> Iterator[None]:
+    """Raise a failed validation of :class:`FusionConfig` as a :class:`FusionConfigValidationError`."""
+    try:
+        yield
+    except ValidationError as exc:
+        if isinstance(exc, FusionConfigError) or exc.title != FusionConfig.__name__:
+            raise
+        raise _as_fusion_config_error(exc) from None
 
 
 class FusionConfig(RootModel[dict[str, Any]]):
@@ -32,11 +83,43 @@ class FusionConfig(RootModel[dict[str, Any]]):
     ['patch_embeddings']
 
     Validate against a registry other than the process-wide one with
-    ``FusionConfig.model_validate(value, context={"registry": registry})``.
+    ``FusionConfig.model_validate(value, context={"registry": registry})``. A config that does not
+    validate raises :class:`FusionConfigValidationError` (see the module docs), from the constructor
+    and every ``model_validate*`` method alike.
     """
 
     root: dict[str, FamilySetting]
     _families: dict[str, RegisteredFamily] = PrivateAttr(default_factory=dict)
+
+    def __init__(self, /, root: Any = PydanticUndefined, **data: Any) -> None:
+        """``FusionConfig(value)``: the same as ``FusionConfig.model_validate(value)`` (no argument: ``{}``)."""
+        if data:
+            if root is not PydanticUndefined:
+                raise TypeError("FusionConfig() takes either one positional mapping or keyword arguments, not both")
+            root = data
+        validated = type(self).model_validate({} if root is PydanticUndefined else root)
+        for attribute in ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__"):
+            value = getattr(validated, attribute, None)
+            object.__setattr__(self, attribute, value.copy() if value is not None else None)
+
+    @classmethod
+    def model_validate(cls, *args: Any, **kwargs: Any) -> Self:
+        """pydantic's ``model_validate``, raising :class:`FusionConfigValidationError` for an invalid config."""
+        with _fusion_config_errors():
+            return super().model_validate(*args, **kwargs)
+
+    @classmethod
+    def model_validate_json(cls, *args: Any, **kwargs: Any) -> Self:
+        """pydantic's ``model_validate_json``, raising :class:`FusionConfigValidationError` for an invalid config."""
+        with _fusion_config_errors():
+            return super().model_validate_json(*args, **kwargs)
+
+    @classmethod
+    def model_validate_strings(cls, *args: Any, **kwargs: Any) -> Self:
+        """pydantic's ``model_validate_strings``, raising :class:`FusionConfigValidationError` for an invalid
+        config."""
+        with _fusion_config_errors():
+            return super().model_validate_strings(*args, **kwargs)
 
     @model_validator(mode="wrap")
     @classmethod
@@ -140,6 +223,10 @@ def _error(error_type: str, template: str, loc: tuple[Any, ...], value: Any, **c
 
 
 def parse_fusion_config(value: Any, registry: FamilyRegistry | None = None) -> FusionConfig:
-    """Validate ``value`` (a mapping or a :class:`FusionConfig`) against ``registry``."""
+    """Validate ``value`` (a mapping or a :class:`FusionConfig`) against ``registry``.
+
+    Raises :class:`FusionConfigValidationError` (a :class:`~fusion_core.errors.FusionConfigError`, and an
+    :class:`~fusion_core.errors.UnknownFamilyError` when a family is not installed) naming each family at fault.
+    """
     context = {"registry": registry} if registry is not None else None
     return FusionConfig.model_validate(value, context=context)

@@ -17,6 +17,15 @@ class PluginError(FusionError, RuntimeError):
     """A plugin failed to load or registered something invalid (strict mode, or on use)."""
 
 
+class FusionConfigError(FusionError, ValueError):
+    """A ``fusion_config`` is invalid: a bad option value, a setting of the wrong type, or a family that is not
+    installed (then also an :class:`UnknownFamilyError`). The message names each family and field at fault.
+
+    What validating a ``fusion_config`` raises is at the same time a ``pydantic.ValidationError`` (its
+    ``errors()`` give each location), so code that caught that keeps working.
+    """
+
+
 class UnknownFamilyError(FusionError, ValueError):
     """A family named in ``fusion_config`` is not installed."""
 
