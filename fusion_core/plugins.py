@@ -38,11 +38,11 @@ from typing import Any, cast
 import pluggy
 from pydantic import BaseModel
 
-from fusion_core import hookspecs
+from fusion_core import hookspecs, spec as spec_module
 from fusion_core.errors import MissingIntegrationError, PluginError, UnknownFamilyError
 from fusion_core.integration import Integration, validate_integration
 from fusion_core.patterns import compile_pattern
-from fusion_core.spec import REQUIRED_MEMBERS, FamilyOptions, ModuleFusionSpec
+from fusion_core.spec import FamilyOptions, ModuleFusionSpec
 
 ENTRY_POINT_GROUP = "fusion_core"
 DISABLE_AUTOLOAD_ENV = "FUSION_CORE_DISABLE_PLUGIN_AUTOLOAD"
@@ -96,16 +96,68 @@ class PluginFailure:
         return f"{what}: {self.reason}"
 
 
+#: How alike (``difflib`` ratio) an attribute's name must be to a member's to count as its misspelling.
+MISSPELLING_CUTOFF = 0.8
+
+
+def misspelt_members(spec: object) -> list[tuple[str, str]]:
+    """``(attribute, member it probably meant)`` for each public attribute of ``spec`` that misspells a member.
+
+    pluggy finds a misspelt hook (``check_pending``); this finds a misspelt spec member, which would otherwise
+    be ignored while the member keeps its default (``module_transform`` for ``module_transforms``). The members
+    are :data:`~fusion_core.spec.REQUIRED_MEMBERS` and :data:`~fusion_core.spec.OPTIONAL_MEMBERS`, read now.
+    Only names ``spec`` defines itself count: its instance attributes and the attributes of its classes, but
+    not fusion-core's base classes (:class:`~fusion_core.FusionFamily`). A name is left alone when it is
+    private (``_``), a member, unlike every member (``difflib`` ratio below :data:`MISSPELLING_CUTOFF`), a
+    compound of the member's name (``save_refusal``, ``tensor_parallel_mesh``), or a sibling of that member
+    defined at the same level or a more derived one (``refusals`` beside the class's own ``refusal``): helpers.
+    """
+    members = [*spec_module.REQUIRED_MEMBERS, *spec_module.OPTIONAL_MEMBERS]
+    levels: list[Any] = [getattr(spec, "__dict__", {})]  # the instance first, then its classes, most derived first
+    levels += [vars(cls) for cls in type(spec).__mro__ if cls is not object and cls.__module__ != spec_module.__name__]
+    depth: dict[str, int] = {}
+    for level, names in enumerate(levels):
+        for attribute in names:
+            if isinstance(attribute, str):
+                depth.setdefault(attribute, level)
+    found = []
+    for attribute, level in sorted(depth.items()):
+        if attribute.startswith("_") or attribute in members:
+            continue
+        close = difflib.get_close_matches(attribute, members, n=1, cutoff=MISSPELLING_CUTOFF)
+        if not close:
+            continue
+        meant = close[0]
+        if attribute.startswith(f"{meant}_") or attribute.endswith(f"_{meant}"):
+            continue
+        if depth.get(meant, len(levels)) <= level:
+            continue
+        found.append((attribute, meant))
+    return found
+
+
 def validate_spec(spec: object) -> ModuleFusionSpec[Any]:
-    """Check that ``spec`` satisfies :class:`ModuleFusionSpec`; raise ``TypeError``/``ValueError`` why not."""
+    """Check that ``spec`` satisfies :class:`ModuleFusionSpec`; raise ``TypeError``/``ValueError`` why not.
+
+    A public attribute that misspells a member (:func:`misspelt_members`) is an error too.
+    """
     if isinstance(spec, type):  # the class has every attribute, but its methods would be called unbound
         raise TypeError(f"register an instance of {spec.__qualname__}, not the class itself")
-    missing = [attr for attr in REQUIRED_MEMBERS if not hasattr(spec, attr)]
+    missing = [attr for attr in spec_module.REQUIRED_MEMBERS if not hasattr(spec, attr)]
     if missing:
         raise TypeError(f"{spec!r} is not a ModuleFusionSpec (missing: {', '.join(missing)})")
     spec = cast("ModuleFusionSpec[Any]", spec)
     if not isinstance(spec.name, str) or not _FAMILY_NAME.match(spec.name):
         raise ValueError(f"family name {spec.name!r} is not an identifier")
+    misspelt = misspelt_members(spec)
+    if misspelt:
+        raise TypeError(
+            f"family {spec.name!r}: "
+            + "; ".join(f"{attribute!r} is not a ModuleFusionSpec member (did you mean {meant!r}?)"
+                        for attribute, meant in misspelt)
+            + ". As written it would be ignored and the member left at its default; rename it, or give a helper "
+            "a name that starts with '_'"
+        )
     if not isinstance(spec.description, str):
         raise TypeError(f"family {spec.name!r}: description must be a string")
     options_model = spec.options_model

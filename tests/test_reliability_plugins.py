@@ -158,6 +158,11 @@ REGISTRATION_FAULTS: list[tuple[str, str, str]] = [
     ) + _HOOK + "    register(Family())\n", "keep extra='forbid'"),
     ("description-not-str", _GOOD_FAMILY.replace('"""A family built to fail in one way."""', "description = 3")
      + _HOOK + "    register(Family())\n", "description must be a string"),
+    ("misspelt-optional-member", _GOOD_FAMILY.replace(
+        '"""A family built to fail in one way."""',
+        "def module_transform(self, module, config, options):\n        return None",
+    ) + _HOOK + "    register(Family())\n",
+     "family 'brokenfam': 'module_transform' is not a ModuleFusionSpec member (did you mean 'module_transforms'?)"),
     ("entry-point-attribute-missing", "import fusion_core\n", "has no attribute"),
 ]
 
@@ -450,3 +455,117 @@ def test_a_plugin_registering_one_name_twice_disables_it_and_says_so():
         "family 'patch_embeddings' of plugin 'twice' from distribution fusion-twice 1.0: registers family name "
         "'patch_embeddings' twice; the family is disabled"
     ]
+
+
+# -- misspelt members of a family spec ------------------------------------------------------------------
+
+
+def _family_class(**attributes):
+    """A working family (patch_embeddings renamed) with ``attributes`` added to its class."""
+    from fusion_patch_embeddings import PatchEmbeddingsFamily
+
+    return type("TypoFamily", (PatchEmbeddingsFamily,), {"name": "typofam", **attributes})
+
+
+def _no_op(self, *args):
+    return None
+
+
+MISSPELT_MEMBERS = [  # (the misspelt attribute, its value, the member it meant)
+    ("module_transform", _no_op, "module_transforms"),
+    ("owns_submodule", True, "owns_submodules"),
+    ("sample_input", _no_op, "sample_inputs"),
+    ("refusals", _no_op, "refusal"),
+    ("tensor_paralel", None, "tensor_parallel"),
+    ("preserve", "training_loss", "preserves"),
+    ("make_transform", _no_op, "make_transforms"),  # a required member FusionFamily has a default for
+    ("target_module_patterns", ("proj",), "target_modules_patterns"),
+]
+
+
+@pytest.mark.parametrize(("attribute", "value", "meant"), MISSPELT_MEMBERS, ids=[m[0] for m in MISSPELT_MEMBERS])
+@pytest.mark.parametrize("where", ["class", "instance"])
+def test_a_misspelt_member_is_refused_naming_family_attribute_and_member(attribute, value, meant, where):
+    if where == "class":
+        spec = _family_class(**{attribute: value})()
+    else:
+        spec = _family_class()()
+        setattr(spec, attribute, value)
+    with pytest.raises(fusion_core.PluginError) as info:
+        fusion_core.register_family(spec)
+    message = str(info.value)
+    assert f"family 'typofam': {attribute!r} is not a ModuleFusionSpec member (did you mean {meant!r}?)" in message
+    assert "typofam" not in fusion_core.get_registry()
+
+
+def test_a_misspelt_member_of_a_spec_without_a_base_class_is_refused():
+    from fusion_patch_embeddings import PatchEmbeddingsFamily
+
+    base = PatchEmbeddingsFamily()
+
+    class Spec:  # implements the protocol directly
+        name = "plainspec"
+        description = "no base class"
+        options_model = base.options_model
+        target_modules_patterns = ()
+        is_fusable = staticmethod(base.is_fusable)
+        make_fused_class = staticmethod(base.make_fused_class)
+        make_transforms = staticmethod(base.make_transforms)
+        owns_submodule = True
+
+    with pytest.raises(fusion_core.PluginError, match=r"'owns_submodule' .*did you mean 'owns_submodules'\?"):
+        fusion_core.register_family(Spec())
+    del Spec.owns_submodule
+    fusion_core.register_family(Spec())
+    assert "plainspec" in fusion_core.get_registry()
+
+
+def test_every_misspelling_is_named_at_once():
+    spec = _family_class(sample_input=_no_op, refusals=_no_op)()
+    with pytest.raises(fusion_core.PluginError) as info:
+        fusion_core.register_family(spec)
+    assert "'refusals'" in str(info.value) and "'sample_input'" in str(info.value)
+
+
+def test_helpers_of_a_family_are_not_misspellings():
+    """Private names, names unlike any member, compounds of a member's name, and a sibling of a member the
+    family defines itself (``refusals`` beside its own ``refusal``) are the family's own business."""
+    spec = _family_class(
+        _sample_input=_no_op, helper=_no_op, kernel_cache={}, names=("a", "b"), describe=_no_op,
+        tensor_parallel_mesh=None, save_refusal=_no_op, transforms_for=_no_op,
+        refusal=_no_op, refusals=("too small",), sample_inputs=_no_op, sample_input=_no_op,
+    )()
+    spec.cache = {}
+    fusion_core.register_family(spec)
+    assert "typofam" in fusion_core.get_registry()
+
+
+def _cli_output(*args):
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(list(args)) == 0
+    return out.getvalue()
+
+
+def test_the_shipped_families_register_with_their_helpers():
+    registry = fusion_core.get_registry()
+    assert not [str(f) for f in registry.failures if "not a ModuleFusionSpec member" in str(f)]
+    assert {"patch_embeddings", "qkv", "gate_up", "moe_experts", "linear_kernels"} <= set(registry.names())
+    listing = json.loads(_cli_output("list", "--json"))  # what `fusion list` shows
+    assert {f["name"] for f in listing["families"]} == set(registry.names())
+
+
+def test_a_new_optional_member_is_read_when_registering(monkeypatch):
+    """The member names are read from fusion_core.spec at registration, so a member added there counts."""
+    from fusion_core import spec as spec_module
+
+    spec = _family_class(kernel_choise=_no_op)()
+    fusion_core.register_family(spec)  # not near any member today
+    fusion_core.unregister_family("typofam")
+    monkeypatch.setitem(spec_module.OPTIONAL_MEMBERS, "kernel_choice", None)
+    with pytest.raises(fusion_core.PluginError, match=r"'kernel_choise' .*did you mean 'kernel_choice'\?"):
+        fusion_core.register_family(spec)
+
