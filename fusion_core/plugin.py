@@ -115,44 +115,75 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # the same names, for type checkers and IDEs
-    from fusion_core.compat.peft import LORA_MODULE, wrap_lora_factories
-    from fusion_core.compat.torch import native_bf16_gemms, remove_state_dict_post_hooks
+    from fusion_core.compat.peft import (
+        LORA_MODULE as LORA_MODULE,
+        wrap_lora_factories as wrap_lora_factories,
+    )
+    from fusion_core.compat.torch import (
+        native_bf16_gemms as native_bf16_gemms,
+        remove_state_dict_post_hooks as remove_state_dict_post_hooks,
+    )
     from fusion_core.compat.transformers import (
-        apply_gate,
-        experts_implementation,
-        is_expert_parallel,
-        plan_style,
-        tensor_parallel_mesh,
-        tensor_parallel_size,
+        apply_gate as apply_gate,
+        experts_implementation as experts_implementation,
+        is_expert_parallel as is_expert_parallel,
+        plan_style as plan_style,
+        tensor_parallel_mesh as tensor_parallel_mesh,
+        tensor_parallel_size as tensor_parallel_size,
     )
-    from fusion_core.discovery import discover
-    from fusion_core.forward_source import Aliases, aliases, alternatives, calls, forwards, self_call, value_of
-    from fusion_core.integration_needs import load_quantization
-    from fusion_core.layout import fuse_instance, module_plan, presenting_fused, take_own_block
-    from fusion_core.merge_policy import best_times
+    from fusion_core.discovery import discover as discover
+    from fusion_core.forward_source import (
+        Aliases as Aliases,
+        aliases as aliases,
+        alternatives as alternatives,
+        calls as calls,
+        forwards as forwards,
+        self_call as self_call,
+        value_of as value_of,
+    )
+    from fusion_core.integration_needs import load_quantization as load_quantization
+    from fusion_core.layout import (
+        fuse_instance as fuse_instance,
+        module_plan as module_plan,
+        presenting_fused as presenting_fused,
+        take_own_block as take_own_block,
+    )
+    from fusion_core.merge_policy import best_times as best_times
     from fusion_core.merged import (
-        PARTS_ATTRIBUTE,
-        LinearKernel,
-        MergedLinear,
-        MergedProjection,
-        MergedProjectionsMixin,
-        MergedSlice,
-        is_plain_linear,
-        merge_children,
-        merge_refusal,
+        PARTS_ATTRIBUTE as PARTS_ATTRIBUTE,
+        LinearKernel as LinearKernel,
+        MergedLinear as MergedLinear,
+        MergedProjection as MergedProjection,
+        MergedProjectionsMixin as MergedProjectionsMixin,
+        MergedSlice as MergedSlice,
+        is_plain_linear as is_plain_linear,
+        merge_children as merge_children,
+        merge_refusal as merge_refusal,
     )
-    from fusion_core.parallel.rules import PackedColwise, Replicated, TensorParallelRule, is_dtensor
-    from fusion_core.patterns import compile_pattern
-    from fusion_core.spec import fused_subclass, spec_member
+    from fusion_core.parallel.rules import (
+        PackedColwise as PackedColwise,
+        Replicated as Replicated,
+        TensorParallelRule as TensorParallelRule,
+        is_dtensor as is_dtensor,
+    )
+    from fusion_core.patterns import compile_pattern as compile_pattern
+    from fusion_core.spec import (
+        fused_subclass as fused_subclass,
+        spec_member as spec_member,
+    )
     from fusion_core.transforms import (
-        BoundTransform,
-        FusionPlan,
-        LeafSpec,
-        ModulePlan,
-        Shape,
-        attach_plan,
-        attached_plan,
-        bind_transforms,
-        detach_plan,
+        BoundTransform as BoundTransform,
+        FusionPlan as FusionPlan,
+        LeafSpec as LeafSpec,
+        ModulePlan as ModulePlan,
+        Shape as Shape,
+        attach_plan as attach_plan,
+        attached_plan as attached_plan,
+        bind_transforms as bind_transforms,
+        detach_plan as detach_plan,
     )
-    from fusion_core.wrapped import concat, is_torch_tensor, same_bits
+    from fusion_core.wrapped import (
+        concat as concat,
+        is_torch_tensor as is_torch_tensor,
+        same_bits as same_bits,
+    )

@@ -21,8 +21,7 @@ import transformers
 from torch import nn
 
 import fusion_core
-from fusion_core.compat import peft as peft_compat
-from fusion_core.compat import transformers as compat
+from fusion_core.compat import peft as peft_compat, transformers as compat
 from fusion_core.errors import FusionLoadError
 
 

@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,

@@ -10,8 +10,7 @@ import itertools
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from fusion_core import (

@@ -242,7 +242,8 @@ def test_a_fused_module_the_model_replaced_is_refused_before_anything_is_written
 
 
 def test_an_original_format_save_refuses_fused_tensors_a_wrapper_moved(llama: Path, tmp_path: Path) -> None:
-    """A fused module wrapped after the load keeps its fused tensor under a new name: the save refuses, writing nothing."""
+    """A fused module wrapped after the load keeps its fused tensor under a new name: the save refuses,
+    writing nothing."""
     from transformers import AutoModelForCausalLM
 
     model = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config={"qkv": True})

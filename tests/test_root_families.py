@@ -64,7 +64,7 @@ def _tensors(directory: Path) -> dict[str, bytes]:
     out: dict[str, bytes] = {}
     for shard in sorted(directory.glob("*.safetensors")):
         with safe_open(str(shard), "pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            for key in handle.keys():
                 tensor = handle.get_tensor(key)
                 out[key] = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
     return out

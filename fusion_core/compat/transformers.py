@@ -222,8 +222,8 @@ def is_expert_parallel(experts: nn.Module) -> bool:
 def apply_gate(experts: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """A gated 5.x experts module's activation of its gate/up rows (its ``_apply_gate``: ``act(gate) * up``,
     with each model's own split and activation; every checked 5.x release)."""
-    gated: torch.Tensor = experts._apply_gate(hidden)
-    return gated
+    apply: Callable[[torch.Tensor], torch.Tensor] = getattr(experts, "_apply_gate")  # noqa: B009 (a module's method)
+    return apply(hidden)
 
 
 # -- building a model from a config --------------------------------------------------------------

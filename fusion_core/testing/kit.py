@@ -555,7 +555,8 @@ def assert_training_loss(plain: nn.Module, fused: nn.Module, seed: int = 0, toke
     plain model's bit for bit, since the fused forward is the original's there. Returns the loss's
     and the worst gradient's relative errors.
     """
-    config = plain.config.get_text_config() if hasattr(plain.config, "get_text_config") else plain.config
+    config: Any = plain.config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     parameter = next(plain.parameters())
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, int(config.vocab_size), (2, tokens), generator=generator).to(parameter.device)
