@@ -28,10 +28,8 @@ from torch import nn
 
 from fusion_core import Concat, FusionLoadError, FusionPlan, Integration, ModulePlan, SaveError, hookimpl
 from fusion_core.plugin import load_quantization, presenting_fused
-from fusion_quantization.bnb_4bit import BLOCKSIZE, fills_whole_blocks, take_packed
-from fusion_quantization.bnb_4bit import install as install_4bit
-from fusion_quantization.bnb_int8 import collect as collect_int8
-from fusion_quantization.bnb_int8 import install as install_int8
+from fusion_quantization.bnb_4bit import BLOCKSIZE, fills_whole_blocks, install as install_4bit, take_packed
+from fusion_quantization.bnb_int8 import collect as collect_int8, install as install_int8
 from fusion_quantization.compat import bnb_loads_in
 from fusion_quantization.detect import (
     QUANTIZER_PACKAGES,
@@ -41,12 +39,16 @@ from fusion_quantization.detect import (
     quantizer_of,
 )
 from fusion_quantization.guard import attach_guard, containers, fused_linears, guard_of, refusal_message
-from fusion_quantization.quanto_bytes import MERGED_WEIGHTS as QUANTO_MERGED_WEIGHTS
-from fusion_quantization.quanto_bytes import install as install_quanto
-from fusion_quantization.quanto_bytes import take_rows
-from fusion_quantization.quanto_split import attach as attach_quanto_split
-from fusion_quantization.quanto_split import detach as detach_quanto_split
-from fusion_quantization.quanto_split import save_refusal as quanto_save_refusal
+from fusion_quantization.quanto_bytes import (
+    MERGED_WEIGHTS as QUANTO_MERGED_WEIGHTS,
+    install as install_quanto,
+    take_rows,
+)
+from fusion_quantization.quanto_split import (
+    attach as attach_quanto_split,
+    detach as detach_quanto_split,
+    save_refusal as quanto_save_refusal,
+)
 from fusion_quantization.replaced import quantized_parts, weight_rows
 from fusion_quantization.schemes import config_field, part_schemes
 
