@@ -10,6 +10,7 @@ install (``fusion-<name>`` by convention, as for a missing family). Nothing here
 
 from __future__ import annotations
 
+import importlib.abc
 import sys
 import warnings
 from collections.abc import Collection, Mapping
@@ -68,19 +69,46 @@ LIBRARY_NEEDS = {
 
 
 def warn_unserved_libraries(integrations: Collection[str]) -> None:
-    """Warn, once per library and process, about an imported library whose integration is not installed.
+    """Warn, once per library and process, about a library whose integration is not installed, when it is in use.
 
-    The core cannot see a PEFT call (it happens after the load, inside PEFT); a library already
-    imported when a model is fused is the sign it is about to be used.
+    The core cannot see a PEFT call (it happens after the load, inside PEFT). A library already
+    imported when a model is fused is the sign it is about to be used: the warning comes now. One
+    imported later (``import peft`` after the load, as most scripts do) gets it when it is imported,
+    through a finder on ``sys.meta_path`` that imports nothing itself. An original-format save of a
+    fused module an adapter wrapped is refused in any case (:mod:`fusion_core.layout`).
     """
     for library, need in LIBRARY_NEEDS.items():
-        if library in sys.modules and need.integration not in integrations and library not in _WARNED:
-            _WARNED.add(library)
-            warnings.warn(
-                f"{library} is imported, but fusion-core's {need.integration!r} integration is not installed: "
-                f"{need.workflow} needs it (pip install {conventional_distribution(need.integration)})",
-                MissingIntegrationWarning, stacklevel=3,
-            )
+        if need.integration in integrations or library in _WARNED:
+            continue
+        if library in sys.modules:
+            _warn(library, need, stacklevel=4)
+        else:
+            _WATCH.missing[library] = need
+    if _WATCH.missing and _WATCH not in sys.meta_path:
+        sys.meta_path.insert(0, _WATCH)
+
+
+def _warn(library: str, need: Need, stacklevel: int) -> None:
+    _WARNED.add(library)
+    warnings.warn(
+        f"{library} is imported, but fusion-core's {need.integration!r} integration is not installed: "
+        f"{need.workflow} needs it (pip install {conventional_distribution(need.integration)})",
+        MissingIntegrationWarning, stacklevel=stacklevel,
+    )
+
+
+class _ImportWatch(importlib.abc.MetaPathFinder):
+    """Warns when a library of :data:`LIBRARY_NEEDS` without its integration is first imported; finds nothing."""
+
+    def __init__(self) -> None:
+        self.missing: dict[str, Need] = {}
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        need = self.missing.pop(fullname, None)
+        if need is not None and fullname not in _WARNED:
+            _warn(fullname, need, stacklevel=2)
+        if not self.missing and self in sys.meta_path:
+            sys.meta_path.remove(self)
 
 
 class MissingIntegrationWarning(UserWarning):
@@ -88,9 +116,12 @@ class MissingIntegrationWarning(UserWarning):
 
 
 _WARNED: set[str] = set()
+_WATCH = _ImportWatch()
 
 
 def forget_warnings() -> None:
-    """Warn again about every library (see :func:`warn_unserved_libraries`)."""
+    """Warn again about every library (see :func:`warn_unserved_libraries`); the import finder is removed."""
     _WARNED.clear()
-
+    _WATCH.missing.clear()
+    if _WATCH in sys.meta_path:
+        sys.meta_path.remove(_WATCH)

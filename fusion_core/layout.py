@@ -238,8 +238,13 @@ def _refuse_stray_fused(plan: ModulePlan, bound: BoundTransform, block: dict[str
             f"family {plan.family!r}, module {plan.path or '<root>'!r}: cannot write the original layout: the "
             f"fused tensor(s) {[t.name for t in bound.targets]} are not all where the plan put them "
             f"(found {[prefix + key for key in stray]}); was the fused module replaced or wrapped after the load? "
+            f"{_WRAPPER_HINT if any('base_layer' in key for key in stray) else ''}"
             "Unwrap it, or save with save_original_format=False"
         )
+
+
+_WRAPPER_HINT = ("An adapter layer (PEFT's base_layer) wraps it: PEFT on fused modules needs fusion-core's 'peft' "
+                 "integration (pip install fusion-peft), which targets and saves adapters under the original names. ")
 
 
 def _presented(module: nn.Module, leaf: str) -> str:

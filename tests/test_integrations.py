@@ -9,6 +9,7 @@ workflows they serve are refused naming the distribution.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -321,3 +322,33 @@ def test_peft_imported_without_its_integration_is_named_once(llama: Path, monkey
         warnings.simplefilter("always")
         fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config={"qkv": True})
     assert not [w for w in caught if issubclass(w.category, integration_needs.MissingIntegrationWarning)]
+
+
+def test_peft_imported_after_the_load_without_its_integration_is_named_then(llama: Path) -> None:
+    """Most scripts import peft after loading the model: the warning comes at that import (a fresh process,
+    where peft is not imported yet), and an adapter's save on the fused module is refused, naming fusion-peft."""
+    script = f"""
+import warnings
+warnings.simplefilter("error", UserWarning)
+warnings.filterwarnings("ignore", category=FutureWarning)
+import fusion_core
+from fusion_core.integration_needs import MissingIntegrationWarning
+from transformers import AutoModelForCausalLM
+model = fusion_core.from_pretrained(AutoModelForCausalLM, {str(llama)!r}, fusion_config={{"qkv": True}})
+try:
+    import peft
+except MissingIntegrationWarning as warning:
+    print("WARNED:", warning)
+warnings.simplefilter("ignore")
+import peft
+lora = peft.get_peft_model(model, peft.LoraConfig(target_modules="all-linear"))
+try:
+    lora.save_pretrained({str(llama / "adapter-no-integration")!r})
+except fusion_core.SaveError as error:
+    print("REFUSED:", error)
+"""
+    env = {**os.environ, "FUSION_CORE_ALLOWED_PLUGINS": "fusion-qkv"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert "WARNED: peft is imported" in result.stdout and "pip install fusion-peft" in result.stdout, result.stderr
+    assert "REFUSED:" in result.stdout and "qkv_proj.base_layer.weight" in result.stdout, result.stderr
+    assert "integration (pip install fusion-peft)" in result.stdout.split("REFUSED:")[1]
