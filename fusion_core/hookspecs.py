@@ -162,3 +162,13 @@ def fusion_save_kwargs(model: nn.Module, save_kwargs: MutableMapping[str, Any]) 
     quantizer's serialization settings). Called on every rank of a process group, so collectives
     here match. Raise :class:`fusion_core.errors.SaveError` to refuse the save; nothing is written then.
     """
+
+
+# -- process-wide state ---------------------------------------------------------------------------
+@hookspec
+def fusion_reset_state() -> None:
+    """:func:`fusion_core.reset_state` is clearing fusion-core's process-wide state: clear the plugin's own.
+
+    Caches, measured decisions, finders on ``sys.meta_path``: whatever a fresh process would not have.
+    Called on the plugins of the registry in use, before it is discarded; not while a load runs.
+    """

@@ -466,6 +466,11 @@ def get_registry() -> FamilyRegistry:
     return _registry
 
 
+def loaded_registry() -> FamilyRegistry | None:
+    """The process-wide registry if one was built, without building one (None: no plugin was loaded)."""
+    return _registry
+
+
 def reset_registry() -> None:
     """Forget the process-wide registry; the next :func:`get_registry` reloads (tests use this)."""
     global _registry

@@ -14,11 +14,13 @@ missing-integration warnings          each library without its integration is na
 fused-class cache                     ``isinstance`` and pickling need one class per pair           kept (identity)
 ``__init__`` wrappers, load lock      only while a fused load runs (``fusion_core.patching``)       none to reset
 environment variables                 read when the registry or the merge policy is (re)built       re-read
+plugins' own state                    each plugin's (its caches, decisions, import finders)         its hook clears
 ====================================  ===========================================================  ================
 
 The environment variables: ``FUSION_CORE_DISABLE_PLUGIN_AUTOLOAD``, ``FUSION_CORE_STRICT_PLUGINS``,
 ``FUSION_CORE_ALLOWED_PLUGINS`` (the registry) and ``FUSION_CORE_MERGE`` (the merge policy).
-State that belongs to a plugin is the plugin's (the PEFT integration's import hook, for one).
+State that belongs to a plugin is the plugin's (the PEFT integration's import hook, ``linear_kernels``'
+measured decisions): :func:`reset_state` asks every loaded plugin to clear it (the ``fusion_reset_state`` hook).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ def reset_state() -> None:
     fresh process. Not to be called while a load runs in another thread.
     """
     routing.reset_integration()
+    registry = plugins.loaded_registry()
+    if registry is not None:
+        registry.hook.fusion_reset_state()
     plugins.reset_registry()
     discovery.clear_cache()
     checkpoint.clear_header_cache()

@@ -352,3 +352,22 @@ except fusion_core.SaveError as error:
     assert "WARNED: peft is imported" in result.stdout and "pip install fusion-peft" in result.stdout, result.stderr
     assert "REFUSED:" in result.stdout and "qkv_proj.base_layer.weight" in result.stdout, result.stderr
     assert "integration (pip install fusion-peft)" in result.stdout.split("REFUSED:")[1]
+
+
+def test_reset_state_clears_the_plugins_own_state(llama: Path) -> None:
+    """linear_kernels' measured decisions and the PEFT integration's import finder are the plugins' state;
+    reset_state reaches them through the fusion_reset_state hook."""
+    import importlib
+
+    from fusion_linear_kernels import choice, pack_decisions
+    from fusion_peft import lora
+
+    fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config={"linear_kernels": True})
+    choice._DECISIONS["probe"] = (True, "probe")
+    sys.meta_path.insert(0, lora._AfterImport())
+    lora._state["finder"] = True
+    fusion_core.reset_state()
+    assert choice.decisions() == {} and pack_decisions() == {}
+    assert not any(isinstance(finder, lora._AfterImport) for finder in sys.meta_path)
+    assert lora._state["finder"] is False
+    importlib.import_module("fusion_core.hookspecs").fusion_reset_state()  # the spec itself is a no-op

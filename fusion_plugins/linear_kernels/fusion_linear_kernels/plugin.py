@@ -36,6 +36,7 @@ from torch import nn
 
 from fusion_core import ModulePlan, SaveError, hookimpl
 from fusion_core.plugin import MergedLinear, fuse_instance, presenting_fused
+from fusion_linear_kernels import choice, experts, packed_experts, packing
 from fusion_linear_kernels.direct_reads import read_directly
 from fusion_linear_kernels.experts import is_experts
 from fusion_linear_kernels.family import (
@@ -55,6 +56,14 @@ from fusion_linear_kernels.packed_experts import stacks
 @hookimpl
 def register_fusion_families(register: Callable[[Any], None]) -> None:
     register(LinearKernelsFamily())
+
+
+@hookimpl
+def fusion_reset_state() -> None:
+    """Forget every measured kernel, packing and experts decision: the next load measures again."""
+    for clear in (choice.clear_decisions, packing.clear_pack_decisions, experts.clear_decisions,
+                  packed_experts.clear_decisions):
+        clear()
 
 
 @hookimpl(wrapper=True, tryfirst=True)

@@ -211,8 +211,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def profile(name: str, model: Any, ids: torch.Tensor, top: int) -> None:
     """The ``top`` costliest operators (self CPU time) of one prefill and of 4 decode steps."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as profiler
+    from torch.profiler import ProfilerActivity, profile as profiler
 
     with torch.inference_mode():
         with profiler(activities=[ProfilerActivity.CPU]) as prefill:

@@ -67,7 +67,7 @@ from fusion_core.plugin import (
     wrap_lora_factories,
 )
 
-__all__ = ["activate", "tuner_layer_paths"]
+__all__ = ["activate", "reset", "tuner_layer_paths"]
 
 _LORA_MODULE = LORA_MODULE
 _lock = threading.Lock()
@@ -86,6 +86,13 @@ def activate() -> None:
             _state["finder"] = True  # looked for once: a later install of peft needs a new process anyway
             if importlib.util.find_spec("peft") is not None:
                 sys.meta_path.insert(0, _AfterImport())
+
+
+def reset() -> None:
+    """Forget the finder waiting for PEFT's import (``fusion_core.reset_state``); an installed wrapper stays."""
+    with _lock:
+        sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _AfterImport)]
+        _state["finder"] = False
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

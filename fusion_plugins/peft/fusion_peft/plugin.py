@@ -15,7 +15,7 @@ from collections.abc import Callable
 from torch import nn
 
 from fusion_core import Integration, ModulePlan, hookimpl
-from fusion_peft.lora import activate, tuner_layer_paths
+from fusion_peft.lora import activate, reset, tuner_layer_paths
 
 INTEGRATION = Integration("peft", "PEFT LoRA on fused models, targeting the original module names")
 
@@ -48,3 +48,8 @@ def fusion_unfuse_refusal(module: nn.Module, plan: ModulePlan) -> str | None:
     if not adapters:
         return None
     return f"carries adapter layers ({', '.join(adapters)}); merge_and_unload() or unload() them before unfusing"
+
+
+@hookimpl
+def fusion_reset_state() -> None:
+    reset()
