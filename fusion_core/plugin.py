@@ -31,7 +31,8 @@ The names, by what they serve:
   :class:`Replicated`, :class:`PackedColwise`, :func:`is_dtensor`.
 - **integrations**: :func:`load_quantization` (the quantization config a load asked for),
   :func:`compile_pattern` (RE2 patterns, as ``target_modules`` uses them), :func:`discover` (the plan
-  a load would use, without reading a weight).
+  a load would use, without reading a weight), :class:`FamilyRegistry` and :class:`PluginSource`
+  (a registry of one's own and a plugin's name in it, to test hooks the way the core calls them).
 - **facts about other libraries' releases** (the compat modules, where their private names live):
   :data:`LORA_MODULE`, :func:`wrap_lora_factories` (PEFT), :func:`native_bf16_gemms`,
   :func:`remove_state_dict_post_hooks` (torch), :func:`plan_style`, :func:`tensor_parallel_mesh`,
@@ -91,6 +92,8 @@ _EXPORTS: dict[str, str] = {
     "load_quantization": "fusion_core.integration_needs",
     "compile_pattern": "fusion_core.patterns",
     "discover": "fusion_core.discovery",
+    "FamilyRegistry": "fusion_core.plugins",
+    "PluginSource": "fusion_core.plugins",
     "LORA_MODULE": "fusion_core.compat.peft",
     "wrap_lora_factories": "fusion_core.compat.peft",
     "native_bf16_gemms": "fusion_core.compat.torch",
@@ -167,6 +170,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         is_dtensor as is_dtensor,
     )
     from fusion_core.patterns import compile_pattern as compile_pattern
+    from fusion_core.plugins import FamilyRegistry as FamilyRegistry, PluginSource as PluginSource
     from fusion_core.spec import (
         fused_subclass as fused_subclass,
         spec_member as spec_member,
