@@ -1,15 +1,20 @@
 """A public building block for families: one GEMM shared by projections that read the same input.
 
 ``qkv`` (``q_proj``/``k_proj``/``v_proj``) and ``gate_up`` (``gate_proj``/``up_proj``) are built
-from it; a new family that merges sibling ``nn.Linear`` s needs four lines::
+from it: a :class:`MergingFamily` (how to find an instance's projections, when to refuse, the
+transforms) and a :class:`MergedProjectionsMixin` (the fused class). A new family that merges
+sibling ``nn.Linear`` s with fixed names needs little more::
 
-    class MyMixin(MergedProjectionsMixin):
+    class ABMixin(MergedProjectionsMixin):
         projections = ("a_proj", "b_proj")   # the children, in the order their rows are concatenated
         container = "ab_proj"                # where the merged tensors live (``ab_proj.weight``)
 
-plus a ``Concat(n=2, dim=0)`` transform from ``("a_proj.weight", "b_proj.weight")`` to
-``("ab_proj.weight",)`` (and one for the biases), and :func:`merge_refusal` /
-:func:`is_plain_linear` in its ``is_fusable``.
+    class ABFamily(MergingFamily[FamilyOptions]):
+        name, fused_mixin = "ab", ABMixin
+        projections, container = ABMixin.projections, ABMixin.container
+        def parts(self, module): return self.projections if self.candidate(module) else None
+        def candidate(self, module): return all(n in module._modules for n in self.projections)
+        def module_refusal(self, module): ...  # is_plain_linear, merge_refusal, the family's own checks
 
 **How it computes.** The fused parent keeps its original ``forward``. Its projection children
 are replaced by :class:`MergedSlice` modules that all read one merged weight, owned by the
@@ -64,7 +69,8 @@ from torch.nn import functional as F
 
 from fusion_core import merge_policy
 from fusion_core.compat.torch import version_counter
-from fusion_core.spec import FusedModule
+from fusion_core.spec import FusedModule, FusionFamily, OptionsT
+from fusion_core.transforms import Concat, TransformOp, WeightTransform
 from fusion_core.wrapped import row_slice
 
 #: Input shapes whose decision kind a merged projection remembers (a cap: prompt lengths vary).
@@ -411,9 +417,16 @@ class MergedProjectionsMixin(FusedModule):
     projections: ClassVar[tuple[str, ...]]
     container: ClassVar[str]
 
+    def merged_parts(self) -> tuple[str, ...] | None:
+        """This instance's projection children, in concatenation order (default: ``projections``); None: none."""
+        return self.projections
+
     def fusion_finalize(self) -> None:
         """Replace the projection children by slices of the merged container's tensors."""
-        self.__dict__["_fusion_merged"] = merge_children(self, self.projections, self.container)
+        names = self.merged_parts()
+        if names is None:
+            raise RuntimeError(f"{type(self).__name__}: no single set of projections to merge into {self.container}")
+        self.__dict__["_fusion_merged"] = merge_children(self, names, self.container)
 
     def fusion_unfinalize(self) -> None:
         """Put the original projection children back (their tensors are restored by the caller)."""
@@ -424,3 +437,76 @@ class MergedProjectionsMixin(FusedModule):
         """The merged projection (its counters show whether calls were merged)."""
         merged: MergedLinear = self.__dict__["_fusion_merged"]
         return merged
+
+
+def merged_transforms(names: Sequence[str], container: str, biased: Sequence[bool],
+                      partial_bias: Callable[[tuple[int, ...]], TransformOp] | None = None) -> list[WeightTransform]:
+    """The transforms that concatenate ``names``' weights (and biases) along dim 0 into ``container``.
+
+    Biases: all present, one ``Concat`` too; none, weights only; some, ``partial_bias(present indices)``
+    gives the op (``qkv``: zero rows where a projection has none), and without it the merge is impossible.
+    """
+    n = len(names)
+    weights = WeightTransform(tuple(f"{p}.weight" for p in names), (f"{container}.weight",), Concat(n=n, dim=0))
+    present = tuple(i for i, has in enumerate(biased) if has)
+    if not present:
+        return [weights]
+    if len(present) == n:
+        op: TransformOp = Concat(n=n, dim=0)
+    elif partial_bias is None:
+        raise ValueError(f"a bias on some of {list(names)} but not all: they cannot be merged")
+    else:
+        op = partial_bias(present)
+    return [weights, WeightTransform(tuple(f"{names[i]}.bias" for i in present), (f"{container}.bias",), op)]
+
+
+class MergingFamily(FusionFamily[OptionsT]):
+    """The family side of a merge, what ``qkv`` and ``gate_up`` share (their mixins: :class:`MergedProjectionsMixin`).
+
+    A subclass says how to find an instance's projections (:meth:`parts`), whether a module looks like
+    a candidate at all (:meth:`candidate`: its refusals are reported, the rest of the model's are not)
+    and why a candidate cannot merge (:meth:`module_refusal`); ``projections`` and ``container`` name the
+    usual children and the merged one (what tensor-parallel plans and :meth:`make_transforms` name).
+    """
+
+    projections: ClassVar[tuple[str, ...]]
+    container: ClassVar[str]
+
+    def parts(self, module: nn.Module) -> tuple[str, ...] | None:
+        """The names of ``module``'s projections to merge, in concatenation order; None without one set."""
+        raise NotImplementedError(f"family {self.name!r} must implement parts")
+
+    def candidate(self, module: nn.Module) -> bool:
+        """Whether ``module`` has projections of the kind the family merges (merging them or not)."""
+        raise NotImplementedError(f"family {self.name!r} must implement candidate")
+
+    def module_refusal(self, module: nn.Module) -> str | None:
+        """Why ``module`` cannot run its projections as one merged GEMM exactly and usefully; None when it can."""
+        raise NotImplementedError(f"family {self.name!r} must implement module_refusal")
+
+    def partial_bias(self, sizes: tuple[int, ...]) -> Callable[[tuple[int, ...]], TransformOp] | None:
+        """The op merging the biases when only some projections (of ``sizes`` rows) have one; None: refused."""
+        return None
+
+    def is_fusable(self, module: nn.Module, options: OptionsT) -> bool:
+        return self.module_refusal(module) is None
+
+    def refusal(self, module: nn.Module, options: OptionsT) -> str | None:
+        """The reason for a candidate module; None for the rest of the model."""
+        return self.module_refusal(module) if self.candidate(module) else None
+
+    def make_transforms(self, config: Any, options: OptionsT) -> list[WeightTransform]:
+        """The transforms of the usual ``projections`` (what tensor-parallel plans name); every fused module
+        gets its own from :meth:`module_transforms`."""
+        concat = Concat(n=len(self.projections), dim=0)
+        return [WeightTransform(tuple(f"{p}.{leaf}" for p in self.projections), (f"{self.container}.{leaf}",), concat,
+                                optional=leaf == "bias") for leaf in ("weight", "bias")]
+
+    def module_transforms(self, module: nn.Module, config: Any, options: OptionsT) -> list[WeightTransform]:
+        """The transforms of this module's projections, under its own names and with its own biases."""
+        names = self.parts(module)
+        if names is None:
+            raise ValueError(f"{type(module).__name__} has no single set of projections for {self.name!r}")
+        children = [cast(nn.Linear, module._modules[name]) for name in names]
+        return merged_transforms(names, self.container, [c.bias is not None for c in children],
+                                 self.partial_bias(tuple(int(c.out_features) for c in children)))

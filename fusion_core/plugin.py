@@ -19,7 +19,8 @@ The names, by what they serve:
   :func:`fused_subclass` (one fused class per mixin and original class, picklable),
   :func:`spec_member` (an optional spec member or its default).
 - **merged projections** (:mod:`fusion_core.merged`), for families that merge sibling ``nn.Linear``
-  layers (``qkv``, ``gate_up``): :class:`MergedProjectionsMixin`, :class:`MergedLinear`,
+  layers (``qkv``, ``gate_up``): :class:`MergingFamily` (the family side: finding, refusing, transforms)
+  and :class:`MergedProjectionsMixin` (the fused class), :func:`merged_transforms`, :class:`MergedLinear`,
   :class:`MergedProjection`, :class:`MergedSlice`, :class:`LinearKernel`, :data:`PARTS_ATTRIBUTE`,
   :func:`merge_children`, :func:`merge_refusal`, :func:`is_plain_linear`.
 - **reading a forward's source** (:mod:`fusion_core.forward_source`), for an exact ``is_fusable``:
@@ -70,6 +71,8 @@ _EXPORTS: dict[str, str] = {
     "MergedProjection": "fusion_core.merged",
     "MergedProjectionsMixin": "fusion_core.merged",
     "MergedSlice": "fusion_core.merged",
+    "MergingFamily": "fusion_core.merged",
+    "merged_transforms": "fusion_core.merged",
     "PARTS_ATTRIBUTE": "fusion_core.merged",
     "is_plain_linear": "fusion_core.merged",
     "merge_children": "fusion_core.merged",
@@ -159,9 +162,11 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         MergedProjection as MergedProjection,
         MergedProjectionsMixin as MergedProjectionsMixin,
         MergedSlice as MergedSlice,
+        MergingFamily as MergingFamily,
         is_plain_linear as is_plain_linear,
         merge_children as merge_children,
         merge_refusal as merge_refusal,
+        merged_transforms as merged_transforms,
     )
     from fusion_core.parallel.rules import (
         PackedColwise as PackedColwise,

@@ -43,8 +43,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fusion_core import Concat, FamilyOptions, FusionFamily, WeightTransform
-from fusion_core.plugin import MergedProjectionsMixin, PackedColwise, is_plain_linear, merge_children, merge_refusal
+from fusion_core import FamilyOptions
+from fusion_core.plugin import MergedProjectionsMixin, MergingFamily, PackedColwise, is_plain_linear, merge_refusal
 from fusion_gate_up.recognition import gated_products, resolve_activation
 
 PROJECTIONS = ("gate_proj", "up_proj")
@@ -115,47 +115,29 @@ class GateUpMixin(MergedProjectionsMixin):
 
     container = MERGED
 
-    def fusion_finalize(self) -> None:
-        """Replace the instance's own gate and up children (whatever their names) by slices of ``gate_up_proj``."""
-        names = gate_up(self)
-        if names is None:
-            raise RuntimeError(f"{type(self).__name__}: no single gate/up pair to merge into {MERGED}")
-        self.__dict__["_fusion_merged"] = merge_children(self, names, MERGED)
+    def merged_parts(self) -> tuple[str, ...] | None:
+        """The instance's own gate and up children, whatever their names."""
+        return gate_up(self)
 
 
-class GateUpFamily(FusionFamily[GateUpOptions]):
+class GateUpFamily(MergingFamily[GateUpOptions]):
     """Gated MLP gate_proj/up_proj run as one merged projection (one GEMM instead of two)."""
 
     name = "gate_up"
     options_model = GateUpOptions
     fused_mixin = GateUpMixin
+    projections = PROJECTIONS
+    container = MERGED
     #: Under a tensor-parallel plan with gate_proj/up_proj colwise, each rank merges its own rows.
     tensor_parallel = PackedColwise(PROJECTIONS, MERGED)
     target_modules_patterns = ()
 
-    def is_fusable(self, module: nn.Module, options: GateUpOptions) -> bool:
-        return refusal(module) is None
+    def parts(self, module: nn.Module) -> tuple[str, ...] | None:
+        return gate_up(module)
 
-    def refusal(self, module: nn.Module, options: GateUpOptions) -> str | None:
-        """The reason for a module whose ``forward`` has a gated product of its children; None for the rest."""
-        return refusal(module) if gated_products(module) else None
+    def candidate(self, module: nn.Module) -> bool:
+        """A module whose ``forward`` has a gated product of its children."""
+        return bool(gated_products(module))
 
-    def make_transforms(self, config: Any, options: GateUpOptions) -> list[WeightTransform]:
-        """The transforms of ``gate_proj``/``up_proj`` (what tensor-parallel plans name); every fused module
-        gets its own from :meth:`module_transforms`."""
-        return [
-            WeightTransform(tuple(f"{p}.weight" for p in PROJECTIONS), (f"{MERGED}.weight",), Concat(n=2, dim=0)),
-            WeightTransform(
-                tuple(f"{p}.bias" for p in PROJECTIONS), (f"{MERGED}.bias",), Concat(n=2, dim=0), optional=True
-            ),
-        ]
-
-    def module_transforms(self, module: nn.Module, config: Any, options: GateUpOptions) -> list[WeightTransform]:
-        """The transforms of this module's gate/up pair, under its own names."""
-        names = gate_up(module)
-        if names is None:
-            raise ValueError(f"{type(module).__name__} has no single gate/up pair")
-        weights = WeightTransform(tuple(f"{p}.weight" for p in names), (f"{MERGED}.weight",), Concat(n=2, dim=0))
-        if cast(nn.Linear, module._modules[names[0]]).bias is None:
-            return [weights]
-        return [weights, WeightTransform(tuple(f"{p}.bias" for p in names), (f"{MERGED}.bias",), Concat(n=2, dim=0))]
+    def module_refusal(self, module: nn.Module) -> str | None:
+        return refusal(module)

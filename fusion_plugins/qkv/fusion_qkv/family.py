@@ -38,21 +38,21 @@ Refused (``is_fusable`` is False), so they keep their original class:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import torch
 from pydantic import Field, field_validator
 from torch import nn
 
-from fusion_core import Concat, FamilyOptions, FusionFamily, TransformOp, WeightTransform
+from fusion_core import FamilyOptions, TransformOp
 from fusion_core.plugin import (
     MergedProjectionsMixin,
+    MergingFamily,
     PackedColwise,
     concat,
     is_plain_linear,
-    merge_children,
     merge_refusal,
 )
 from fusion_qkv.recognition import input_refusal, projection_triples
@@ -165,60 +165,38 @@ def refusal(module: nn.Module) -> str | None:
     return input_refusal(type(module), names) or merge_refusal(module, children, MERGED)
 
 
-def transforms_for(names: Sequence[str], sizes: Sequence[int], biased: Sequence[bool]) -> list[WeightTransform]:
-    """The transforms of one triple: weights concatenated, biases concatenated (zero rows where one is missing)."""
-    weights = WeightTransform(tuple(f"{p}.weight" for p in names), (f"{MERGED}.weight",), Concat(n=3, dim=0))
-    if not any(biased):
-        return [weights]
-    present = tuple(i for i, has in enumerate(biased) if has)
-    op: TransformOp = Concat(n=3, dim=0) if all(biased) else ZeroFilledConcat(tuple(sizes), present)
-    return [weights, WeightTransform(tuple(f"{names[i]}.bias" for i in present), (f"{MERGED}.bias",), op)]
-
-
 class QkvMixin(MergedProjectionsMixin):
     """The fused behaviour mixed into an attention subclass: q/k/v share one merged GEMM."""
 
     container = MERGED
 
-    def fusion_finalize(self) -> None:
-        """Replace the instance's own q/k/v children (whatever their names) by slices of ``qkv_proj``."""
-        names = projections(self)
-        if names is None:
-            raise RuntimeError(f"{type(self).__name__}: no single q/k/v projection triple to merge into {MERGED}")
-        self.__dict__["_fusion_merged"] = merge_children(self, names, MERGED)
+    def merged_parts(self) -> tuple[str, ...] | None:
+        """The instance's own q/k/v children, whatever their names."""
+        return projections(self)
 
 
-class QkvFamily(FusionFamily[QkvOptions]):
+class QkvFamily(MergingFamily[QkvOptions]):
     """Attention q/k/v projections run as one merged projection (one GEMM instead of three)."""
 
     name = "qkv"
     options_model = QkvOptions
     fused_mixin = QkvMixin
+    projections = PROJECTIONS
+    container = MERGED
     #: Under a tensor-parallel plan with q_proj/k_proj/v_proj colwise, each rank merges its own heads.
     tensor_parallel = PackedColwise(PROJECTIONS, MERGED, unit="head_dim")
     target_modules_patterns = ()
 
-    def is_fusable(self, module: nn.Module, options: QkvOptions) -> bool:
-        return refusal(module) is None
+    def parts(self, module: nn.Module) -> tuple[str, ...] | None:
+        return projections(module)
 
-    def refusal(self, module: nn.Module, options: QkvOptions) -> str | None:
-        """The reason for a module with q/k/v-named projections; None for the rest."""
-        return refusal(module) if projection_triples(module) else None
+    def candidate(self, module: nn.Module) -> bool:
+        """A module with q/k/v-named projections."""
+        return bool(projection_triples(module))
 
-    def make_transforms(self, config: Any, options: QkvOptions) -> list[WeightTransform]:
-        """The transforms of ``q_proj``/``k_proj``/``v_proj`` (what tensor-parallel plans name); every fused
-        module gets its own from :meth:`module_transforms`."""
-        return [
-            WeightTransform(tuple(f"{p}.weight" for p in PROJECTIONS), (f"{MERGED}.weight",), Concat(n=3, dim=0)),
-            WeightTransform(
-                tuple(f"{p}.bias" for p in PROJECTIONS), (f"{MERGED}.bias",), Concat(n=3, dim=0), optional=True
-            ),
-        ]
+    def module_refusal(self, module: nn.Module) -> str | None:
+        return refusal(module)
 
-    def module_transforms(self, module: nn.Module, config: Any, options: QkvOptions) -> list[WeightTransform]:
-        """The transforms of this module's triple, under its own names and with its own biases."""
-        names = projections(module)
-        if names is None:
-            raise ValueError(f"{type(module).__name__} has no single q/k/v projection triple")
-        children = [cast(nn.Linear, module._modules[name]) for name in names]
-        return transforms_for(names, [int(c.out_features) for c in children], [c.bias is not None for c in children])
+    def partial_bias(self, sizes: tuple[int, ...]) -> Callable[[tuple[int, ...]], TransformOp]:
+        """Zero rows in the merged bias for a projection without one (Whisper's ``k_proj``)."""
+        return lambda present: ZeroFilledConcat(sizes, present)
