@@ -47,6 +47,8 @@ _EXPORTS: dict[str, str] = {
     "hookimpl": "fusion_core.hookspecs",
     "integrate_transformers": "fusion_core.routing",
     "fused_layout": "fusion_core.layout",
+    "original_named_parameters": "fusion_core.layout",
+    "original_parameter": "fusion_core.layout",
     "get_registry": "fusion_core.plugins",
     "register_family": "fusion_core.plugins",
     "reset_registry": "fusion_core.plugins",
@@ -122,7 +124,11 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         unfuse as unfuse,
     )
     from fusion_core.integration import Integration as Integration
-    from fusion_core.layout import fused_layout as fused_layout
+    from fusion_core.layout import (
+        fused_layout as fused_layout,
+        original_named_parameters as original_named_parameters,
+        original_parameter as original_parameter,
+    )
     from fusion_core.plugins import (
         get_registry as get_registry,
         register_family as register_family,

@@ -27,7 +27,7 @@ from fusion_core.errors import FusionError, FusionLoadError, SaveError
 from fusion_core.mapped_files import MappedFiles
 from fusion_core.plugins import get_registry
 from fusion_core.spec import FusedModule
-from fusion_core.transforms import BoundTransform, ModulePlan, attach_plan, attached_plan, detach_plan
+from fusion_core.transforms import BoundTransform, ModulePlan, PackedPart, attach_plan, attached_plan, detach_plan
 from fusion_core.wrapped import same_bits
 
 _PRESENT_FUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("fusion_core_present_fused", default=False)
@@ -435,3 +435,45 @@ def _prefixes(path: str) -> list[str]:
     """``"a.b.c"`` -> ``["a", "a.b", "a.b.c"]``; ``""`` -> ``[]``."""
     parts = path.split(".") if path else []
     return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+# -- the original names of a fused model's tensors ----------------------------------------------------
+def original_named_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``model.named_parameters()`` under the original checkpoint names: a merged parameter gives each part.
+
+    A fused model's ``named_parameters()`` lists what it holds (``qkv_proj.weight``), while its
+    ``state_dict()`` and every save use the original names (``q_proj.weight``, ...). This yields the
+    parameters as the unfused model named them: each part of a merged parameter is a view of its rows
+    (:meth:`~fusion_core.transforms.ModulePlan.packed_parts`), so reading, initialising or copying into
+    it writes through, and its gradient is those rows of the merged one. ``requires_grad`` belongs to the
+    merged parameter: a part cannot be frozen alone (freeze the merged parameter, or load without the
+    family). A fused tensor held in a form with no slice per part (transposed, packed) is yielded under
+    its fused name.
+    """
+    parts_of: dict[str, list[tuple[str, PackedPart]]] = {}
+    position: dict[str, int] = {}
+    for prefix, module in model.named_modules():
+        position[prefix] = len(position)
+        plan = module_plan(module)
+        for part in plan.packed_parts() if plan is not None else ():
+            full = f"{prefix}.{part.fused}" if prefix else part.fused
+            parts_of.setdefault(full, []).append((f"{prefix}.{part.original}" if prefix else part.original, part))
+    named: list[tuple[str, torch.Tensor]] = []
+    for name, parameter in model.named_parameters():
+        parts = parts_of.get(name)
+        if not parts or any(parameter.shape[p.dim] < p.start + p.length for _, p in parts):
+            named.append((name, parameter))
+            continue
+        named += [(original, parameter.narrow(part.dim, part.start, part.length)) for original, part in parts]
+    # In the unfused model's order: by owning module (the parts' modules keep their places in the tree).
+    yield from sorted(named, key=lambda item: position.get(item[0].rpartition(".")[0], len(position)))
+
+
+def original_parameter(model: nn.Module, name: str) -> torch.Tensor:
+    """The parameter the unfused model calls ``name`` (``model.layers.0.self_attn.q_proj.weight``): a view of its
+    rows of the merged parameter where fusion merged it; ``AttributeError`` naming it otherwise."""
+    for original, tensor in original_named_parameters(model):
+        if original == name:
+            return tensor
+    raise AttributeError(f"{type(model).__name__} has no parameter {name!r} under its original names "
+                         "(fusion_core.original_named_parameters lists them)")

@@ -383,6 +383,12 @@ def unmerge_children(parent: nn.Module, merged: MergedLinear) -> None:
     owner.__dict__.pop(PARTS_ATTRIBUTE, None)
 
 
+def merged_projection(module: nn.Module) -> MergedLinear | None:
+    """The merged projection a fused module's parts share (``qkv``, ``gate_up``), or None for any other module."""
+    merged = module.__dict__.get("_fusion_merged")
+    return merged if isinstance(merged, MergedLinear) else None
+
+
 def is_plain_linear(module: Any) -> bool:
     """An ``nn.Linear`` (or a subclass keeping its forward) with a 2-D weight parameter."""
     return (

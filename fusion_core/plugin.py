@@ -9,10 +9,11 @@ surface, to be filled here, never a reason to import a private module.
 The names, by what they serve:
 
 - **plans** (plain immutable data, :mod:`fusion_core.transforms`): :class:`ModulePlan` (what fusion
-  does to one module), :class:`FusionPlan` (one load), :class:`BoundTransform` / :class:`LeafSpec`
-  (a transform bound to one instance's tensor shapes), ``Shape``, :func:`bind_transforms`, and the
-  plans attached to models and modules: :func:`module_plan`, :func:`attached_plan`,
-  :func:`attach_plan`, :func:`detach_plan`.
+  does to one module; its ``packed_parts()``, :class:`PackedPart`, say which original tensors live in
+  which slices of a fused one: the one source of that fact), :class:`FusionPlan` (one load),
+  :class:`BoundTransform` / :class:`LeafSpec` (a transform bound to one instance's tensor shapes),
+  ``Shape``, :func:`bind_transforms`, and the plans attached to models and modules:
+  :func:`module_plan`, :func:`attached_plan`, :func:`attach_plan`, :func:`detach_plan`.
 - **fused instances** (:mod:`fusion_core.layout`, :mod:`fusion_core.spec`): :func:`fuse_instance`
   (convert one built instance to its plan's fused layout), :func:`presenting_fused` (is a save
   writing the fused layout right now), :func:`take_own_block` (a state-dict post-hook's own keys),
@@ -22,7 +23,8 @@ The names, by what they serve:
   layers (``qkv``, ``gate_up``): :class:`MergingFamily` (the family side: finding, refusing, transforms)
   and :class:`MergedProjectionsMixin` (the fused class), :func:`merged_transforms`, :class:`MergedLinear`,
   :class:`MergedProjection`, :class:`MergedSlice`, :class:`LinearKernel`, :data:`PARTS_ATTRIBUTE`,
-  :func:`merge_children`, :func:`merge_refusal`, :func:`is_plain_linear`.
+  :func:`merge_children`, :func:`merge_refusal`, :func:`is_plain_linear`, :func:`merged_projection`
+  (a fused module's shared projection, or None).
 - **reading a forward's source** (:mod:`fusion_core.forward_source`), for an exact ``is_fusable``:
   :func:`forwards`, :func:`aliases`, :class:`Aliases`, :func:`alternatives`, :func:`calls`,
   :func:`self_call`, :func:`value_of`.
@@ -73,6 +75,8 @@ _EXPORTS: dict[str, str] = {
     "MergedSlice": "fusion_core.merged",
     "MergingFamily": "fusion_core.merged",
     "merged_transforms": "fusion_core.merged",
+    "merged_projection": "fusion_core.merged",
+    "PackedPart": "fusion_core.transforms",
     "PARTS_ATTRIBUTE": "fusion_core.merged",
     "is_plain_linear": "fusion_core.merged",
     "merge_children": "fusion_core.merged",
@@ -166,6 +170,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         is_plain_linear as is_plain_linear,
         merge_children as merge_children,
         merge_refusal as merge_refusal,
+        merged_projection as merged_projection,
         merged_transforms as merged_transforms,
     )
     from fusion_core.parallel.rules import (
@@ -185,6 +190,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         FusionPlan as FusionPlan,
         LeafSpec as LeafSpec,
         ModulePlan as ModulePlan,
+        PackedPart as PackedPart,
         Shape as Shape,
         attach_plan as attach_plan,
         attached_plan as attached_plan,

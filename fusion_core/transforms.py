@@ -81,6 +81,16 @@ class TransformOp(ABC):
         """
         return None
 
+    def slices(self, shapes: Sequence[Shape]) -> tuple[tuple[int, int, int], ...] | None:
+        """Where each source lies in the one target as a slice: ``(dim, start, length)`` per source, or None.
+
+        The one description of "which original tensor lives in which rows of the fused one" that every
+        reader uses (:meth:`ModulePlan.packed_parts`: tensor parallelism, PEFT, quantizers, users reaching a
+        merged parameter's parts by their original names). None (the default) for an op whose target holds
+        its sources in another form (transposed, stacked, packed).
+        """
+        return None
+
 
 @dataclass(frozen=True)
 class Identity(TransformOp):
@@ -91,6 +101,9 @@ class Identity(TransformOp):
 
     def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return (tensors[0],)
+
+    def slices(self, shapes: Sequence[Shape]) -> tuple[tuple[int, int, int], ...] | None:
+        return ((0, 0, shapes[0][0]),) if shapes[0] else None
 
     def inverse(
         self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]
@@ -174,6 +187,12 @@ class Concat(TransformOp):
         if any(size != 1 for size in shapes[0][:self.dim]):  # rows of parts interleave
             return None
         return _back_to_back(shapes)
+
+    def slices(self, shapes: Sequence[Shape]) -> tuple[tuple[int, int, int], ...] | None:
+        starts = [0]
+        for shape in shapes[:-1]:
+            starts.append(starts[-1] + shape[self.dim])
+        return tuple((self.dim, start, shape[self.dim]) for start, shape in zip(starts, shapes, strict=True))
 
     def inverse(
         self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]
@@ -369,6 +388,33 @@ class ModulePlan:
     @property
     def fused_keys(self) -> tuple[str, ...]:
         return tuple(self.full_key(s.name) for t in self.transforms for s in t.targets)
+
+    def packed_parts(self) -> tuple[PackedPart, ...]:
+        """Which original tensors live in which slices of which fused tensors (module-relative names).
+
+        The one source of that fact, derived from the transforms' :meth:`TransformOp.slices`; tensors a
+        transform holds in another form (transposed, stacked, packed) have no part here.
+        """
+        parts: list[PackedPart] = []
+        for bound in self.transforms:
+            where = bound.op.slices([s.shape for s in bound.sources]) if len(bound.targets) == 1 else None
+            if where is None:
+                continue
+            target = bound.targets[0]
+            parts += [PackedPart(source.name, target.name, dim, start, length)
+                      for source, (dim, start, length) in zip(bound.sources, where, strict=True)]
+        return tuple(parts)
+
+
+@dataclass(frozen=True)
+class PackedPart:
+    """One original tensor inside a fused one: ``fused.narrow(dim, start, length)`` is ``original``."""
+
+    original: str
+    fused: str
+    dim: int
+    start: int
+    length: int
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from typing import Any
 from torch import nn
 
 from fusion_core import ModulePlan, SaveError, hookimpl
-from fusion_core.plugin import MergedLinear, fuse_instance, presenting_fused
+from fusion_core.plugin import MergedLinear, fuse_instance, merged_projection, presenting_fused
 from fusion_linear_kernels import choice, experts, packed_experts, packing
 from fusion_linear_kernels.direct_reads import read_directly
 from fusion_linear_kernels.experts import is_experts
@@ -82,8 +82,8 @@ def fusion_convert_loaded(
         shared = _shared_parameters(model)
         verified: set[tuple[object, ...]] = set()
         for module, plan in built:
-            merged = module.__dict__.get("_fusion_merged")
-            if isinstance(merged, MergedLinear):
+            merged = merged_projection(module)
+            if merged is not None:
                 merged.kernel = chosen
                 pack_merged(module, plan, merged, exact, shared, verified)
     return result

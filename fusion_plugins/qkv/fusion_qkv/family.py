@@ -113,6 +113,10 @@ class ZeroFilledConcat(TransformOp):
             raise ValueError(f"bias shapes {[tuple(s) for s in shapes]} are not {expected}")
         return ((sum(self.sizes),),)
 
+    def slices(self, shapes: Sequence[tuple[int, ...]]) -> tuple[tuple[int, int, int], ...]:
+        starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        return tuple((0, starts[i], self.sizes[i]) for i in self.present)
+
     def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         given = dict(zip(self.present, tensors, strict=True))
         first = tensors[0]
