@@ -263,6 +263,36 @@ def test_packed_colwise_takes_plain_local_shards_on_the_plans_mesh() -> None:
     assert module.q_proj.out_features == 8
 
 
+class BertStyleAttention(nn.Module):
+    """q/k/v under BERT's names: the qkv family merges them; tensor parallelism must shard them too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dim = 4
+        self.query, self.key, self.value = nn.Linear(8, 16), nn.Linear(8, 8), nn.Linear(8, 8)
+
+
+def test_packed_colwise_shards_a_triple_under_other_names_from_the_plans_parts() -> None:
+    """Which parts live in the merged rows comes from the plan (its ops' slices), not from the names q/k/v_proj."""
+    from fusion_core.transforms import ModulePlan
+
+    module = BertStyleAttention()
+    shapes = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+    family = QkvFamily()
+    transforms = bind_transforms("qkv", "layers.0.attn", shapes, family.module_transforms(module, None, QkvOptions()))
+    plan = ModulePlan("qkv", "layers.0.attn", BertStyleAttention, BertStyleAttention, transforms)
+    for name in ("query", "key", "value"):
+        linear = getattr(module, name)
+        linear.weight = nn.Parameter(linear.weight.detach().chunk(2)[0].clone())
+        linear.bias = nn.Parameter(linear.bias.detach().chunk(2)[0].clone())
+    sharded = localize(family.tensor_parallel, module, plan, PlanStyles(lambda name: "colwise", _TwoRankMesh()))
+    assert sharded is not None and sharded.local
+    rows = {s.name: s.shape[0] for b in sharded.local_plan.transforms for s in b.sources}
+    assert rows == {"query.weight": 8, "key.weight": 4, "value.weight": 4, "query.bias": 8, "key.bias": 4,
+                    "value.bias": 4}
+    assert module.query.out_features == 8
+
+
 def test_plain_local_shards_of_the_wrong_size_are_refused() -> None:
     module, plan = attention_plan()  # full tensors, though the plan says two ranks hold half each
     rule = PackedColwise(("q_proj", "k_proj", "v_proj"), "qkv_proj")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fusion_core import ModulePlan
+from fusion_core import Concat, ModulePlan
 from fusion_core.plugin import BoundTransform, LeafSpec, PackedColwise, Replicated, TensorParallelRule, is_dtensor
 
 if TYPE_CHECKING:
@@ -114,13 +114,18 @@ class _PackedColwiseExecution:
 
     def __init__(self, rule: PackedColwise) -> None:
         self.rule = rule
-        self.projections, self.container, self.unit = rule.projections, rule.container, rule.unit
+        self.container, self.unit = rule.container, rule.unit
 
     def _own(self, bound: BoundTransform) -> bool:
-        return self.rule.owns(tuple(s.name for s in bound.sources))
+        """A transform that concatenates whole parts along their rows into the container: read from the plan
+        (the op's slices), not from the parts' names, so a triple under any names the family merges shards."""
+        where = bound.op.slices([s.shape for s in bound.sources]) if len(bound.targets) == 1 else None
+        return (isinstance(bound.op, Concat) and where is not None and all(dim == 0 for dim, _, _ in where)
+                and bound.targets[0].name.split(".", 1)[0] == self.container)
 
     def localize(self, module: nn.Module, plan: ModulePlan, styles: StyleLookup) -> ShardedModule | None:
         entries = {s.name: styles(plan.full_key(s.name)) for b in plan.transforms if self._own(b) for s in b.sources}
+        self.projections = tuple(dict.fromkeys(name.rpartition(".")[0] for name in entries))
         if not any(entries.values()):
             refuse_sharded(module, plan, styles, "none of its parts is planned")
             return None
