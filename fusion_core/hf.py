@@ -276,7 +276,7 @@ def _keys(info: dict[str, Any], name: str) -> list[str]:
 
 
 def _verify_loading_info(info: dict[str, Any], plan: FusionPlan, fused_dir: bool) -> None:
-    """No silent weights: any missing, unexpected or mismatched key of a fused module raises.
+    """No silent weights: any missing, unexpected or mismatched key of a fused module's moved tensors raises.
 
     transformers reports model keys (a checkpoint key under the name it was renamed to), so each
     reported key is looked up exactly among the fused modules' keys: never by a shared suffix,
@@ -289,6 +289,11 @@ def _verify_loading_info(info: dict[str, Any], plan: FusionPlan, fused_dir: bool
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         for key in _keys(info, kind):
             owner = owners.get(key)
+            if owner is not None and kind != "unexpected_keys" and not owner.transforms:
+                # A module fused by class only (its tensors move nowhere: linear_kernels' layers at discovery) that
+                # the checkpoint does not hold, or holds in another shape with ignore_mismatched_sizes: transformers
+                # initialised it and reported it, as it does for the plain model (a new classification head).
+                continue
             if owner is not None:
                 raise FusionLoadError(
                     f"family {owner.family!r}, module {owner.path!r}: transformers reported "

@@ -191,7 +191,13 @@ class PrepackLinearWeight(TransformOp):
         if known is not None and not known[0]:
             return (weight,)
         with torch.no_grad():
-            packed = compat.pack(weight)
+            try:
+                packed = compat.pack(weight)
+            except (RuntimeError, NotImplementedError) as exc:  # a dtype this CPU's oneDNN cannot pack (float16)
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                _DECISIONS[(tuple(weight.shape), weight.dtype, self.exact)] = (
+                    False, f"oneDNN refused to pack it: {type(exc).__name__}: {first}")
+                return (weight,)
             return (packed,) if packs(weight, self.exact, packed) else (weight,)
 
     def inverse(self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]) -> tuple[torch.Tensor, ...]:
