@@ -289,10 +289,12 @@ def _verify_loading_info(info: dict[str, Any], plan: FusionPlan, fused_dir: bool
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         for key in _keys(info, kind):
             owner = owners.get(key)
-            if owner is not None and kind != "unexpected_keys" and not owner.transforms:
-                # A module fused by class only (its tensors move nowhere: linear_kernels' layers at discovery) that
-                # the checkpoint does not hold, or holds in another shape with ignore_mismatched_sizes: transformers
-                # initialised it and reported it, as it does for the plain model (a new classification head).
+            if (owner is not None and kind != "unexpected_keys" and not owner.transforms
+                    and all("." not in leaf for leaf in owner.original_leaves)):
+                # A layer fused by class only (its own tensors move nowhere: linear_kernels' layers at discovery)
+                # that the checkpoint does not hold, or holds in another shape with ignore_mismatched_sizes:
+                # transformers initialised it and reported it, as it does for the plain model (a new
+                # classification head). A module with children (a model's root) is held to every key below it.
                 continue
             if owner is not None:
                 raise FusionLoadError(

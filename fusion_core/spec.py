@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
+from fusion_core.compat.transformers import fused_class_overrides
 from fusion_core.patterns import compile_pattern
 from fusion_core.transforms import DISPLAY_NAME_ATTRIBUTE, WeightTransform
 
@@ -304,6 +305,7 @@ def fused_subclass(mixin: type, original_cls: type[nn.Module]) -> type[nn.Module
                 "__module__": __name__,
                 "__qualname__": f"{_FUSED_PREFIX}[{_reference(mixin)},{_reference(original_cls)}]",
                 DISPLAY_NAME_ATTRIBUTE: f"{mixin.__module__}.{mixin.__qualname__}[{original_cls.__qualname__}]",
+                **fused_class_overrides(original_cls),
             },
         )
         _subclasses[key] = fused

@@ -98,3 +98,51 @@ def test_the_kit_catches_a_family_that_breaks_its_training_declaration(mixin: ty
                                                                        tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match=message):
         kit.assert_fused_load(_root_family(mixin, "training_loss"), "llama", tmp_path)
+
+
+def test_a_fused_root_keeps_the_key_renames_of_its_class(tmp_path: Path) -> None:
+    """transformers 5.x renames Qwen2-VL's legacy keys by the model class; a fused root class must get the same
+    renames (it is not "custom code"), or the load would leave the language model unloaded."""
+    from fusion_core.testing.tiny_models import TINY_MODELS, auto_class, save_tiny_model
+
+    tiny = TINY_MODELS["qwen2_vl"]
+    if tiny.make_config() is None:
+        pytest.skip("this transformers has no Qwen2-VL")
+    save_tiny_model(tiny, tmp_path / "source")
+
+    class VlRoot(fusion_core.FusionFamily[fusion_core.FamilyOptions]):
+        """Fuses the conditional-generation class itself."""
+
+        name = "vl_root"
+        target_modules_patterns = ("^$",)
+        fused_mixin = _Root
+
+        def is_fusable(self, module: nn.Module, options: fusion_core.FamilyOptions) -> bool:
+            return True
+
+    fusion_core.register_family(VlRoot())
+    plain = auto_class(tiny).from_pretrained(tmp_path / "source")
+    fused = fusion_core.from_pretrained(auto_class(tiny), tmp_path / "source", fusion_config={"vl_root": True})
+    assert isinstance(fused, _Root)
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), fused.state_dict().values(), strict=True))
+    fusion_core.save_pretrained(fused, tmp_path / "saved")
+    assert _tensors(tmp_path / "saved") == _tensors(tmp_path / "source")
+
+
+def test_a_root_fused_by_class_only_is_held_to_every_key_below_it(llama: Path, tmp_path: Path) -> None:
+    """A missing key is tolerated for a layer fused by class only (a new head, initialised as plain does), never
+    for a module with children: a key missing below a fused root fails the load, naming it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(llama, tmp_path / "partial")
+    shard = next((tmp_path / "partial").glob("*.safetensors"))
+    tensors = load_file(shard)
+    del tensors["model.layers.0.mlp.down_proj.weight"]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    fusion_core.register_family(_root_family(_Root))
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(fusion_core.FusionLoadError, match=r"missing key 'model\.layers\.0\.mlp\.down_proj\.weight'"):
+        fusion_core.from_pretrained(AutoModelForCausalLM, tmp_path / "partial", fusion_config={"root_test": True})

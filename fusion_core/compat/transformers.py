@@ -205,6 +205,22 @@ def tensor_parallel_mesh(model: nn.Module) -> Any:
     return mesh
 
 
+# -- fused subclasses of a PreTrainedModel ------------------------------------------------------------
+def fused_class_overrides(original_cls: type) -> dict[str, Any]:
+    """Class attributes a fused subclass of ``original_cls`` needs to be treated as ``original_cls`` by transformers.
+
+    5.x's ``get_model_conversion_mapping`` skips every ``PreTrainedModel`` whose class is "custom code"
+    (``is_custom_code``: a ``__module__`` outside ``transformers.``, checked on 5.0-5.25): a fused root class
+    (``fusion_core.spec``'s, for pickling) would then load and save a checkpoint without the key renames its
+    original class has (Qwen2-VL's ``model.`` -> ``model.language_model.``). The fused class answers as its
+    original does. 4.57 has no such method: nothing to override.
+    """
+    custom = getattr(original_cls, "is_custom_code", None)
+    if custom is None:
+        return {}
+    return {"is_custom_code": classmethod(lambda cls: original_cls.is_custom_code())}
+
+
 # -- 5.x experts modules -------------------------------------------------------------------------
 def experts_implementation(config: Any) -> str | None:
     """The experts implementation a 5.x config selects (``config._experts_implementation``: ``"eager"``,
