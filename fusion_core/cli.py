@@ -7,6 +7,7 @@
     fusion check MODEL_DIR -f ...                 fused vs plain on random inputs, round trip, time
     fusion convert SRC DST -f ... --to fused      rewrite a checkpoint in the other layout
     fusion new-family NAME [--dir DIR]            scaffold a plugin distribution
+    fusion tune [--every-machine]                 forget the stored decisions: the next load measures again
 
 Every command takes ``--json`` (machine-readable output on stdout). Exit status: 0 success,
 1 a failed check or an error naming its cause, 2 a usage error. When the reader of stdout goes away
@@ -250,6 +251,12 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"Round trip: FAIL ({len(trip['problems'])} problem(s))")
         for problem in trip["problems"][:20]:
             print(f"  {problem}")
+    training = result.get("training")
+    if training is not None:
+        said = training["note"] or (f"loss rel {_num(training['loss'])}, worst gradient rel L2 "
+                                    f"{_num(training['gradients'])}")
+        print(f"Training step with labels ({', '.join(training['families'])}: loss and gradients, not logits): "
+              f"{said}: {'ok' if training['ok'] else 'FAIL'}")
     ratio = result["forward_time_ratio"]
     if ratio is not None:
         print(f"Forward time, fused / plain ({result['timed']}): {ratio:.2f}x")
@@ -292,6 +299,20 @@ def cmd_new_family(args: argparse.Namespace) -> int:
     for name in cast("list[str]", result["files"]):
         print(f"  {name}")
     print(f"\nNext: pip install -e {result['directory']} && pytest {result['directory']}")
+    return 0
+
+
+# -- tune --------------------------------------------------------------------------------------
+def cmd_tune(args: argparse.Namespace) -> int:
+    from fusion_core.commands.tune import run_tune
+
+    result = run_tune(args.every_machine)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    whose = "every machine's" if args.every_machine else "this machine's"
+    print(f"Forgot {result['forgotten']} of {whose} stored decisions in {result['store']}: the next load of each "
+          "kind measures again.")
     return 0
 
 
@@ -357,6 +378,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=".", help="where to create NAME/ (default: the current directory)")
     _add_common(p)
     p.set_defaults(func=cmd_new_family)
+
+    p = sub.add_parser("tune", help="forget this machine's stored decisions (which way is faster): measured again")
+    p.add_argument("--every-machine", action="store_true",
+                   help="forget the decisions stored for every machine and software, not only this one's")
+    _add_common(p)
+    p.set_defaults(func=cmd_tune)
     return parser
 
 

@@ -355,3 +355,44 @@ def test_every_command_takes_json():
     assert set(commands) == {"list", "plan", "check", "convert", "new-family"}
     for name, sub in commands.items():
         assert any("--json" in action.option_strings for action in sub._actions), name
+
+
+class _ScaledLoss(fusion_core.FusedModule):
+    """A training-time root fusion whose loss is 1% off (eval and no-label calls stay the original's)."""
+
+    def forward(self, *args, **kwargs):
+        outputs = super().forward(*args, **kwargs)
+        if self.training and kwargs.get("labels") is not None:
+            outputs.loss = outputs.loss * 1.01
+        return outputs
+
+
+class _ScaledLossFamily(fusion_core.FusionFamily):
+    """Declares preserves='training_loss' and breaks it."""
+
+    name = "scaled_loss"
+    target_modules_patterns = ("^$",)
+    preserves = "training_loss"
+    fused_mixin = _ScaledLoss
+
+    def is_fusable(self, module, options):
+        return type(module).__name__.endswith("ForCausalLM")
+
+
+def test_check_runs_a_training_step_for_a_family_that_declares_the_training_loss(
+        tmp_path, fusion_registered, capsys):
+    """A preserves='training_loss' family is checked where it promises something: loss and gradients."""
+    from fusion_core.testing.tiny_models import TEXT_MODELS, save_tiny_model
+
+    save_tiny_model(TEXT_MODELS["qwen2"], tmp_path / "qwen2")
+    assert cli.main(["check", str(tmp_path / "qwen2"), "-f", "linear_cross_entropy", "--repeats", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["training"]["ok"] and report["training"]["families"] == ["linear_cross_entropy"]
+    assert report["training"]["loss"] <= 1e-5
+    fusion_registered(_ScaledLossFamily())
+    assert cli.main(["check", str(tmp_path / "qwen2"), "-f", "scaled_loss", "--repeats", "1", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["whole_model"]["ok"] and not report["training"]["ok"]
+    assert "training loss" in report["training"]["note"]
+    assert cli.main(["check", str(tmp_path / "qwen2"), "-f", "scaled_loss", "--repeats", "1"]) == 1
+    assert "Training step with labels (scaled_loss" in capsys.readouterr().out

@@ -7,6 +7,12 @@ shaped outputs) on inputs the plain one ran (the report's note gives the excepti
 message), when a fused module could not be exercised at all, or when saving the fused model does
 not reproduce the source checkpoint exactly. Only inputs the *plain* model cannot run are
 reported as "not run".
+
+A family that declares ``preserves = "training_loss"`` (``linear_cross_entropy``) promises less in one
+mode and more in another: in training mode with labels, the loss and every gradient (not the logits);
+everywhere else, the original forward bit for bit. For such a family the check also runs one training
+step on both models (:func:`fusion_core.testing.kit.assert_training_loss`) and reports it as
+``training``; a mismatch fails the check.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from fusion_core.commands._common import UsageError, fusion_config_from_args, re
 from fusion_core.compare import compare_models, round_trip
 from fusion_core.hf import LOAD_LOCK, from_pretrained, get_fusion_plan
 from fusion_core.plugins import get_registry
+from fusion_core.spec import spec_member
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,6 +70,11 @@ def run_check(
         fused = from_pretrained(checkpoint.model_cls, checkpoint.directory, fusion_config=fusion, dtype="auto")
     comparison.round_trip = round_trip(fused, checkpoint.directory)
     result = comparison.as_dict()
+    training = [name for name in plan.families if spec_member(specs[name], "preserves") == "training_loss"]
+    if training:
+        step("training step")
+        result["training"] = _training_check(plain, fused, training, seed)
+        result["ok"] = result["ok"] and result["training"]["ok"]
     result.update(
         command="check",
         model_dir=str(checkpoint.directory),
@@ -71,3 +83,16 @@ def run_check(
         dtype=str(next(p.dtype for p in plain.parameters())).removeprefix("torch."),
     )
     return result
+
+
+def _training_check(plain: Any, fused: Any, families: list[str], seed: int) -> dict[str, Any]:
+    """One training step with labels on both models: the loss and every gradient, for ``families`` that declare it."""
+    from fusion_core.testing.kit import assert_training_loss
+
+    try:
+        errors = assert_training_loss(plain, fused, seed=seed)
+    except AssertionError as exc:
+        return {"families": families, "ok": False, "note": str(exc)}
+    except Exception as exc:  # the plain model cannot train on the kit's inputs (not a causal LM)
+        return {"families": families, "ok": True, "note": f"not run: {type(exc).__name__}: {exc}"}
+    return {"families": families, "ok": True, "loss": errors["loss"], "gradients": errors["gradients"], "note": ""}
