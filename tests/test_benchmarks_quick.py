@@ -128,3 +128,38 @@ def test_the_step_timers_of_bench_scale_time_every_step_of_a_fused_load(tmp_path
 
     steps = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(steps) == set(bench_scale.STEPS) and all(seconds > 0 for seconds in steps.values()), steps
+
+
+@pytest.mark.slow
+@pytest.mark.once
+def test_training_step_benchmark_runs_and_its_fused_steps_match_plain(tmp_path: Path) -> None:
+    """``bench_train.py`` end to end on a toy Qwen2 (~1 min on 2 cores: eight fresh processes), fp32, one round.
+
+    No memory or time is asserted; the fused loss and gradients must match the plain model's, and the A/A
+    control (plain against plain) must match exactly.
+    """
+    pytest.importorskip("peft")
+    pytest.importorskip("fusion_linear_cross_entropy")
+    results = tmp_path / "train.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_train.py"), "--model", "tiny", "--tokens", "64",
+         "--rounds", "1", "--dtype", "fp32", "--setting", "lora-gc", "full-gc", "--with-merged",
+         "--json", str(results)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env={**os.environ, "FUSION_BENCH_CHECKPOINTS": str(tmp_path / "checkpoints")},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for title in ("Training step, tiny (2 layers), lora-gc, fp32", "Training step, tiny (2 layers), full-gc, fp32",
+                  "Budgets"):
+        assert title in proc.stdout, f"{title!r} table missing from the output:\n{proc.stdout[-4000:]}"
+    report = json.loads(results.read_text())
+    assert [(run["setting"], run["tokens"]) for run in report["runs"]] == [("lora-gc", 64), ("full-gc", 64)]
+    for run in report["runs"]:
+        samples = run["samples"]
+        assert set(samples) == {"plain", "linear_cross_entropy", "linear_cross_entropy+qkv+gate_up", "plain (A/A)"}
+        for name, (sample,) in samples.items():
+            assert sample["step_peak_mb"] > 0 and sample["step_s"] > 0, (name, sample)
+            assert sample["compared_tensors"] > 0 and not sample["unmatched"], (name, sample)
+            assert sample["grad_norm"] > 0, (name, sample)  # zero gradients would compare equal to anything
+            limit = 0.0 if name.startswith("plain") else 1e-5  # the fp32 budget; plain vs plain is bit for bit
+            assert sample["loss_rel"] <= limit and sample["grad_rel"] <= limit, (run["setting"], name, sample)
