@@ -253,7 +253,8 @@ def check_checkpoint(
 ) -> None:
     """Check the plan against the checkpoint's headers before transformers reads any data.
 
-    Every fused tensor found in the checkpoint must have the planned shape and a floating dtype.
+    Every tensor the plan moves that is found in the checkpoint must have the planned shape and a
+    floating dtype; a fused module's other tensors (a root's integer buffers) load as they would plainly.
     Checkpoint keys are matched to model keys as transformers loads them (``names``, ``key_mapping``:
     see :class:`KeyMatcher`).
     A ``pre_quantized`` checkpoint (its config names the quantizer that wrote it) stores quantized
@@ -285,7 +286,7 @@ def check_checkpoint(
                     f"{where}: checkpoint tensor {ckpt_key!r} ({info.file}) has shape {list(info.shape)}, "
                     f"expected {list(shape)}"
                 )
-            if info.dtype not in FLOAT_DTYPES:
+            if shape is not None and info.dtype not in FLOAT_DTYPES:  # moved by the plan (the rest loads as plain)
                 raise CheckpointError(
                     f"{where}: checkpoint tensor {ckpt_key!r} ({info.file}) is stored as {info.dtype}; "
                     "a floating-point dtype is expected"
