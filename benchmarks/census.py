@@ -15,6 +15,12 @@ and the ``MODEL_MAPPING_NAMES`` types no other mapping covers) the census
 ``--cast`` saves each checkpoint in bf16 and loads it as float32 on both sides (every tensor cast; the
 merged parts by the merge, :mod:`fusion_core.casting`); the fused save is then compared with plain's save.
 
+``--training`` checks the training-time family instead (``linear_cross_entropy``, ``required=False``, on the
+causal-LM types): one training step in float32 with labels (a third of them ``-100``), the loss and every
+parameter's gradient of the fused model against plain's (loss within 1e-5 relative, each gradient within
+1e-5 relative L2), then the logits without labels (bit for bit). A type the family declines at plan time
+is ``declined``, with its reason.
+
 Each row gets one outcome:
 
 - ``fused-exact``: something was fused, outputs within ``TOLERANCES[float32]``, the save identical;
@@ -22,7 +28,8 @@ Each row gets one outcome:
 - ``refused``: fusion-core raised a :class:`fusion_core.FusionError` naming the problem;
 - ``SILENT``: outputs or saved bytes differ without an error: the worst outcome;
 - ``CRASH``: any other exception on the fused path while the plain model works;
-- ``plain-fails``: no tiny model could be built, or plain transformers fails on it (not counted).
+- ``plain-fails``: no tiny model could be built, or plain transformers fails on it (not counted);
+- with ``--training``: ``training-exact`` (loss and gradients equal) and ``declined`` (the family's reason).
 
 Why: the unit tests cover hand-picked architectures; the census shows, in a few minutes, how the
 families fare on everything else transformers ships, and finds silent mismatches early.
@@ -246,6 +253,77 @@ def census_one(model_type: str, auto_cls: Any, fusion_config: dict[str, Any], wo
     return row
 
 
+# -- one model, training ------------------------------------------------------------------------
+TRAINING_FAMILY = "linear_cross_entropy"
+TRAINING_BOUND = 1e-5
+
+
+def _training_step(model: Any, inputs: dict[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+    """One forward and backward in training mode with labels: the loss and every parameter's gradient."""
+    labels = inputs["input_ids"].clone()
+    labels[:, : labels.shape[1] // 3] = -100
+    extra = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)  # the same dropout masks on both sides
+    loss = model(**inputs, labels=labels, **extra).loss
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return float(loss), grads
+
+
+def census_training_one(model_type: str, auto_cls: Any, work: Path) -> Row:
+    """The training-time family on one causal-LM type (see the module docs)."""
+    row = Row(model_type, auto_cls.__name__)
+    source = work / f"{model_type}-source"
+    try:
+        build_checkpoint(auto_cls, model_type, source)
+    except Exception as error:
+        row.note = f"could not build a tiny model: {_message(error)}"
+        return row
+    try:
+        plain = auto_cls.from_pretrained(source)
+        inputs = {k: v for k, v in _inputs(plain).items() if k in ("input_ids", "attention_mask")}
+        expected_loss, expected_grads = _training_step(plain, inputs)
+        expected_logits = _run(plain, inputs).logits
+    except Exception as error:
+        row.note = f"plain transformers fails: {_message(error)}"
+        return row
+    stage = "fused load"
+    try:
+        fused = fusion_core.from_pretrained(auto_cls, source, fusion_config={TRAINING_FAMILY: {"required": False}})
+        plan = fusion_core.get_fusion_plan(fused)
+        if plan is None or TRAINING_FAMILY not in plan.families:
+            reasons = [reason for family, _, reason in (plan.refused if plan else ()) if family == TRAINING_FAMILY]
+            row.outcome, row.note = "declined", reasons[0] if reasons else "nothing the family recognises"
+            return row
+        row.families = _fused_families(fused)
+        stage = "fused training step"
+        loss, grads = _training_step(fused, inputs)
+        stage = "fused forward without labels"
+        logits = _run(fused, inputs).logits
+    except fusion_core.FusionError as error:
+        row.outcome, row.note = "refused", f"{stage}: {_message(error)}"
+        return row
+    except Exception as error:
+        row.outcome, row.note = "CRASH", f"{stage}: {_message(error)}"
+        return row
+    row.max_rel_diff = abs(loss - expected_loss) / max(abs(expected_loss), 1e-12)
+    problems = [] if row.max_rel_diff <= TRAINING_BOUND else [f"loss {loss:.6g} vs plain {expected_loss:.6g}"]
+    if sorted(grads) != sorted(expected_grads):
+        problems.append(f"gradients of other parameters: {sorted(set(grads) ^ set(expected_grads))[:3]}")
+    for name, expected in expected_grads.items():
+        if name in grads:
+            error = float((grads[name] - expected).norm() / (expected.norm() + 1e-12))
+            if not error <= TRAINING_BOUND:
+                problems.append(f"gradient of {name} differs by {error:.1e}")
+                break
+    if not torch.equal(logits, expected_logits):
+        problems.append("logits without labels differ from plain's")
+    row.outcome, row.note = ("SILENT", "; ".join(problems)) if problems else ("training-exact", "")
+    return row
+
+
 # -- the zoo -----------------------------------------------------------------------------------
 def zoo(image_text: bool, encoders: bool) -> list[tuple[str, Any]]:
     """(model type, Auto class) for every type of the chosen mappings, each type once."""
@@ -308,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="save each tiny checkpoint in bf16 and load it as float32, plain and fused (the merges "
                              "cast the parts they build: fusion_core.casting); the fused save is compared with "
                              "plain's save of its float32 model")
+    parser.add_argument("--training", action="store_true",
+                        help=f"the training-time family ({TRAINING_FAMILY}) on the causal-LM types: loss and every "
+                             "gradient of one training step against plain's, or the family's reason to decline")
     args = parser.parse_args(argv)
     if args.kernels_win:
         _kernels_win()
@@ -323,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"not in the chosen mappings: {', '.join(unknown)}")
         chosen = [(t, cls) for t, cls in chosen if t in args.only]
-    fusion_config = _fusion_config()
+    fusion_config = {TRAINING_FAMILY: {"required": False}} if args.training else _fusion_config()
     rows: list[Row] = []
     start = time.perf_counter()
     for model_type, auto_cls in chosen:
@@ -331,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{len(rows) + 1}/{len(chosen)}] {model_type}", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory(prefix="fusion-census-") as tmp, \
                 contextlib.redirect_stdout(io.StringIO()):  # models that print while building
-            rows.append(census_one(model_type, auto_cls, fusion_config, Path(tmp), cast=args.cast))
+            rows.append(census_training_one(model_type, auto_cls, Path(tmp)) if args.training else
+                        census_one(model_type, auto_cls, fusion_config, Path(tmp), cast=args.cast))
     _print_table(rows)
     counts = Counter(row.outcome for row in rows)
     print(f"\ntransformers {transformers.__version__}, families {sorted(fusion_config)}, {len(rows)} model types "
