@@ -4,16 +4,24 @@ The test suite counts GEMMs (a merged projection must run one where the original
 so it pins the merge policy to ``"always"`` instead of the default ``"measure"``, whose choice on
 a busy machine could go either way; subprocesses the tests start inherit it through the
 environment. The tests of the policy itself set the policy they need.
+
+Measured decisions are stored (``fusion_core.decisions``) in a directory of this session's, never in the
+user's cache: ``FUSION_CORE_CACHE_DIR`` points there, for the subprocesses the tests start too, and so does
+``XDG_CACHE_HOME``, for those started as a user runs them, without any ``FUSION_CORE_*`` variable.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 
 import pytest
 
 os.environ["FUSION_CORE_MERGE"] = "always"
+os.environ["FUSION_CORE_CACHE_DIR"] = os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="fusion-core-test-cache-")
 # transformers 5.25 requires the `kernels` package at a release the package registry does not serve;
 # without it, hub kernels must be off or a plain from_pretrained raises (see scripts/_env.sh).
 os.environ.setdefault("USE_HUB_KERNELS", "NO")
@@ -21,6 +29,7 @@ os.environ.setdefault("USE_HUB_KERNELS", "NO")
 from fusion_core.merge_policy import set_merge_policy
 
 set_merge_policy("always")
+atexit.register(shutil.rmtree, os.environ["FUSION_CORE_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

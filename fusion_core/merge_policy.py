@@ -6,18 +6,19 @@ run one wide GEMM more slowly than the narrow ones it replaces: on a 2-core AVX-
 (the bare-GEMM table of docs/benchmarks.md), while in bf16, or at one token, it is about as fast
 or faster. No rule of thumb predicts that across
 backends, dtypes and shapes, so by default (policy ``"measure"``) the first eager call of each
-kind times both ways on the real input and weight, and the faster one is used from then on:
+kind decides (:mod:`fusion_core.decisions`, topic ``"merge"``: measured once per kind, remembered
+per machine and software, :func:`fusion_core.reset_state` forgets it in memory):
 
-- a *kind* is the device, the dtype, the merged weight's shape, the part sizes, whether there is
-  a bias, the input's row count rounded up to a power of two (1 = a decode step, 16 and 256 =
-  prompts of those lengths) and the weight's tensor class (torch's, or a quantizer's such as
-  torchao's ``Int8Tensor``, whose kernel may scale differently: ``benchmarks/bench_quantized.py``
-  prints the decisions, and its int8 gate/up ran per part where fp32 at one row merged); every
-  layer of a model shares its kinds, so a 24-layer model measures each kind once, in its first layer;
-- a measurement is one untimed call of each way and then the best of three interleaved timed
-  calls each (synchronised on an accelerator), under ``torch.no_grad``: the work of eight
-  merged GEMMs of that size, once per kind and process; the merged GEMM is kept unless it was more than 2%
-  slower (within that, timing noise decides nothing, and fewer operators are dispatched);
+- a *kind* is the device (an accelerator with its model), the dtype, the merged weight's shape, the
+  part sizes, whether there is a bias, the input's row count rounded up to a power of two (1 = a
+  decode step, 16 and 256 = prompts of those lengths) and the weight's tensor class (torch's, or a
+  quantizer's such as torchao's ``Int8Tensor``, whose kernel may scale differently:
+  ``benchmarks/bench_quantized.py`` prints the decisions, and its int8 gate/up ran per part where fp32
+  at one row merged); every layer of a model shares its kinds, so a 24-layer model measures each kind
+  once, in its first layer;
+- a measurement times both ways on the real input over a pass of copies of the weight (read from
+  memory, as a decode step reads every layer's), under ``torch.no_grad``; the merged GEMM is kept
+  unless one GEMM per part was faster by more than the facility's margin (fewer operators are dispatched);
 - both ways compute the same projection (tests compare each against the original
   ``nn.Linear``); only the speed differs. Where the two are equally fast, either may be chosen.
 
@@ -30,15 +31,16 @@ Compiled code is not affected: under ``torch.compile`` every part runs its own G
 
 from __future__ import annotations
 
+import functools
 import os
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal, get_args
 
 import torch
 from torch.nn import functional as F
 
+from fusion_core.decisions import Decisions, distinct_copies
 from fusion_core.wrapped import is_torch_tensor, row_slice
 
 MergePolicy = Literal["measure", "always", "never"]
@@ -50,9 +52,8 @@ _POLICIES: tuple[str, ...] = get_args(MergePolicy)
 #: A kind of call: (device, dtype, merged weight shape, part sizes, has bias, row-count bucket, weight class).
 Kind = tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...], bool, int, str]
 
-_TIMED_ROUNDS = 3
-#: The merged GEMM is kept unless it measured this much slower than the separate ones (timing noise).
-_TIE = 1.02
+DECISIONS: Decisions[Kind, bool] = Decisions("merge")
+"""The decisions measured or stored (True: the merged GEMM runs), by kind."""
 
 
 def _checked(policy: str, source: str) -> MergePolicy:
@@ -61,27 +62,23 @@ def _checked(policy: str, source: str) -> MergePolicy:
     return policy  # type: ignore[return-value]
 
 
-class _State:
-    """The process-wide policy and the decisions measured so far."""
-
-    def __init__(self) -> None:
-        raw = os.environ.get(ENV_VARIABLE, "").strip().lower()
-        self.policy: MergePolicy = _checked(raw, f"environment variable {ENV_VARIABLE}") if raw else "measure"
-        self.decisions: dict[Kind, bool] = {}
+def _from_environment() -> MergePolicy:
+    raw = os.environ.get(ENV_VARIABLE, "").strip().lower()
+    return _checked(raw, f"environment variable {ENV_VARIABLE}") if raw else "measure"
 
 
-_STATE = _State()
+_POLICY: list[MergePolicy] = [_from_environment()]
 
 
 def merge_policy() -> MergePolicy:
     """The policy in force: ``"measure"`` (default), ``"always"`` or ``"never"``."""
-    return _STATE.policy
+    return _POLICY[0]
 
 
 def set_merge_policy(policy: MergePolicy) -> MergePolicy:
     """Set the process-wide policy; returns the previous one. Measured decisions are kept."""
-    previous = _STATE.policy
-    _STATE.policy = _checked(policy, "set_merge_policy")
+    previous = _POLICY[0]
+    _POLICY[0] = _checked(policy, "set_merge_policy")
     return previous
 
 
@@ -96,25 +93,30 @@ def merge_policy_set_to(policy: MergePolicy) -> Iterator[None]:
 
 
 def merge_decisions() -> dict[Kind, bool]:
-    """The decisions measured in this process (True: the merged GEMM was faster), by kind."""
-    return dict(_STATE.decisions)
+    """The decisions of this process (True: the merged GEMM runs), by kind."""
+    return dict(DECISIONS)
 
 
 def clear_merge_decisions() -> None:
-    """Forget every measured decision: the next call of each kind measures again."""
-    _STATE.decisions.clear()
+    """Forget every decision, here and stored for this machine: the next call of each kind measures again."""
+    DECISIONS.forget()
 
 
 def reset_merge_policy() -> None:
-    """The policy read again from ``FUSION_CORE_MERGE`` (``"measure"`` when unset), every decision forgotten."""
-    fresh = _State()
-    _STATE.policy, _STATE.decisions = fresh.policy, fresh.decisions
+    """The policy read again from ``FUSION_CORE_MERGE`` (``"measure"`` when unset)."""
+    _POLICY[0] = _from_environment()
+
+
+@functools.cache
+def _device(device: torch.device) -> str:
+    """The device, with its model on an accelerator: a decision stored for one GPU is not another's."""
+    return f"{device} {torch.cuda.get_device_name(device)}" if device.type == "cuda" else str(device)
 
 
 def kind_of(input: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...], has_bias: bool) -> Kind:
     """The kind of a call: what its decision is filed under."""
     rows = input.numel() // max(int(input.shape[-1]), 1)
-    return (str(input.device), input.dtype, tuple(weight.shape), sizes, has_bias, max(rows - 1, 0).bit_length(),
+    return (_device(input.device), input.dtype, tuple(weight.shape), sizes, has_bias, max(rows - 1, 0).bit_length(),
             "torch" if is_torch_tensor(weight) else f"{type(weight).__module__}.{type(weight).__qualname__}")
 
 
@@ -125,14 +127,14 @@ def merge_pays(kind: Kind, input: torch.Tensor, weight: torch.Tensor, bias: torc
     Under ``"measure"`` the first call of a kind that can be timed decides for the kind; a call
     that cannot (meta tensors, a CUDA graph being captured) merges and decides nothing.
     """
-    policy = _STATE.policy
+    policy = _POLICY[0]
     if policy != "measure":
         return policy == "always"
-    decision = _STATE.decisions.get(kind)
+    decision = DECISIONS.get(kind)
     if decision is None:
         if not _measurable(input):
             return True
-        decision = _STATE.decisions[kind] = _merged_is_faster(input, weight, bias, bounds)
+        decision = DECISIONS.decide(kind, lambda: _merged_is_faster(input, weight, bias, bounds))
     return decision
 
 
@@ -144,44 +146,22 @@ def _measurable(input: torch.Tensor) -> bool:
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
-def best_times(ways: Sequence[Callable[[], object]], device: torch.device) -> list[float]:
-    """Seconds of the fastest of three interleaved timed calls of each of ``ways``, in their order.
-
-    The one timer of fusion-core's measured choices (this module's merge decision, and any family
-    that picks among kernels, such as ``linear_kernels``): one untimed call of each way first, then
-    three rounds, each calling every way once, in alternating order (so neither way always runs on
-    caches the other warmed), synchronised on an accelerator. Callers run it under ``torch.no_grad``.
-    """
-    wait: Callable[[], None] = (
-        (lambda: None) if device.type == "cpu" else (lambda: torch.accelerator.synchronize(device))
-    )
-    best = [float("inf")] * len(ways)
-    order = list(range(len(ways)))
-    for round_ in range(_TIMED_ROUNDS + 1):
-        for index in order if round_ % 2 else reversed(order):
-            wait()
-            start = time.perf_counter()
-            ways[index]()
-            wait()
-            if round_:  # round 0 warms every way up
-                best[index] = min(best[index], time.perf_counter() - start)
-    return best
-
-
 def _merged_is_faster(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       bounds: tuple[tuple[int, int], ...]) -> bool:
-    """Time the merged GEMM against one GEMM per part on the real tensors: best of interleaved calls."""
+    """Time the merged GEMM against one GEMM per part on the real input, over a pass of copies of the weight."""
     x = input.detach()
-    parts = [(row_slice(weight, start, stop), None if bias is None else bias[start:stop]) for start, stop in bounds]
-
-    def merged() -> None:
-        F.linear(x, weight, bias)
-
-    def separate() -> None:
-        for part_weight, part_bias in parts:
-            F.linear(x, part_weight, part_bias)
-
     with torch.no_grad():
-        merged_time, separate_time = best_times((merged, separate), input.device)
-    # A tie goes to the merged GEMM: it dispatches fewer operators, which one timed GEMM does not show.
-    return merged_time <= separate_time * _TIE
+        weights = distinct_copies(weight.detach())
+        parts = [(row_slice(w, start, stop), None if bias is None else bias[start:stop])
+                 for w in weights for start, stop in bounds]
+
+        def merged() -> None:
+            for w in weights:
+                F.linear(x, w, bias)
+
+        def separate() -> None:
+            for part_weight, part_bias in parts:
+                F.linear(x, part_weight, part_bias)
+
+        # The merged GEMM is the first way: a tie keeps it, as it dispatches fewer operators.
+        return DECISIONS.fastest((merged, separate), input.device) == 0

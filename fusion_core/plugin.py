@@ -29,7 +29,11 @@ The names, by what they serve:
   :func:`forwards`, :func:`aliases`, :class:`Aliases`, :func:`alternatives`, :func:`calls`,
   :func:`self_call`, :func:`value_of`.
 - **tensors** (:mod:`fusion_core.wrapped`): :func:`concat` (merging parts, tensor subclasses
-  included), :func:`is_torch_tensor`, :func:`same_bits`; **timing** a choice: :func:`best_times`.
+  included), :func:`is_torch_tensor`, :func:`same_bits`.
+- **measured decisions** (:mod:`fusion_core.decisions`), for a choice of the faster way per kind of call:
+  :class:`Decisions` (one topic's table: measured once per kind, stored per machine and software, forgotten
+  by ``reset_state``), :func:`best_times` (the timer), :func:`faster` (the one tie rule), and for a pass that
+  reads weights from memory as decode does, :func:`distinct_copies` and :func:`pass_size`.
 - **tensor parallelism** (:mod:`fusion_core.parallel.rules`): :class:`TensorParallelRule`,
   :class:`Replicated`, :class:`PackedColwise`, :func:`is_dtensor`.
 - **integrations**: :func:`load_quantization` (the quantization config a load asked for),
@@ -91,7 +95,11 @@ _EXPORTS: dict[str, str] = {
     "concat": "fusion_core.wrapped",
     "is_torch_tensor": "fusion_core.wrapped",
     "same_bits": "fusion_core.wrapped",
-    "best_times": "fusion_core.merge_policy",
+    "Decisions": "fusion_core.decisions",
+    "best_times": "fusion_core.decisions",
+    "distinct_copies": "fusion_core.decisions",
+    "faster": "fusion_core.decisions",
+    "pass_size": "fusion_core.decisions",
     "PackedColwise": "fusion_core.parallel.rules",
     "Replicated": "fusion_core.parallel.rules",
     "TensorParallelRule": "fusion_core.parallel.rules",
@@ -141,6 +149,13 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         tensor_parallel_mesh as tensor_parallel_mesh,
         tensor_parallel_size as tensor_parallel_size,
     )
+    from fusion_core.decisions import (
+        Decisions as Decisions,
+        best_times as best_times,
+        distinct_copies as distinct_copies,
+        faster as faster,
+        pass_size as pass_size,
+    )
     from fusion_core.discovery import discover as discover
     from fusion_core.forward_source import (
         Aliases as Aliases,
@@ -158,7 +173,6 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         presenting_fused as presenting_fused,
         take_own_block as take_own_block,
     )
-    from fusion_core.merge_policy import best_times as best_times
     from fusion_core.merged import (
         PARTS_ATTRIBUTE as PARTS_ATTRIBUTE,
         LinearKernel as LinearKernel,

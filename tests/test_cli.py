@@ -352,7 +352,7 @@ def test_a_closed_pipe_ends_the_command_quietly(args):
 def test_every_command_takes_json():
     parser = cli.build_parser()
     commands = parser._subparsers._group_actions[0].choices
-    assert set(commands) == {"list", "plan", "check", "convert", "new-family"}
+    assert set(commands) == {"list", "plan", "check", "convert", "new-family", "tune"}
     for name, sub in commands.items():
         assert any("--json" in action.option_strings for action in sub._actions), name
 

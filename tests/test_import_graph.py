@@ -16,9 +16,9 @@ CORE = ROOT / "fusion_core"
 
 #: Modules every stage may import: the protocol and its building blocks, errors, the compat layer.
 FOUNDATIONS = {
-    "errors", "patterns", "hookspecs", "integration", "spec", "transforms", "merge_policy", "merged", "wrapped",
-    "forward_source", "parallel", "parallel.rules", "compat", "compat.transformers", "compat.peft", "compat.torch",
-    "mapped_files", "streaming", "aliases", "lazy",
+    "errors", "patterns", "hookspecs", "integration", "spec", "transforms", "decisions", "merge_policy", "merged",
+    "wrapped", "forward_source", "parallel", "parallel.rules", "compat", "compat.transformers", "compat.peft",
+    "compat.torch", "mapped_files", "streaming", "aliases", "lazy",
 }
 #: The pipeline's stages in data-flow order; a module imports only foundations and earlier stages.
 STAGES: list[set[str]] = [

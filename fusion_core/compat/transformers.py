@@ -218,7 +218,7 @@ def fused_class_overrides(original_cls: type) -> dict[str, Any]:
     custom = getattr(original_cls, "is_custom_code", None)
     if custom is None:
         return {}
-    return {"is_custom_code": classmethod(lambda cls: original_cls.is_custom_code())}
+    return {"is_custom_code": classmethod(lambda cls: custom())}
 
 
 # -- 5.x experts modules -------------------------------------------------------------------------

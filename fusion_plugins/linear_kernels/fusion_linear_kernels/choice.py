@@ -2,12 +2,13 @@
 
 A *kind* is what a kernel's speed depends on: the device, the dtype, the weight's shape and
 strides, whether there is a bias, the input's row count (1 to :data:`MAX_ROWS`) and the mode
-(exact or within the bound). The first eager call of a kind computes every applicable candidate
+(exact or within the bound). The first eager call of a kind (that this machine has no stored decision
+for: :mod:`fusion_core.decisions`, topic ``"linear_kernels.choice"``) computes every applicable candidate
 (:data:`fusion_linear_kernels.kernels.CANDIDATES`) on its real input, admits those whose output
-stands for ``F.linear``'s (:mod:`fusion_linear_kernels.tolerance`), times the admitted ones with
-fusion-core's one timer (:func:`fusion_core.merge_policy.best_times`: best of three interleaved
-calls) and keeps the fastest for the kind; ``F.linear`` keeps a kind unless another candidate was
-more than 2% faster. Every layer of a model shares its kinds, so a decoder measures each shape once.
+stands for ``F.linear``'s (:mod:`fusion_linear_kernels.tolerance`), times the admitted ones over a
+pass of copies of the weight (read from memory, as decode reads every layer's) and keeps the fastest
+for the kind; ``F.linear`` keeps a kind unless another candidate was faster by more than the
+facility's margin. Every layer of a model shares its kinds, so a decoder measures each shape once.
 
 Where the choice does not apply, the call runs ``F.linear``, the original kernel, without
 measuring (:func:`runs_original`): more than :data:`MAX_ROWS` rows (prefill, where every kernel is
@@ -25,7 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.nn import functional as F
 
-from fusion_core.plugin import best_times
+from fusion_core.plugin import Decisions, distinct_copies
 from fusion_linear_kernels import compat, kernels
 from fusion_linear_kernels.kernels import LINEAR, Candidate
 from fusion_linear_kernels.tolerance import admission_bound, admitted
@@ -33,14 +34,18 @@ from fusion_linear_kernels.tolerance import admission_bound, admitted
 MAX_ROWS = 4
 """Inputs of at most this many rows (tokens times batch) choose a kernel: decode steps, small batches."""
 
-#: A candidate is taken over ``F.linear`` only when it measured faster by more than this factor.
-_TIE = 1.02
-
 Kind = tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...], bool, int, bool]
 """(device, dtype, weight shape, weight strides, has bias, rows, exact)."""
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_DECISIONS: dict[Kind, Candidate] = {}
+
+
+def _named(name: object) -> Candidate | None:
+    """The candidate a stored decision names (None: not one of this release's, measured again)."""
+    return next((candidate for candidate in kernels.CANDIDATES if candidate.name == name), None)
+
+
+_DECISIONS: Decisions[Kind, Candidate] = Decisions("linear_kernels.choice", save=lambda c: c.name, load=_named)
 
 
 def rows_of(input: torch.Tensor) -> int:
@@ -78,9 +83,7 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if runs_original(input, weight, bias):
         return F.linear(input, weight, bias)
     kind = kind_of(input, weight, bias, exact)
-    candidate = _DECISIONS.get(kind)
-    if candidate is None:
-        candidate = _DECISIONS[kind] = choose(input, weight, bias, exact)
+    candidate = _DECISIONS.get(kind) or _DECISIONS.decide(kind, lambda: choose(input, weight, bias, exact))
     return candidate.run(input, weight, bias)
 
 
@@ -97,7 +100,7 @@ def linear_exact(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def choose(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, exact: bool,
            candidates: Sequence[Candidate] | None = None) -> Candidate:
     """The fastest of ``candidates`` (default: :data:`~fusion_linear_kernels.kernels.CANDIDATES`) admitted on this
-    input; ``F.linear`` when none beats it by 2%."""
+    input, timed over a pass of copies of ``weight``; ``F.linear`` unless another is faster beyond the margin."""
     candidates = kernels.CANDIDATES if candidates is None else candidates
     x = input.detach()
     with torch.no_grad():
@@ -109,21 +112,20 @@ def choose(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         ]
         if len(taken) == 1:
             return LINEAR
-        times = best_times([_call(c, x, weight, bias) for c in taken], x.device)
-    best = min(range(len(taken)), key=times.__getitem__)
-    return taken[best] if times[best] * _TIE < times[0] else LINEAR
+        weights = distinct_copies(weight.detach())
+        return taken[_DECISIONS.fastest([_call(c, x, weights, bias) for c in taken], x.device)]
 
 
-def _call(candidate: Candidate, x: torch.Tensor, weight: torch.Tensor,
+def _call(candidate: Candidate, x: torch.Tensor, weights: Sequence[torch.Tensor],
           bias: torch.Tensor | None) -> Callable[[], object]:
-    return lambda: candidate.run(x, weight, bias)
+    return lambda: [candidate.run(x, weight, bias) for weight in weights]
 
 
 def decisions() -> dict[Kind, str]:
-    """The candidate chosen for each kind measured in this process, by name."""
+    """The candidate chosen for each kind in this process (measured, or stored for this machine), by name."""
     return {kind: candidate.name for kind, candidate in _DECISIONS.items()}
 
 
 def clear_decisions() -> None:
-    """Forget every decision: the next call of each kind measures again."""
-    _DECISIONS.clear()
+    """Forget every decision, here and stored for this machine: the next call of each kind measures again."""
+    _DECISIONS.forget()

@@ -14,11 +14,13 @@ So the fused experts module (:class:`fusion_linear_kernels.family.ExpertsKernels
 *kind* of call (device, dtype, weight shapes, rows, routed experts per token, the configured
 implementation, the mode), among :data:`CANDIDATES`: transformers' own implementations that this
 transformers registers, and :func:`routed_gemv` (one GEMV per routed expert and projection, where
-oneDNN's bfloat16 GEMM reorders each weight it multiplies). The first call of a kind runs each on
-its real input, admits those whose output stands for the configured implementation's
-(bit-identical in exact mode; within :func:`admission_bound` otherwise), times the admitted ones with
-fusion-core's timer and keeps the fastest (the configured one unless another is more than 2%
-faster). No weight moves: the module's tensors, ``state_dict`` and checkpoint are the original ones.
+oneDNN's bfloat16 GEMM reorders each weight it multiplies). The first call of a kind (that this machine
+has no stored decision for: :mod:`fusion_core.decisions`, topic ``"linear_kernels.experts"``) runs each
+on its real input, admits those whose output stands for the configured implementation's
+(bit-identical in exact mode; within :func:`admission_bound` otherwise), times the admitted ones over
+a pass of routings to other experts (:func:`timed_routings`: weights read from memory, as decode reads
+them) and keeps the fastest (the configured one unless another is faster beyond the facility's
+margin). No weight moves: the module's tensors, ``state_dict`` and checkpoint are the original ones.
 
 The configured implementation runs unchanged for more than :data:`~fusion_linear_kernels.choice.MAX_ROWS`
 rows (prefill), with autograd recording, on other devices, for tensor subclasses (a quantizer's
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion_core.plugin import apply_gate, best_times, experts_implementation, is_expert_parallel
+from fusion_core.plugin import Decisions, apply_gate, experts_implementation, is_expert_parallel, pass_size
 from fusion_linear_kernels.choice import MAX_ROWS
 from fusion_linear_kernels.tolerance import admitted
 
@@ -42,13 +44,11 @@ CANDIDATES = ("eager", "grouped_mm", "batched_mm", "routed_gemv")
 """The implementations tried: transformers' own where this transformers registers them (``eager``: the class's
 loop), and :func:`routed_gemv`."""
 
-#: Another implementation is taken only when it measured faster than the configured one by more than this factor.
-_TIE = 1.02
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 ExpertsKind = tuple[str, torch.dtype, tuple[tuple[int, ...], ...], int, int, str, bool]
 """(device, dtype, the 3-D weights' shapes, rows, routed experts per row, configured implementation, exact)."""
-_DECISIONS: dict[ExpertsKind, str] = {}
+_DECISIONS: Decisions[ExpertsKind, str] = Decisions("linear_kernels.experts")
 
 ExpertsForward = Callable[..., torch.Tensor]
 
@@ -220,9 +220,8 @@ def run(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     if not applies(module, hidden_states, top_k_index):
         return configured(hidden_states, top_k_index, top_k_weights)
     kind = kind_of(module, hidden_states, top_k_index, exact)
-    name = _DECISIONS.get(kind)
-    if name is None:
-        name = _DECISIONS[kind] = choose(module, hidden_states, top_k_index, top_k_weights, exact)
+    name = _DECISIONS.get(kind) or _DECISIONS.decide(
+        kind, lambda: choose(module, hidden_states, top_k_index, top_k_weights, exact))
     if name == kind[5]:
         return configured(hidden_states, top_k_index, top_k_weights)
     return implementation(module, name)(module, hidden_states, top_k_index, top_k_weights)
@@ -230,7 +229,8 @@ def run(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tenso
 
 def choose(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
            exact: bool) -> str:
-    """The fastest admitted implementation for this input (the configured one unless another beats it by 2%)."""
+    """The fastest admitted implementation for this input, timed over :func:`timed_routings` (the configured one
+    unless another is faster beyond the margin)."""
     configured = str(experts_implementation(module.config))  # type: ignore[union-attr]
     args = (hidden_states.detach(), top_k_index, top_k_weights.detach())
     with torch.no_grad():
@@ -248,20 +248,35 @@ def choose(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Te
                 taken.append(name)
         if len(taken) == 1:
             return configured
-        times = best_times([_call(implementation(module, name), module, args) for name in taken], reference.device)
-    best = min(range(len(taken)), key=times.__getitem__)
-    return taken[best] if times[best] * _TIE < times[0] else configured
+        routings = timed_routings(module, top_k_index)
+        ways = [_call(implementation(module, name), module, args[0], routings, args[2]) for name in taken]
+        return taken[_DECISIONS.fastest(ways, reference.device)]
 
 
-def _call(forward: ExpertsForward, module: nn.Module, args: tuple[torch.Tensor, ...]) -> Callable[[], object]:
-    return lambda: forward(module, *args)
+def timed_routings(module: nn.Module, top_k_index: torch.Tensor) -> list[torch.Tensor]:
+    """The routings a timed pass runs: the call's experts renumbered onto other experts, call after call, so that
+    a pass reads distinct experts' weights from memory (:func:`fusion_core.decisions.pass_size`), as decode steps
+    do, where the same experts timed again and again would be served from cache."""
+    stacked = [p for p in module.parameters(recurse=False) if p.dim() == 3]
+    count = int(stacked[0].shape[0])
+    unique, index = torch.unique(top_k_index, return_inverse=True)
+    routed_now = int(unique.numel())
+    each = routed_now * sum(p.numel() // count * p.element_size() for p in stacked)
+    calls = pass_size(each, available=max(1, count // routed_now))
+    return [((index + i * routed_now) % count).to(top_k_index.dtype) for i in range(calls)]
+
+
+def _call(forward: ExpertsForward, module: nn.Module, hidden_states: torch.Tensor, routings: list[torch.Tensor],
+          top_k_weights: torch.Tensor) -> Callable[[], object]:
+    return lambda: [forward(module, hidden_states, routing, top_k_weights) for routing in routings]
 
 
 def decisions() -> dict[ExpertsKind, str]:
-    """The implementation chosen for each kind of experts call measured in this process."""
+    """The implementation chosen for each kind of experts call in this process (measured, or stored for this
+    machine)."""
     return dict(_DECISIONS)
 
 
 def clear_decisions() -> None:
-    """Forget every experts decision: the next call of each kind measures again."""
-    _DECISIONS.clear()
+    """Forget every experts decision, here and stored for this machine: the next call of each kind measures again."""
+    _DECISIONS.forget()

@@ -10,8 +10,9 @@ of the stack's shape and dtype holding one packed ``[out, in]`` matrix per exper
 slices are packed transposed). The dense stack is released; :class:`PrepackExperts` is the invertible
 transform, its inverse the stack again, bit for bit, which ``state_dict``, saves and ``unfuse`` present.
 
-**Where it packs** (at load, once per kind of module, :func:`packs_module`; :func:`decisions` lists them with
-the timings): every 3-D weight of the module is a plain CPU floating tensor that
+**Where it packs** (at load, once per kind of module, :func:`packs_module`, or read from this machine's stored
+decisions: :mod:`fusion_core.decisions`, topic ``"linear_kernels.packed_experts"``; :func:`decisions` lists them
+with the timings): every 3-D weight of the module is a plain CPU floating tensor that
 :func:`fusion_linear_kernels.packing.ineligible` admits (not a quantizer's, not a DTensor, not in a
 distributed job); each stack's expert matrices pack (:func:`fusion_linear_kernels.packing.measure`: the
 packed GEMM within the bound of ``F.linear``, or bit-identical in exact mode, and faster at one row and not
@@ -42,7 +43,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from fusion_core import TransformOp
-from fusion_core.plugin import Shape, experts_implementation
+from fusion_core.plugin import Decisions, Shape, experts_implementation, pass_size
 from fusion_linear_kernels import compat, experts, packing
 from fusion_linear_kernels.data_parallel import refusal as strided_view_refusal
 from fusion_linear_kernels.tolerance import admitted
@@ -50,7 +51,7 @@ from fusion_linear_kernels.tolerance import admitted
 #: Synthetic row counts on which a packed module must give the configured implementation's output.
 PROBE_ROWS = (1, 3)
 
-_MODULE_DECISIONS: dict[tuple[object, ...], tuple[bool, str]] = {}
+_DECISIONS: Decisions[tuple[object, ...], tuple[bool, str]] = Decisions("linear_kernels.packed_experts")
 
 
 class PackedExperts(torch.Tensor):
@@ -109,17 +110,12 @@ def pack(stack: torch.Tensor, transposed: bool) -> PackedExperts:
     return PackedExperts(matrices, stack.shape, stack.dtype, transposed)
 
 
-#: Bytes of expert matrices a packing measurement reads per pass: more than a CPU's last-level cache, so the pass
-#: reads from memory as a decode step does (one expert's matrix, timed again and again, may stay in cache).
-TIMED_BYTES = 64 * 2**20
-
-
 def timed_experts(stack: torch.Tensor, transposed: bool) -> list[torch.Tensor]:
-    """The ``[out, in]`` matrices of the experts a packing measurement times: evenly spread, :data:`TIMED_BYTES` in
-    all (at least one, at most 16)."""
+    """The ``[out, in]`` matrices of the experts a packing measurement times: evenly spread, as many as a pass reads
+    from memory (:func:`fusion_core.decisions.pass_size`: one expert's matrix, timed again and again, may stay in
+    cache)."""
     dense = stack.detach()
-    each = dense[0].numel() * dense.element_size()
-    count = max(1, min(16, int(dense.shape[0]), -(-TIMED_BYTES // max(each, 1))))
+    count = pass_size(dense[0].numel() * dense.element_size(), available=int(dense.shape[0]))
     picks = sorted({round(i * (dense.shape[0] - 1) / max(count - 1, 1)) for i in range(count)})
     return [expert_matrix(dense, e, transposed) for e in picks]
 
@@ -293,21 +289,18 @@ def packs_module(module: nn.Module, exact: bool) -> bool:
     top_k = min(top_k_of(module), int(first.shape[0]))
     kind = (type(module), tuple((n, tuple(w.shape)) for n, w in weights.items()), first.dtype, exact, top_k,
             configured_name(module))
-    known = _MODULE_DECISIONS.get(kind)
-    if known is None:
-        try:
-            configured = experts.implementation(module, configured_name(module))
-        except (KeyError, TypeError):
-            return False
-        known = _MODULE_DECISIONS[kind] = _measure(module, weights, configured, exact, top_k, transposed)
-    return known[0]
+    return _DECISIONS.decide(kind, lambda: _measure(module, weights, exact, top_k, transposed))[0]
 
 
-def _measure(module: nn.Module, weights: dict[str, torch.Tensor], configured: Any, exact: bool, top_k: int,
+def _measure(module: nn.Module, weights: dict[str, torch.Tensor], exact: bool, top_k: int,
              transposed: bool) -> tuple[bool, str]:
     """The per-expert kinds pack, and :func:`routed` over the routed experts packed gives the configured output."""
     if "down_proj" not in weights:
         return False, "no down_proj"
+    try:
+        configured = experts.implementation(module, configured_name(module))
+    except (KeyError, TypeError) as exc:
+        return False, f"no configured implementation: {type(exc).__name__}: {exc}"
     timings = []
     for name, stack in weights.items():
         verdict, why = packing.measure(timed_experts(stack, transposed), exact)
@@ -337,11 +330,12 @@ def _measure(module: nn.Module, weights: dict[str, torch.Tensor], configured: An
 
 
 def decisions() -> dict[tuple[object, ...], tuple[bool, str]]:
-    """Whether each kind of experts module measured in this process holds its experts packed, and why: (class,
-    weight names and shapes, dtype, exact, experts per row, configured implementation) -> (packed, why)."""
-    return dict(_MODULE_DECISIONS)
+    """Whether each kind of experts module in this process (measured, or stored for this machine) holds its experts
+    packed, and why: (class, weight names and shapes, dtype, exact, experts per row, configured implementation) ->
+    (packed, why)."""
+    return dict(_DECISIONS)
 
 
 def clear_decisions() -> None:
-    """Forget every module-level packing decision of experts."""
-    _MODULE_DECISIONS.clear()
+    """Forget every module-level packing decision of experts, here and stored for this machine."""
+    _DECISIONS.forget()

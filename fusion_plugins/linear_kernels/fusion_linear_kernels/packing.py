@@ -9,7 +9,8 @@ same shape, dtype and device; the dense tensor is released, so memory stays the 
 ``fusion_core.unfuse`` present and the core verifies once per kind at load.
 
 **Where it packs** (decided by :func:`packs`, once per kind = weight shape, dtype and mode, on the
-first layer of that kind a load converts; :func:`pack_decisions` lists them):
+first layer of that kind a load converts, or read from this machine's stored decisions:
+:mod:`fusion_core.decisions`, topic ``"linear_kernels.packing"``; :func:`pack_decisions` lists them):
 
 - only torch's own dense, strided, 2-D CPU tensors (not a quantizer's tensor subclass, not a DTensor,
   not on an accelerator or ``meta``: those are returned unchanged and keep ``F.linear``), of a
@@ -24,11 +25,12 @@ first layer of that kind a load converts; :func:`pack_decisions` lists them):
   in 20,000, so **exact mode packs no layer with a bias** (:func:`fusion_linear_kernels.family.packing_plan`).
   The probes are evidence on synthetic inputs, not a proof for every input: exact mode's promise
   (logits bit-identical to the model without this family) is what the tests check on whole models;
-- only where it is faster: timed with :func:`fusion_core.merge_policy.best_times` (twice, best of
-  each) against ``F.linear`` on the layer's own weight and a synthetic input, it must be more than
-  2% faster at :data:`DECODE_ROWS` row (decode) and no more than 2% slower at :data:`PREFILL_ROWS`
-  rows (a prompt: a packed weight has no dense copy to fall back on). Timing does not depend on the
-  values, so the decision is made at load, on synthetic inputs, not on the first real call.
+- only where it is faster: timed against ``F.linear`` over a pass of copies of the layer's weight (read
+  from memory, as decode reads every layer's) on a synthetic input, it must be faster beyond the
+  facility's margin (:func:`fusion_core.decisions.faster`) at :data:`DECODE_ROWS` row (decode), and
+  ``F.linear`` must not be faster beyond it at :data:`PREFILL_ROWS` rows (a prompt: a packed weight has
+  no dense copy to fall back on). Timing does not depend on the values, so the decision is made at
+  load, on synthetic inputs, not on the first real call.
 
 A weight shared with another module (a tied LM head: it is the embedding table) is never packed:
 the plugin's ``fusion_convert_loaded`` hook drops the transform from that module's plan.
@@ -53,7 +55,7 @@ import torch
 from torch.nn import functional as F
 
 from fusion_core import TransformOp
-from fusion_core.plugin import Shape, best_times
+from fusion_core.plugin import Decisions, Shape, distinct_copies, faster
 from fusion_linear_kernels import compat
 from fusion_linear_kernels.data_parallel import in_distributed_job
 from fusion_linear_kernels.tolerance import admission_bound, admitted
@@ -65,13 +67,11 @@ DECODE_ROWS = 1
 PREFILL_ROWS = 64
 """The row count at which packing must not be slower (a prompt)."""
 
-#: Packing must win by more than this factor at decode, and may lose by no more than it at prefill.
-_TIE = 1.02
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 PackKind = tuple[tuple[int, ...], torch.dtype, bool]
 """(weight shape, dtype, exact): what a packing decision is filed under."""
-_DECISIONS: dict[PackKind, tuple[bool, str]] = {}
+_DECISIONS: Decisions[PackKind, tuple[bool, str]] = Decisions("linear_kernels.packing")
 
 
 def is_packed(tensor: torch.Tensor | None) -> bool:
@@ -102,32 +102,24 @@ def ineligible(weight: torch.Tensor) -> str | None:
     return None
 
 
-def packs(weight: torch.Tensor, exact: bool, packed: torch.Tensor | None = None) -> bool:
-    """Whether weights of ``weight``'s kind are held packed (see the module docs); measured once per kind.
-
-    ``packed`` is ``weight`` already packed, when the caller has it (the measurement uses it).
-    """
+def packs(weight: torch.Tensor, exact: bool) -> bool:
+    """Whether weights of ``weight``'s kind are held packed (see the module docs); decided once per kind."""
     if ineligible(weight) is not None:
         return False
     kind: PackKind = (tuple(weight.shape), weight.dtype, exact)
-    decision = _DECISIONS.get(kind)
-    if decision is None:
-        decision = _DECISIONS[kind] = measure([weight.detach()], exact, None if packed is None else [packed])
-    return decision[0]
+    return _DECISIONS.decide(kind, lambda: measure(distinct_copies(weight.detach()), exact))[0]
 
 
-def measure(weights: Sequence[torch.Tensor], exact: bool,
-            packed: Sequence[torch.Tensor] | None = None) -> tuple[bool, str]:
+def measure(weights: Sequence[torch.Tensor], exact: bool) -> tuple[bool, str]:
     """(pack?, why) for a kind of weight: the numerical probes on the first of ``weights`` (all of one shape and
-    dtype), then the timings of one pass over all of them, dense and packed (``packed``: the same weights packed,
-    when the caller has them). Several distinct weights are read from memory, as a decode step reads them, where
-    one weight timed again and again may be served from cache."""
+    dtype), then the timings of one pass over all of them, dense and packed. Several distinct weights are read
+    from memory, as a decode step reads them, where one weight timed again and again may be served from cache."""
     weight = weights[0]
     out, inn = weight.shape
     generator = torch.Generator().manual_seed(0)
     try:
         with torch.no_grad():
-            packed = [compat.pack(w) for w in weights] if packed is None else packed
+            packed = [compat.pack(w) for w in weights]
             bias = torch.randn(out, generator=generator).to(weight.dtype)
             for rows in PROBE_ROWS:
                 x = torch.randn(1, rows, inn, generator=generator).to(weight.dtype)
@@ -142,29 +134,30 @@ def measure(weights: Sequence[torch.Tensor], exact: bool,
                 x = torch.randn(1, rows, inn, generator=generator).to(weight.dtype)
                 ways = (lambda x=x: [F.linear(x, w) for w in weights],
                         lambda x=x: [compat.packed_linear(x, p, None) for p in packed])
-                first, second = best_times(ways, x.device), best_times(ways, x.device)
-                times[rows] = [min(a, b) / len(weights) for a, b in zip(first, second, strict=True)]
+                times[rows] = [t / len(weights) for t in _DECISIONS.times(ways, x.device)]
     except (RuntimeError, NotImplementedError) as exc:  # a dtype or shape oneDNN does not pack here
-        return False, f"oneDNN refused it: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return False, f"oneDNN refused to pack it: {type(exc).__name__}: {first}"
     (dense, fast), (dense_prefill, fast_prefill) = times[DECODE_ROWS], times[PREFILL_ROWS]
     over = f" (each, a pass over {len(weights)})" if len(weights) > 1 else ""
     timing = (f"{DECODE_ROWS} row {dense * 1e3:.3f} -> {fast * 1e3:.3f} ms, "
               f"{PREFILL_ROWS} rows {dense_prefill * 1e3:.3f} -> {fast_prefill * 1e3:.3f} ms{over}")
-    if fast * _TIE >= dense:
+    if not faster(fast, dense):
         return False, f"not faster at decode ({timing})"
-    if fast_prefill > dense_prefill * _TIE:
+    if faster(dense_prefill, fast_prefill):
         return False, f"slower at prefill ({timing})"
     return True, timing
 
 
 def pack_decisions() -> dict[PackKind, tuple[bool, str]]:
-    """The packing decision of each kind measured in this process: (packed?, why or the timings)."""
+    """The packing decision of each kind in this process (measured, or stored for this machine): (packed?, why or
+    the timings)."""
     return dict(_DECISIONS)
 
 
 def clear_pack_decisions() -> None:
-    """Forget every packing decision: the next weight of each kind is measured again."""
-    _DECISIONS.clear()
+    """Forget every packing decision, here and stored for this machine: the next weight of each kind is measured."""
+    _DECISIONS.forget()
 
 
 @dataclass(frozen=True)
@@ -185,20 +178,10 @@ class PrepackLinearWeight(TransformOp):
 
     def forward(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         (weight,) = tensors
-        if is_packed(weight) or ineligible(weight) is not None:
-            return (weight,)
-        known = _DECISIONS.get((tuple(weight.shape), weight.dtype, self.exact))
-        if known is not None and not known[0]:
+        if is_packed(weight) or not packs(weight, self.exact):
             return (weight,)
         with torch.no_grad():
-            try:
-                packed = compat.pack(weight)
-            except (RuntimeError, NotImplementedError) as exc:  # a dtype this CPU's oneDNN cannot pack (float16)
-                first = str(exc).splitlines()[0] if str(exc) else ""
-                _DECISIONS[(tuple(weight.shape), weight.dtype, self.exact)] = (
-                    False, f"oneDNN refused to pack it: {type(exc).__name__}: {first}")
-                return (weight,)
-            return (packed,) if packs(weight, self.exact, packed) else (weight,)
+            return (compat.pack(weight),)
 
     def inverse(self, tensors: Sequence[torch.Tensor], source_shapes: Sequence[Shape]) -> tuple[torch.Tensor, ...]:
         return (unpack(tensors[0]),)

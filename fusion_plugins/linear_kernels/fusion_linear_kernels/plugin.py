@@ -23,7 +23,9 @@ each fused layer whether its weight is packed (traced code reads that flag: a fa
 ``fusion_module_unfused`` drops it and puts an unfused layer's parameters back in their original order
 (``fusion_core.unfuse`` registers a restored tensor anew, after the bias, when its fused name is its original name,
 as ``weight`` is here). ``fusion_save_kwargs`` refuses a fused-layout save (``save_original_format=False``) of a
-model holding packed weights, by name.
+model holding packed weights, by name. The measured decisions (kernel, packing, experts) live in fusion-core's
+decisions facility (:mod:`fusion_core.decisions`), which ``fusion_core.reset_state()`` resets: no hook of this
+plugin's is needed for them.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from torch import nn
 
 from fusion_core import ModulePlan, SaveError, hookimpl
 from fusion_core.plugin import MergedLinear, fuse_instance, merged_projection, presenting_fused
-from fusion_linear_kernels import choice, experts, packed_experts, packing
 from fusion_linear_kernels.direct_reads import read_directly
 from fusion_linear_kernels.experts import is_experts
 from fusion_linear_kernels.family import (
@@ -56,14 +57,6 @@ from fusion_linear_kernels.packed_experts import stacks
 @hookimpl
 def register_fusion_families(register: Callable[[Any], None]) -> None:
     register(LinearKernelsFamily())
-
-
-@hookimpl
-def fusion_reset_state() -> None:
-    """Forget every measured kernel, packing and experts decision: the next load measures again."""
-    for clear in (choice.clear_decisions, packing.clear_pack_decisions, experts.clear_decisions,
-                  packed_experts.clear_decisions):
-        clear()
 
 
 @hookimpl(wrapper=True, tryfirst=True)

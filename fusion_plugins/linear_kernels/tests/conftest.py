@@ -26,24 +26,49 @@ def lora() -> Callable[[Any], Any]:
     return attach
 
 
-def _original_slowest(ways: Any, device: Any) -> list[float]:
-    return [1.0] + [0.5] * (len(ways) - 1)  # every timer lists the original way (F.linear, the dense weight) first
+Times = Callable[[int], list[float]]
+"""What a replaced clock reports for a number of ways."""
 
 
-def _original_fastest(ways: Any, device: Any) -> list[float]:
-    return [0.5] + [1.0] * (len(ways) - 1)
+def original_slowest(ways: int) -> list[float]:
+    return [1.0] + [0.5] * (ways - 1)  # every decision lists the original way (F.linear, the dense weight) first
+
+
+def original_fastest(ways: int) -> list[float]:
+    return [0.5] + [1.0] * (ways - 1)
 
 
 @pytest.fixture
-def other_kernels_dense_weights(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def fake_times(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Any, Times], None]]:
+    """``fake_times(module, times)``: the decisions of ``module`` (``choice``, ``packing``, ``experts``) are timed by
+    ``times(number of ways)`` instead of a clock, through the one seam, ``Decisions.times``; the others keep the
+    clock. Every ``linear_kernels`` decision is forgotten before and after."""
+    from fusion_linear_kernels import choice, experts, packed_experts, packing
+
+    from fusion_core.plugin import Decisions
+
+    by_topic: dict[str, Times] = {}
+    clock = Decisions.times
+
+    def times(table: Decisions[Any, Any], ways: Any, device: Any) -> list[float]:
+        fake = by_topic.get(table.topic)
+        return clock(table, ways, device) if fake is None else fake(len(ways))
+
+    monkeypatch.setattr(Decisions, "times", times)
+    forget = (choice.clear_decisions, packing.clear_pack_decisions, experts.clear_decisions,
+              packed_experts.clear_decisions)
+    for clear in forget:
+        clear()
+    yield lambda module, fake: by_topic.update({module._DECISIONS.topic: fake})
+    for clear in forget:
+        clear()
+
+
+@pytest.fixture
+def other_kernels_dense_weights(fake_times: Callable[[Any, Times], None]) -> None:
     """Every admitted kernel other than ``F.linear`` measures fastest, and packing measures slower (weights stay
     dense), so no clock decides a test; the decisions of other tests are forgotten before and after."""
     from fusion_linear_kernels import choice, packing
 
-    monkeypatch.setattr(choice, "best_times", _original_slowest)
-    monkeypatch.setattr(packing, "best_times", _original_fastest)
-    choice.clear_decisions()
-    packing.clear_pack_decisions()
-    yield
-    choice.clear_decisions()
-    packing.clear_pack_decisions()
+    fake_times(choice, original_slowest)
+    fake_times(packing, original_fastest)

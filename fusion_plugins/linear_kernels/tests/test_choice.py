@@ -14,10 +14,8 @@ SHAPES = [(96, 64), (40, 200), (256, 24)]
 
 
 @pytest.fixture(autouse=True)
-def _fresh_decisions():
-    choice.clear_decisions()
-    yield
-    choice.clear_decisions()
+def _fresh_decisions(fake_times):
+    """Every decision forgotten before and after (``fake_times``); the clock unless a test replaces it."""
 
 
 def _layer(out: int, inn: int, dtype: torch.dtype, bias: bool = True):
@@ -69,8 +67,8 @@ def _one_ulp_off(input, weight, bias):
     return torch.nextafter(out, torch.full_like(out, float("inf")))
 
 
-def test_a_wrong_candidate_is_never_taken_however_fast(monkeypatch):
-    monkeypatch.setattr(choice, "best_times", lambda ways, device: [1.0] + [1e-9] * (len(ways) - 1))
+def test_a_wrong_candidate_is_never_taken_however_fast(fake_times):
+    fake_times(choice, lambda ways: [1.0] + [1e-9] * (ways - 1))
     weight, bias = _layer(96, 64, torch.float32)
     x = torch.randn(1, 64, generator=GEN)
     wrong = Candidate("wrong", _wrong, kernels._always)
@@ -80,9 +78,9 @@ def test_a_wrong_candidate_is_never_taken_however_fast(monkeypatch):
     assert choice.choose(x, weight, bias, exact=False, candidates=(LINEAR, off)) is off
 
 
-def test_the_fastest_admitted_candidate_is_kept_per_kind(monkeypatch):
+def test_the_fastest_admitted_candidate_is_kept_per_kind(fake_times):
     mv = kernels.CANDIDATES[1]
-    monkeypatch.setattr(choice, "best_times", lambda ways, device: [1.0] + [0.5] * (len(ways) - 1))
+    fake_times(choice, lambda ways: [1.0] + [0.5] * (ways - 1))
     weight, bias = _layer(96, 64, torch.float32)
     x = torch.randn(1, 1, 64, generator=GEN)
     with torch.no_grad():
@@ -92,7 +90,7 @@ def test_the_fastest_admitted_candidate_is_kept_per_kind(monkeypatch):
     assert got.shape == reference.shape and admitted(got, reference, admission_bound(x, weight, reference), False)
     # a tie (within 2%) keeps F.linear
     choice.clear_decisions()
-    monkeypatch.setattr(choice, "best_times", lambda ways, device: [1.0, 0.99])
+    fake_times(choice, lambda ways: [1.0, 0.99])
     assert choice.choose(x, weight, bias, exact=False, candidates=(LINEAR, mv)) is LINEAR
 
 

@@ -34,23 +34,16 @@ IDS = torch.tensor([[5, 17, 42, 9]])
 
 
 @pytest.fixture(autouse=True)
-def _configured_is_slowest(monkeypatch: pytest.MonkeyPatch) -> Any:
+def _configured_is_slowest(fake_times: Any) -> None:
     """The configured implementation measures slowest; packing measures slower (weights stay dense) unless a test
-    asks for :func:`_packing_wins`."""
-    monkeypatch.setattr(experts, "best_times", lambda ways, device: [1.0] + [0.5] * (len(ways) - 1))
-    monkeypatch.setattr(packing, "best_times", lambda ways, device: [0.5] + [1.0] * (len(ways) - 1))
-    experts.clear_decisions()
-    packing.clear_pack_decisions()
-    packed_experts.clear_decisions()
-    yield
-    experts.clear_decisions()
-    packing.clear_pack_decisions()
-    packed_experts.clear_decisions()
+    asks for :func:`_packing_wins`. Every decision is forgotten before and after (``fake_times``)."""
+    fake_times(experts, lambda ways: [1.0] + [0.5] * (ways - 1))
+    fake_times(packing, lambda ways: [0.5] + [1.0] * (ways - 1))
 
 
 @pytest.fixture
-def _packing_wins(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(packing, "best_times", lambda ways, device: [1.0] + [0.5] * (len(ways) - 1))
+def _packing_wins(fake_times: Any, _configured_is_slowest: None) -> None:
+    fake_times(packing, lambda ways: [1.0] + [0.5] * (ways - 1))
 
 
 @pytest.fixture(scope="module")

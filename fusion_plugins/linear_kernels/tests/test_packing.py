@@ -36,16 +36,10 @@ MERGED = {"qkv": True, "gate_up": True}
 GEN = torch.Generator().manual_seed(0)
 
 
-def _packed_wins(ways: Any, device: Any) -> list[float]:
-    return [1.0] + [0.5] * (len(ways) - 1)
-
-
 @pytest.fixture(autouse=True)
-def _packing_wins(monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setattr(packing, "best_times", _packed_wins)
-    packing.clear_pack_decisions()
-    yield
-    packing.clear_pack_decisions()
+def _packing_wins(fake_times: Any) -> None:
+    """The packed kernel measures fastest; every decision is forgotten before and after (``fake_times``)."""
+    fake_times(packing, lambda ways: [1.0] + [0.5] * (ways - 1))
 
 
 def _linear(out: int, inn: int, dtype: torch.dtype, bias: bool = True) -> nn.Linear:
@@ -127,9 +121,9 @@ def test_exact_mode_packs_only_bit_identical_kernels(monkeypatch):
 @pytest.mark.parametrize(("times", "expected"), [((1.0, 0.5, 1.0, 0.5), True), ((1.0, 1.0, 1.0, 0.5), False),
                                                  ((1.0, 0.5, 1.0, 1.5), False)],
                          ids=["faster", "not-faster-at-decode", "slower-at-prefill"])
-def test_packing_must_win_at_decode_and_not_lose_at_prefill(monkeypatch, times, expected):
-    calls = iter([times[:2], times[:2], times[2:], times[2:]])  # decode twice, then prefill twice
-    monkeypatch.setattr(packing, "best_times", lambda ways, device: list(next(calls)))
+def test_packing_must_win_at_decode_and_not_lose_at_prefill(fake_times, times, expected):
+    calls = iter([times[:2], times[2:]])  # (dense, packed) at decode, then at prefill
+    fake_times(packing, lambda ways: list(next(calls)))
     assert packing.packs(torch.randn(64, 32).bfloat16(), exact=True) is expected, packing.pack_decisions()
 
 

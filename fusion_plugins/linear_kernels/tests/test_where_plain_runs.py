@@ -11,6 +11,7 @@ run as a new user would, found two refusals).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -72,12 +73,12 @@ def test_a_head_reinitialised_for_other_sizes_loads_and_runs_as_plain(causal_lm:
         torch.testing.assert_close(fused(IDS).logits, plain(IDS).logits)
 
 
-def test_a_dtype_onednn_cannot_pack_here_stays_dense(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_dtype_onednn_cannot_pack_here_stays_dense(monkeypatch: pytest.MonkeyPatch, fake_times: Any) -> None:
     def refuse(weight: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("mkldnn_reorder_linear_weight: float16 is not supported on this CPU")
 
     monkeypatch.setattr(packing.compat, "pack", refuse)
-    monkeypatch.setattr(packing, "best_times", lambda ways, device: [1.0] + [0.5] * (len(ways) - 1))  # packing wins
+    fake_times(packing, lambda ways: [1.0] + [0.5] * (ways - 1))  # packing wins
     config = TEXT_MODELS["llama"].make_config()
     torch.manual_seed(0)
     plain = AutoModelForCausalLM.from_config(config).half().eval()
