@@ -249,8 +249,9 @@ def test_optional_spec_members_have_their_declared_defaults() -> None:
     assert spec_member(Minimal(), "sample_inputs")(torch.nn.Linear(2, 2), torch.Generator()) == []
     assert spec_member(Minimal(), "refusal")(torch.nn.Linear(2, 2), None) is None
     assert spec_member(Minimal(), "module_transforms")(torch.nn.Linear(2, 2), None, None) is None
+    assert spec_member(Minimal(), "preserves") == "outputs"
     assert set(OPTIONAL_MEMBERS) == {"tensor_parallel", "owns_submodules", "sample_inputs", "refusal",
-                                     "module_transforms"}
+                                     "module_transforms", "preserves"}
     with pytest.raises(KeyError, match="'is_fusable' is not an optional member"):
         spec_member(Minimal(), "is_fusable")
 

@@ -32,7 +32,9 @@ import ast
 import functools
 import inspect
 import re
+import sys
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -233,6 +235,35 @@ def _eager(function: Any) -> Any:
         return torch.compiler.disable(function)  # type: ignore[no-untyped-call]
 
 
+def _sharded_head(head: nn.Module) -> str | None:
+    """Why ``head`` cannot run chunk by chunk: FSDP2 shards it in a group of its own, or it holds DTensors.
+
+    A head that ``fully_shard`` was applied to (or to a module inside it) all-gathers a fresh unsharded weight in
+    each call's pre-forward hook and frees it after: a chunk's logits would depend on that temporary weight, not
+    on the sharded parameter, and the head would get no gradient. A head sharded with the model's root (one
+    ``fully_shard(model)`` group) holds plain unsharded tensors during the root's forward and is fine. Looked up
+    only where torch's FSDP / DTensor modules are already imported (a process that shards imports them).
+    """
+    fsdp, dtensor = sys.modules.get("torch.distributed.fsdp"), sys.modules.get("torch.distributed.tensor")
+    sharded = getattr(fsdp, "FSDPModule", None)
+    if sharded is not None and any(isinstance(m, sharded) for m in head.modules()):
+        return "is sharded by FSDP2 in a group of its own (fully_shard on the head or a module inside it)"
+    kind = getattr(dtensor, "DTensor", None)
+    if kind is not None and any(isinstance(p, kind) for p in head.parameters()):
+        return "holds DTensor parameters (sharded or tensor-parallel)"
+    return None
+
+
+_warned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _warn_once(model: nn.Module, message: str) -> None:
+    """``message`` as a UserWarning, once per model instance."""
+    if model not in _warned:
+        _warned.add(model)
+        warnings.warn(message, stacklevel=4)
+
+
 def _fused_forward(model: LinearCrossEntropyMixin, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The original forward with the head deferred and the loss chunked; the output without the placeholder."""
     head = model.get_output_embeddings()  # type: ignore[operator]
@@ -241,6 +272,13 @@ def _fused_forward(model: LinearCrossEntropyMixin, args: tuple[Any, ...], kwargs
         warnings.warn(f"linear_cross_entropy: {type(model).__name__} has "
                       + ("no output embeddings" if head is None else f"loss_function {original_loss!r}")
                       + " now; running its original forward (full logits)", stacklevel=3)
+        return super(LinearCrossEntropyMixin, model).forward(*args, **kwargs)
+    sharded = _sharded_head(head)
+    if sharded is not None:
+        _warn_once(model, f"linear_cross_entropy: the LM head of {type(model).__name__} {sharded}; the chunked "
+                   "loss cannot take its gradients, so training calls run the original forward (full logits; the "
+                   "same loss and gradients). To keep the chunked loss under FSDP2, shard the head with the model's "
+                   "root (fully_shard(model) without a fully_shard of the head).")
         return super(LinearCrossEntropyMixin, model).forward(*args, **kwargs)
     interception = _Interception(model, head)
     model.__dict__["_fusion_lce_active"] = interception
