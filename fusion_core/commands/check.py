@@ -11,7 +11,7 @@ reported as "not run".
 A family that declares ``preserves = "training_loss"`` (``linear_cross_entropy``) promises less in one
 mode and more in another: in training mode with labels, the loss and every gradient (not the logits);
 everywhere else, the original forward bit for bit. For such a family the check also runs one training
-step on both models (:func:`fusion_core.testing.kit.assert_training_loss`) and reports it as
+step on both models (:func:`fusion_core.compare.compare_training`) and reports it as
 ``training``; a mismatch fails the check.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from fusion_core.commands._common import UsageError, fusion_config_from_args, resolve_checkpoint
-from fusion_core.compare import compare_models, round_trip
+from fusion_core.compare import compare_models, compare_training, round_trip
 from fusion_core.hf import LOAD_LOCK, from_pretrained, get_fusion_plan
 from fusion_core.plugins import get_registry
 from fusion_core.spec import spec_member
@@ -87,10 +87,8 @@ def run_check(
 
 def _training_check(plain: Any, fused: Any, families: list[str], seed: int) -> dict[str, Any]:
     """One training step with labels on both models: the loss and every gradient, for ``families`` that declare it."""
-    from fusion_core.testing.kit import assert_training_loss
-
     try:
-        errors = assert_training_loss(plain, fused, seed=seed)
+        errors = compare_training(plain, fused, seed=seed)
     except AssertionError as exc:
         return {"families": families, "ok": False, "note": str(exc)}
     except Exception as exc:  # the plain model cannot train on the kit's inputs (not a causal LM)

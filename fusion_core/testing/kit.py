@@ -26,7 +26,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion_core.compare import TOLERANCES, Comparison, compare_checkpoints, compare_outputs, relative_error
+from fusion_core.compare import (
+    TOLERANCES,
+    Comparison,
+    compare_checkpoints,
+    compare_outputs,
+    compare_training as assert_training_loss,
+    relative_error,
+)
 from fusion_core.compat import transformers as compat
 from fusion_core.layout import fuse_instance
 from fusion_core.plugins import validate_spec
@@ -530,67 +537,6 @@ def assert_fused_load(
             f"{comparison.whole_model.as_dict()}, round trip {comparison.round_trip.as_dict()}"
         )
     return comparison
-
-
-def _training_step(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, seed: int) -> tuple[
-        torch.Tensor, Any, dict[str, torch.Tensor]]:
-    """One forward and backward in training mode with labels: the loss, the outputs and every gradient."""
-    model.train()
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)  # the same dropout masks on both sides
-    outputs = model(input_ids=input_ids, labels=labels)
-    outputs.loss.backward()
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    model.eval()
-    return outputs.loss.detach(), outputs, grads
-
-
-def assert_training_loss(plain: nn.Module, fused: nn.Module, seed: int = 0, tokens: int = 12) -> dict[str, float]:
-    """What a family declaring ``preserves = "training_loss"`` promises, checked on a causal LM.
-
-    In training mode, called with labels (a few of them ``-100``, ignored), the fused model's loss
-    and the gradient of every parameter equal the plain model's within :data:`TOLERANCES` (the
-    gradients by relative L2 norm); called without labels, or in eval mode, its outputs equal the
-    plain model's bit for bit, since the fused forward is the original's there. Returns the loss's
-    and the worst gradient's relative errors.
-    """
-    config: Any = plain.config
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    parameter = next(plain.parameters())
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, int(config.vocab_size), (2, tokens), generator=generator).to(parameter.device)
-    labels = input_ids.clone()
-    labels[0, : tokens // 3] = -100
-    tolerance = TOLERANCES[parameter.dtype]
-    expected_loss, _, expected_grads = _training_step(plain, input_ids, labels, seed)
-    got_loss, _, got_grads = _training_step(fused, input_ids, labels, seed)
-    loss_error = relative_error(expected_loss, got_loss)
-    if not loss_error <= tolerance:
-        raise AssertionError(f"training loss {float(got_loss):.6g}, plain {float(expected_loss):.6g} "
-                             f"(relative error {loss_error:.3g}, tolerance {tolerance:.3g})")
-    names = [name for name, _ in fused.named_parameters()]
-    if sorted(names) != sorted(expected_grads) or sorted(got_grads) != sorted(expected_grads):
-        missing = sorted(set(expected_grads) - set(got_grads))
-        raise AssertionError(f"gradients differ in which parameters get one: missing {missing[:5]}, extra "
-                             f"{sorted(set(got_grads) - set(expected_grads))[:5]}")
-    worst = 0.0
-    for name, expected in expected_grads.items():
-        error = float((got_grads[name].float() - expected.float()).norm() / (expected.float().norm() + 1e-12))
-        if not error <= tolerance:
-            raise AssertionError(f"gradient of {name} differs by {error:.3g} relative L2 (tolerance {tolerance:.3g})")
-        worst = max(worst, error)
-    with torch.no_grad():
-        for mode in ("eval", "train"):
-            getattr(plain, mode)(), getattr(fused, mode)()
-            torch.manual_seed(seed)
-            expected_logits = plain(input_ids=input_ids).logits
-            torch.manual_seed(seed)
-            got_logits = fused(input_ids=input_ids).logits
-            if not torch.equal(expected_logits, got_logits):
-                raise AssertionError(f"without labels, in {mode} mode, the fused logits are not the plain ones")
-    plain.eval(), fused.eval()
-    return {"loss": loss_error, "gradients": worst}
 
 
 def _linear_weights(model: nn.Module) -> tuple[dict[str, int], list[str]]:

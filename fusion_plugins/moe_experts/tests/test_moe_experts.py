@@ -376,8 +376,8 @@ def test_without_grouped_mm_each_expert_runs_one_gemm_on_its_rows(monkeypatch):
     got = dispatch.expert_outputs(x, gate_up, down, act, routed)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     for got_grad, expected_grad in zip(torch.autograd.grad(got.square().sum(), (gate_up, down)), expected_grads,
-                                       strict=True):
-        torch.testing.assert_close(got_grad, expected_grad, rtol=1e-5, atol=1e-5)
+                                       strict=True):  # float32 sums in another order: the documented tolerance
+        assert relative_error(expected_grad, got_grad) <= TOLERANCES[torch.float32]
     monkeypatch.setattr(dispatch, "native_bf16", lambda: False)
     assert routed.token.shape[0] >= dispatch.UPCAST_ROWS_PER_EXPERT * experts  # where the upcast would be chosen
     with torch.no_grad():
