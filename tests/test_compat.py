@@ -208,7 +208,9 @@ def test_every_argument_a_model_class_reads_itself_is_listed():
 def test_every_argument_an_auto_class_takes_before_its_config_is_listed():
     source = inspect.getsource(transformers.AutoModelForCausalLM.from_pretrained)
     before_config = source[:source.index("AutoConfig.from_pretrained(")]
-    hub = re.search(r"hub_kwargs_names = \[(.*?)\]", before_config, re.S)
+    # Up to 5.24 a list of the hub arguments' names; from 5.25 a dict built from them ({"cache_dir": cache_dir, ...}).
+    hub = (re.search(r"hub_kwargs_names = \[(.*?)\]", before_config, re.S)
+           or re.search(r"hub_kwargs = \{(.*?)\}", before_config, re.S))
     assert hub is not None
     popped = set(re.findall(r'(?<![\w.])kwargs\.pop\("(\w+)"', before_config))
     taken = set(re.findall(r'"(\w+)"', hub.group(1))) | popped

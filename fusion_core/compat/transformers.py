@@ -265,15 +265,16 @@ MODEL_LOAD_KWARGS = frozenset({
     "load_in_4bit", "quantization_config", "subfolder", "_commit_hash", "variant", "adapter_kwargs", "adapter_name",
     "generation_config", "gguf_file", "distributed_config", "device_mesh", "tp_plan", "tp_size", "trust_remote_code",
     "allow_all_kernels", "use_kernels", "kernel_config", "key_mapping", "resume_download", "mirror", "_fast_init",
-    "low_cpu_mem_usage", "from_tf", "from_flax", "offload_state_dict",
+    "low_cpu_mem_usage", "from_tf", "from_flax", "offload_state_dict", "kernels_mode",
 })
 """The keyword arguments a model class's ``from_pretrained`` reads itself: every other one is first offered to
-its config class as an attribute override. The union over 4.57.6, 5.0.0, 5.8.1, 5.16.1, 5.22.2 and 5.24.0
+its config class as an attribute override. The union over 4.57.6, 5.0.0, 5.8.1, 5.16.1, 5.22.2, 5.24.0 and 5.25.0
 (``tests/test_compat.py`` checks the installed release against it); a name one release lacks is one no config has."""
 
 AUTO_LOAD_KWARGS = frozenset({
     "config", "cache_dir", "force_download", "local_files_only", "proxies", "resume_download", "revision",
     "subfolder", "use_auth_token", "token", "code_revision", "_commit_hash", "adapter_kwargs", "trust_remote_code",
+    "_from_auto",
 })
 """The keyword arguments an Auto class's ``from_pretrained`` takes out (or hands ``AutoConfig`` as hub arguments)
 before offering the rest to ``AutoConfig.from_pretrained`` as overrides, on the same releases."""
