@@ -51,22 +51,10 @@ def _config(name: str) -> Any:
     return config_class(**COMMON, **extra)
 
 
-@pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """``checkpoint(name)``: the directory of the tiny ``name`` model, built once per session."""
-    built: dict[str, Path] = {}
-
-    def checkpoint(name: str) -> Path:
-        if name not in built:
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(_config(name))
-            with torch.no_grad():
-                model.get_output_embeddings().weight.normal_(0.0, 1.0)
-            built[name] = tmp_path_factory.mktemp(name)
-            model.save_pretrained(built[name])
-        return built[name]
-
-    return checkpoint
+@pytest.fixture(scope="module")
+def checkpoints(checkpoint_of: Any) -> Any:
+    """``checkpoint(name)``: the directory of the tiny ``name`` model, built once per module."""
+    return lambda name: checkpoint_of(name, lambda: _config(name))
 
 
 def _load(path: Path, fusion_config: Any = None, **kwargs: Any) -> nn.Module:

@@ -38,22 +38,9 @@ CHUNKED = {"linear_cross_entropy": {"chunk_tokens": 5}}  # several chunks per ba
 
 # -- checkpoints, models, comparisons -----------------------------------------------------------------
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def checkpoints(checkpoint_of: Any) -> Any:
     """``checkpoint(name)``: the directory of a tiny model (a TEXT_MODELS or MOE_MODELS name), built once."""
-    built: dict[str, Path] = {}
-
-    def checkpoint(name: str) -> Path:
-        if name not in built:
-            tiny = {**TEXT_MODELS, **MOE_MODELS}[name]
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(tiny.make_config())
-            with torch.no_grad():
-                model.get_output_embeddings().weight.normal_(0.0, 1.0)
-            built[name] = tmp_path_factory.mktemp(name)
-            model.save_pretrained(built[name])
-        return built[name]
-
-    return checkpoint
+    return lambda name: checkpoint_of(name, {**TEXT_MODELS, **MOE_MODELS}[name].make_config)
 
 
 def _load(path: Path, fusion_config: Any = None) -> Any:
