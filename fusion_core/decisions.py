@@ -115,7 +115,10 @@ def pass_size(nbytes: int, available: int = MAX_PASS) -> int:
 
 def distinct_copies(tensor: torch.Tensor) -> list[torch.Tensor]:
     """``tensor`` and copies of it (same strides), :func:`pass_size` in all: a pass over them reads them from
-    memory, as a decode step reads a model's weights. A tensor subclass that cannot be copied is timed alone."""
+    memory, as a decode step reads a model's weights. A tensor subclass (a quantizer's weight, whose copies may
+    not behave as the original: torchao's refuse slicing in inference mode) is timed alone."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        return [tensor]
     count = pass_size(tensor.numel() * tensor.element_size())
     try:
         return [tensor, *(tensor.clone() for _ in range(count - 1))]

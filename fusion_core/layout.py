@@ -200,7 +200,7 @@ def _present_original(
     with torch.no_grad():
         for bound in plan.transforms:
             if not all(t.name in block for t in bound.targets):
-                _refuse_stray_fused(plan, bound, block, prefix)
+                _refuse_stray_fused(module, plan, bound, block, prefix)
                 continue
             fused = [block.pop(t.name) for t in bound.targets]
             shapes = [s.shape for s in bound.sources]
@@ -222,17 +222,24 @@ def _present_original(
         state_dict[prefix + leaf] = block[leaf]
 
 
-def _refuse_stray_fused(plan: ModulePlan, bound: BoundTransform, block: dict[str, Any], prefix: str) -> None:
-    """Raise when a transform's fused tensors are in the block but not all under the names it gives them.
+def _refuse_stray_fused(module: nn.Module, plan: ModulePlan, bound: BoundTransform, block: dict[str, Any],
+                        prefix: str) -> None:
+    """Raise when a transform's fused tensors are no longer held where the plan put them, but are in the block.
 
-    Something replaced or wrapped the fused module after the load (a wrapper holding it as ``.inner``, a
-    tensor renamed): the inverse cannot run, and writing what is there would put fused-layout tensors in
-    a save that claims the original layout. A transform none of whose tensors are in the block (a
-    partial state dict) has nothing to convert.
+    Something replaced or wrapped the fused module after the load (a wrapper holding it as ``.inner``, PEFT's
+    ``base_layer``): the inverse cannot run, and writing what is there would put fused-layout tensors in a save
+    that claims the original layout. A fused tensor still held by its module under its name, in a form that
+    writes other keys (a quantizer's tensor: ``weight._data``), is its integration's to present; a transform
+    none of whose tensors are in the block (a partial state dict) has nothing to convert.
     """
-    stray = sorted(key for key in block for target in bound.targets
-                   if key == target.name or (target.name.rpartition(".")[0]
-                                             and key.startswith(target.name.rpartition(".")[0] + ".")))
+    moved = []
+    for target in bound.targets:
+        path, _, leaf = target.name.rpartition(".")
+        owner = module.get_submodule(path) if path else module
+        if leaf not in owner._parameters and leaf not in owner._buffers:
+            moved.append(target.name)
+    stray = sorted(key for key in block for name in moved
+                   if key == name or (name.rpartition(".")[0] and key.startswith(name.rpartition(".")[0] + ".")))
     if stray:
         raise SaveError(
             f"family {plan.family!r}, module {plan.path or '<root>'!r}: cannot write the original layout: the "

@@ -151,7 +151,7 @@ def _merged_is_faster(input: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     """Time the merged GEMM against one GEMM per part on the real input, over a pass of copies of the weight."""
     x = input.detach()
     with torch.no_grad():
-        weights = distinct_copies(weight.detach())
+        weights = distinct_copies(weight)  # no detach: a quantizer's weight may refuse it in inference mode
         parts = [(row_slice(w, start, stop), None if bias is None else bias[start:stop])
                  for w in weights for start, stop in bounds]
 

@@ -330,11 +330,10 @@ def test_peft_imported_after_the_load_without_its_integration_is_named_then(llam
     where peft is not imported yet), and an adapter's save on the fused module is refused, naming fusion-peft."""
     script = f"""
 import warnings
-warnings.simplefilter("error", UserWarning)
-warnings.filterwarnings("ignore", category=FutureWarning)
 import fusion_core
 from fusion_core.integration_needs import MissingIntegrationWarning
 from transformers import AutoModelForCausalLM
+warnings.simplefilter("error", MissingIntegrationWarning)
 model = fusion_core.from_pretrained(AutoModelForCausalLM, {str(llama)!r}, fusion_config={{"qkv": True}})
 try:
     import peft
@@ -348,7 +347,7 @@ try:
 except fusion_core.SaveError as error:
     print("REFUSED:", error)
 """
-    env = {**os.environ, "FUSION_CORE_ALLOWED_PLUGINS": "fusion-qkv"}
+    env = {**os.environ, "FUSION_CORE_ALLOWED_PLUGINS": "fusion-qkv,fusion-quantization"}  # only PEFT unserved
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert "WARNED: peft is imported" in result.stdout and "pip install fusion-peft" in result.stdout, result.stderr
     assert "REFUSED:" in result.stdout and "qkv_proj.base_layer.weight" in result.stdout, result.stderr
