@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,28 @@ def core_reaches(path: Path) -> list[str]:
 @pytest.mark.parametrize("path", PLUGIN_FILES, ids=lambda p: str(p.relative_to(ROOT / "fusion_plugins")))
 def test_a_shipped_plugin_uses_only_the_public_surface(path: Path) -> None:
     assert core_reaches(path) == []
+
+
+PLUGIN_TEXTS = sorted(path for path in (ROOT / "fusion_plugins").rglob("*") if path.suffix in (".py", ".md")
+                      and ".venvs" not in path.parts)
+MENTION = re.compile(r"\bfusion_core\.([A-Za-z_]\w*)")
+
+
+def private_mentions(text: str) -> list[str]:
+    """``fusion_core.<name>`` in prose (docstrings, comments, READMEs) that is neither a public top-level name nor
+    the plugin surface or the kit: the docs a plugin author reads must not point at private modules either."""
+    public = {*fusion_core.__all__, "plugin", "testing"}
+    return sorted({f"fusion_core.{name}" for name in MENTION.findall(text) if name not in public})
+
+
+@pytest.mark.parametrize("path", PLUGIN_TEXTS, ids=lambda p: str(p.relative_to(ROOT / "fusion_plugins")))
+def test_a_shipped_plugin_names_only_the_public_surface_in_its_docs(path: Path) -> None:
+    assert private_mentions(path.read_text()) == []
+
+
+def test_the_docs_check_sees_a_private_module() -> None:
+    assert private_mentions("see :mod:`fusion_core.merged` and fusion_core.plugin.concat, fusion_core.fuse") == [
+        "fusion_core.merged"]
 
 
 def test_the_check_sees_a_private_import(tmp_path: Path) -> None:

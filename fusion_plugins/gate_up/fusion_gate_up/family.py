@@ -7,7 +7,7 @@ experts, T5 v1.1 / MT5 / UMT5 and most decoder LLMs) reads ``x`` twice; the fuse
 ``act(gate(x)) * up(x)`` (``gate_proj``/``up_proj``, ``w1``/``w3``, ``wi_0``/``wi_1``, ...). The
 family does not copy any MLP ``forward``: the fused class keeps the original one, and its
 ``fusion_finalize`` replaces the gate and up children by slices of one merged projection (see
-:mod:`fusion_core.merged`), under their original names (PEFT targets them as before). The two
+:class:`fusion_core.plugin.MergedProjectionsMixin`), under their original names (PEFT targets them as before). The two
 calls on the same input share one GEMM; any other call is answered from that projection's own
 rows, so the activation, the product and the down projection run exactly as before.
 

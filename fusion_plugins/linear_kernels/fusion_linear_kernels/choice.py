@@ -3,7 +3,7 @@
 A *kind* is what a kernel's speed depends on: the device, the dtype, the weight's shape and
 strides, whether there is a bias, the input's row count (1 to :data:`MAX_ROWS`) and the mode
 (exact or within the bound). The first eager call of a kind (that this machine has no stored decision
-for: :mod:`fusion_core.decisions`, topic ``"linear_kernels.choice"``) computes every applicable candidate
+for: :class:`fusion_core.plugin.Decisions`, topic ``"linear_kernels.choice"``) computes every applicable candidate
 (:data:`fusion_linear_kernels.kernels.CANDIDATES`) on its real input, admits those whose output
 stands for ``F.linear``'s (:mod:`fusion_linear_kernels.tolerance`), times the admitted ones over a
 pass of copies of the weight (read from memory, as decode reads every layer's) and keeps the fastest

@@ -15,7 +15,7 @@ So the fused experts module (:class:`fusion_linear_kernels.family.ExpertsKernels
 implementation, the mode), among :data:`CANDIDATES`: transformers' own implementations that this
 transformers registers, and :func:`routed_gemv` (one GEMV per routed expert and projection, where
 oneDNN's bfloat16 GEMM reorders each weight it multiplies). The first call of a kind (that this machine
-has no stored decision for: :mod:`fusion_core.decisions`, topic ``"linear_kernels.experts"``) runs each
+has no stored decision for: :class:`fusion_core.plugin.Decisions`, topic ``"linear_kernels.experts"``) runs each
 on its real input, admits those whose output stands for the configured implementation's
 (bit-identical in exact mode; within :func:`admission_bound` otherwise), times the admitted ones over
 a pass of routings to other experts (:func:`timed_routings`: weights read from memory, as decode reads
@@ -255,7 +255,7 @@ def choose(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Te
 
 def timed_routings(module: nn.Module, top_k_index: torch.Tensor) -> list[torch.Tensor]:
     """The routings a timed pass runs: the call's experts renumbered onto other experts, call after call, so that
-    a pass reads distinct experts' weights from memory (:func:`fusion_core.decisions.pass_size`), as decode steps
+    a pass reads distinct experts' weights from memory (:func:`fusion_core.plugin.pass_size`), as decode steps
     do, where the same experts timed again and again would be served from cache."""
     stacked = [p for p in module.parameters(recurse=False) if p.dim() == 3]
     count = int(stacked[0].shape[0])

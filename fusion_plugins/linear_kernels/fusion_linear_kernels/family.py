@@ -19,10 +19,10 @@ numerical bound of ``F.linear`` (:mod:`fusion_linear_kernels.tolerance`), or bit
   per kind of call on the real input at few rows; prefill, training, other devices and quantized
   weights run ``F.linear``; under ``torch.compile`` the forward is ``F.linear`` itself.
 
-The merged projections of ``qkv`` and ``gate_up`` (:class:`fusion_core.merged.MergedLinear`) get the
+The merged projections of ``qkv`` and ``gate_up`` (:class:`fusion_core.plugin.MergedLinear`) get the
 same two mechanisms, set by this plugin's ``fusion_convert_loaded`` hook when both families are enabled
 (:mod:`fusion_linear_kernels.plugin`): where the merged weight packs, its container (``qkv_proj``, a
-:class:`~fusion_core.merged.MergedProjection`) is fused by this family as a layer of its own
+:class:`~fusion_core.plugin.MergedProjection`) is fused by this family as a layer of its own
 (:func:`merged_packing_plan`), nested in the merging family's module, and runs the merged GEMM packed;
 elsewhere the ``kernel`` extension point gets the kernel choice.
 """
@@ -287,7 +287,7 @@ class ExactExpertsKernelsMixin(ExpertsKernelsMixin):
 
 
 def kernel(exact: bool) -> LinearKernel:
-    """The picklable ``kernel(input, weight, bias)`` of a mode, for :attr:`fusion_core.merged.MergedLinear.kernel`."""
+    """The picklable ``kernel(input, weight, bias)`` of a mode, for :attr:`fusion_core.plugin.MergedLinear.kernel`."""
     return linear_exact if exact else linear_within_bound
 
 
@@ -368,7 +368,7 @@ def experts_packing_plan(module: nn.Module, plan: ModulePlan) -> ModulePlan:
 
 def merged_packing_plan(parent: ModulePlan, name: str, container: nn.Module, exact: bool) -> ModulePlan | None:
     """The plan that holds a merged container's weight packed (``parent``'s ``name`` child, a
-    :class:`~fusion_core.merged.MergedProjection` that ``qkv`` or ``gate_up`` built), or None where it stays as it is.
+    :class:`~fusion_core.plugin.MergedProjection` that ``qkv`` or ``gate_up`` built), or None where it stays as it is.
 
     Fusing it with this plan makes the container a ``linear_kernels`` layer nested in the merging family's module:
     its weight ``->`` the packed weight (the same transform as every other layer's), so ``state_dict``, saves and

@@ -11,7 +11,7 @@ slices are packed transposed). The dense stack is released; :class:`PrepackExper
 transform, its inverse the stack again, bit for bit, which ``state_dict``, saves and ``unfuse`` present.
 
 **Where it packs** (at load, once per kind of module, :func:`packs_module`, or read from this machine's stored
-decisions: :mod:`fusion_core.decisions`, topic ``"linear_kernels.packed_experts"``; :func:`decisions` lists them
+decisions: :class:`fusion_core.plugin.Decisions`, topic ``"linear_kernels.packed_experts"``; :func:`decisions` lists them
 with the timings): every 3-D weight of the module is a plain CPU floating tensor that
 :func:`fusion_linear_kernels.packing.ineligible` admits (not a quantizer's, not a DTensor, not in a
 distributed job); each stack's expert matrices pack (:func:`fusion_linear_kernels.packing.measure`: the
@@ -112,7 +112,7 @@ def pack(stack: torch.Tensor, transposed: bool) -> PackedExperts:
 
 def timed_experts(stack: torch.Tensor, transposed: bool) -> list[torch.Tensor]:
     """The ``[out, in]`` matrices of the experts a packing measurement times: evenly spread, as many as a pass reads
-    from memory (:func:`fusion_core.decisions.pass_size`: one expert's matrix, timed again and again, may stay in
+    from memory (:func:`fusion_core.plugin.pass_size`: one expert's matrix, timed again and again, may stay in
     cache)."""
     dense = stack.detach()
     count = pass_size(dense[0].numel() * dense.element_size(), available=int(dense.shape[0]))

@@ -10,7 +10,7 @@ same shape, dtype and device; the dense tensor is released, so memory stays the 
 
 **Where it packs** (decided by :func:`packs`, once per kind = weight shape, dtype and mode, on the
 first layer of that kind a load converts, or read from this machine's stored decisions:
-:mod:`fusion_core.decisions`, topic ``"linear_kernels.packing"``; :func:`pack_decisions` lists them):
+:class:`fusion_core.plugin.Decisions`, topic ``"linear_kernels.packing"``; :func:`pack_decisions` lists them):
 
 - only torch's own dense, strided, 2-D CPU tensors (not a quantizer's tensor subclass, not a DTensor,
   not on an accelerator or ``meta``: those are returned unchanged and keep ``F.linear``), of a
@@ -27,7 +27,7 @@ first layer of that kind a load converts, or read from this machine's stored dec
   (logits bit-identical to the model without this family) is what the tests check on whole models;
 - only where it is faster: timed against ``F.linear`` over a pass of copies of the layer's weight (read
   from memory, as decode reads every layer's) on a synthetic input, it must be faster beyond the
-  facility's margin (:func:`fusion_core.decisions.faster`) at :data:`DECODE_ROWS` row (decode), and
+  facility's margin (:func:`fusion_core.plugin.faster`) at :data:`DECODE_ROWS` row (decode), and
   ``F.linear`` must not be faster beyond it at :data:`PREFILL_ROWS` rows (a prompt: a packed weight has
   no dense copy to fall back on). Timing does not depend on the values, so the decision is made at
   load, on synthetic inputs, not on the first real call.

@@ -12,7 +12,7 @@ Besides the family, one lifecycle hook, a wrapper around the conversion of a loa
   does a layer whose weight the model's code reads directly (``self.dt_proj.weight @ x`` in Mamba:
   :mod:`fusion_linear_kernels.direct_reads`). The wrapper replaces plans, so it declares ``tryfirst=True``;
 - after it, the merged projections of the other families (``qkv``, ``gate_up``:
-  :class:`fusion_core.merged.MergedLinear`) get what the plain layers get, in the mode the
+  :class:`fusion_core.plugin.MergedLinear`) get what the plain layers get, in the mode the
   ``linear_kernels`` modules of that load were fused with: a merged container whose weight packs is
   fused as a ``linear_kernels`` layer of its own, nested in the merging family's module
   (:func:`pack_merged`), and runs the merged GEMM packed; the others get the kernel choice through
@@ -24,7 +24,7 @@ each fused layer whether its weight is packed (traced code reads that flag: a fa
 (``fusion_core.unfuse`` registers a restored tensor anew, after the bias, when its fused name is its original name,
 as ``weight`` is here). ``fusion_save_kwargs`` refuses a fused-layout save (``save_original_format=False``) of a
 model holding packed weights, by name. The measured decisions (kernel, packing, experts) live in fusion-core's
-decisions facility (:mod:`fusion_core.decisions`), which ``fusion_core.reset_state()`` resets: no hook of this
+decisions facility (:class:`fusion_core.plugin.Decisions`), which ``fusion_core.reset_state()`` resets: no hook of this
 plugin's is needed for them.
 """
 

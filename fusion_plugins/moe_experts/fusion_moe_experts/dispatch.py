@@ -127,7 +127,7 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, routed: Routed) -> 
 
 
 def native_bf16() -> bool:
-    """Whether this CPU's GEMMs run bfloat16 natively (:func:`fusion_core.compat.torch.native_bf16_gemms`)."""
+    """Whether this CPU's GEMMs run bfloat16 natively (:func:`fusion_core.plugin.native_bf16_gemms`)."""
     return native_bf16_gemms()
 
 

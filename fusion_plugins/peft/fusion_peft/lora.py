@@ -1,7 +1,7 @@
 """PEFT LoRA on fused models, by the original module names.
 
 On a fused model the modules LoRA targets are no longer what PEFT knows: ``q_proj`` is a
-:class:`~fusion_core.merged.MergedSlice` (rows of the merged ``qkv_proj.weight``) and a fused patch
+:class:`~fusion_core.plugin.MergedSlice` (rows of the merged ``qkv_proj.weight``) and a fused patch
 embedding is a ``Conv3d`` subclass holding a flattened 2-D weight. This integration teaches PEFT's
 LoRA about both, so that ``LoraConfig(target_modules=["q_proj", "v_proj", "gate_proj", "proj"])``
 works on a fused model exactly as on the unfused one.

@@ -9,7 +9,7 @@ children named alike but for the role word (``q_proj``/``k_proj``/``v_proj``,
 width, that the class's ``forward`` applies to the same tensor. The family does not copy any
 architecture's attention ``forward``: the fused class keeps the original one, and its
 ``fusion_finalize`` replaces the three projection children by slices of one merged projection
-(see :mod:`fusion_core.merged`), under their original names (PEFT targets them as before). The
+(see :class:`fusion_core.plugin.MergedProjectionsMixin`), under their original names (PEFT targets them as before). The
 q/k/v calls on the same input tensor share one GEMM; any other call is answered from that
 projection's own rows, so the module computes what it computed before, on every architecture and
 every code path (eager, sdpa, with or without a cache).

@@ -82,7 +82,7 @@ def bnb_loads_in(quantization: Any, bits: int) -> bool:
 
     The public ``load_in_4bit`` / ``load_in_8bit``, or the private ``_load_in_4bit`` / ``_load_in_8bit``
     that ``BitsAndBytesConfig`` keeps them in and ``to_dict`` writes beside them (every release in
-    ``fusion_core.compat.transformers.CHECKED_RELEASES``); a dict with only the private key still counts.
+    the core's checked transformers releases, docs/compatibility.md); a dict with only the private key still counts.
     """
     names = (f"load_in_{bits}bit", f"_load_in_{bits}bit")
     if isinstance(quantization, dict):

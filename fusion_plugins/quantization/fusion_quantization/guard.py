@@ -1,7 +1,7 @@
 """Noticing a quantizer that ran on a fused model and could not see some fused weights.
 
 Quantizers pick ``nn.Linear`` modules that hold a ``weight``. A merged projection's container is
-one (:class:`fusion_core.merged.MergedProjection`), and ``moe_experts`` keeps ``nn.Linear`` stand-ins
+one (:class:`fusion_core.plugin.MergedProjection`), and ``moe_experts`` keeps ``nn.Linear`` stand-ins
 of its experts that refuse a quantizer by name; for those, a quantizer sees what it sees on the
 unfused model, and what it quantizes or skips (a ``filter_fn``) is the user's choice, as there
 (torch's own ``quantize_dynamic`` is the exception: it looks classes up by exact type, so it sees
@@ -11,7 +11,7 @@ leaves fused weights no quantizer can see: quantizing the rest of the model woul
 unquantized without a word. To notice that, a few of the model's other ``nn.Linear`` modules (an
 attention's ``o_proj``, an MLP's ``down_proj``, the LM head) are kept as *sentinels* when the model
 is fused: once a quantizer touched one, the model's first forward and any save raise
-:class:`~fusion_core.errors.FusionError` naming such a family, the module, the quantizer and the way
+:class:`~fusion_core.FusionError` naming such a family, the module, the quantizer and the way
 out.
 
 The guard is plain data on the model (sentinel paths, no module references) and the check a

@@ -2,9 +2,9 @@
 
 After a fused load, a quantizer that picks ``nn.Linear`` modules (torchao's ``quantize_``, quanto's
 ``quantize``) quantizes a merged projection's container like the parts on the unfused model (see
-:mod:`fusion_core.merged`). A load that quantizes (or a checkpoint pre-quantized) is merged exactly
+:class:`fusion_core.plugin.MergedProjectionsMixin`). A load that quantizes (or a checkpoint pre-quantized) is merged exactly
 unless :func:`at_load_refusal` says why not, and when every fused module only concatenates rows: torchao through
-the conversion's concatenation of tensor subclasses (:mod:`fusion_core.wrapped`); bitsandbytes and
+the conversion's concatenation of tensor subclasses (:func:`fusion_core.plugin.concat`); bitsandbytes and
 quanto, whose modules hold state the conversion cannot carry, by taking the parts' state out before
 it and installing the quantizer's module over the merged state after it
 (:mod:`fusion_quantization.bnb_int8`, :mod:`~fusion_quantization.bnb_4bit`,
@@ -95,7 +95,7 @@ def at_load_refusal(quantization: Any) -> str | None:
     """Why the conversion cannot merge what this load quantizes (or a checkpoint holds pre-quantized), or None.
 
     Merged: torchao's tensor subclasses, concatenated through their inner tensors by the conversion, exactly or
-    refused (:mod:`fusion_core.wrapped`); bitsandbytes LLM.int8 and 4-bit (nf4, fp4) and quanto's 8-bit weights,
+    refused (:func:`fusion_core.plugin.concat`); bitsandbytes LLM.int8 and 4-bit (nf4, fp4) and quanto's 8-bit weights,
     whose modules hold state the conversion cannot carry, merged by this integration
     (:mod:`fusion_quantization.bnb_int8`, :mod:`~fusion_quantization.bnb_4bit`,
     :mod:`~fusion_quantization.quanto_bytes`). Refused: what they cannot merge exactly, and other quantizers.

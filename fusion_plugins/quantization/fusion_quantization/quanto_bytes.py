@@ -4,7 +4,7 @@ transformers replaces each ``nn.Linear`` by quanto's ``QLinear`` and freezes it:
 a ``WeightQBytesTensor`` of 8-bit rows and one scale per output row (``axis=0``; read through
 :mod:`fusion_quantization.compat`). A merged layer whose rows and scales are the parts' concatenated computes, column
 for column, what the parts computed. The tensor records its own size in its flatten context, so
-the conversion's generic concatenation (:func:`fusion_core.wrapped.concat`) cannot rebuild it;
+the conversion's generic concatenation (:func:`fusion_core.plugin.concat`) cannot rebuild it;
 instead the rows and scales are taken out of the parts before the conversion
 (:func:`take_rows`, leaving a shape-only stand-in for the plan's concatenation) and the container
 becomes a frozen ``QLinear`` over them after it (:func:`install`). A ``state_dict`` hook on it

@@ -14,7 +14,7 @@ part any rule skips counts as skipped. Where the rules disagree the prediction c
 conversion's own check of the parts it receives refuses instead (after the weights are read).
 
 The patterns come from a checkpoint's config, which fusion-core does not control, so they run on
-RE2 (:mod:`fusion_core.patterns`), in time linear in the module path, with transformers' semantics
+RE2 (:func:`fusion_core.plugin.compile_pattern`), in time linear in the module path, with transformers' semantics
 (its ``re.match`` with a boundary, torchao's ``re.fullmatch``): Python's ``re`` backtracks, and a
 pattern such as ``(.*.*)*X`` would hang the planning. A pattern RE2 cannot run (a backreference,
 lookaround) matches nothing here, like a pattern ``re`` rejects; the conversion's check then decides.

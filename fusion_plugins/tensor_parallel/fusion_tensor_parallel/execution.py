@@ -1,6 +1,6 @@
 """Executing the families' tensor-parallel declarations on the shards transformers loaded.
 
-Each declaration of :mod:`fusion_core.parallel.rules` has an execution here: :func:`localize`
+Each declaration of :class:`fusion_core.plugin.TensorParallelRule` has an execution here: :func:`localize`
 checks the plan entries of a fused module's original tensors right after transformers loaded
 them and, for a sharded module, replaces its sharded original tensors by this rank's local rows
 and returns a :class:`ShardedModule` whose ``local_plan`` the fused layout is built from;
@@ -110,7 +110,7 @@ def _localize_replicated(module: nn.Module, plan: ModulePlan, styles: StyleLooku
 
 
 class _PackedColwiseExecution:
-    """:class:`~fusion_core.parallel.rules.PackedColwise` on one module's loaded shards."""
+    """:class:`~fusion_core.plugin.PackedColwise` on one module's loaded shards."""
 
     def __init__(self, rule: PackedColwise) -> None:
         self.rule = rule

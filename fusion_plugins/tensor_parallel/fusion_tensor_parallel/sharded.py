@@ -7,7 +7,7 @@ of its original tensors (plain local shards on 5.1-5.15). The integration's
 conversion of the loaded instances:
 
 1. before it, :func:`localize_built` executes each instance's family rule
-   (:mod:`fusion_core.parallel.rules`, :mod:`fusion_tensor_parallel.execution`): it checks the plan
+   (:class:`fusion_core.plugin.TensorParallelRule`, :mod:`fusion_tensor_parallel.execution`): it checks the plan
    entries of its original tensors, replaces the shards by this rank's local tensors and gives a
    rank-local plan, so the ordinary conversion builds ``[q_r; k_r; v_r]`` from them;
 2. after it, :func:`finish` turns the local fused tensors back into DTensors of the model's mesh
