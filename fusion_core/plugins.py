@@ -160,6 +160,9 @@ def validate_spec(spec: object) -> ModuleFusionSpec[Any]:
         )
     if not isinstance(spec.description, str):
         raise TypeError(f"family {spec.name!r}: description must be a string")
+    preserves = spec_module.spec_member(spec, "preserves")
+    if preserves not in spec_module.PRESERVES:
+        raise ValueError(f"family {spec.name!r}: preserves must be one of {spec_module.PRESERVES}, got {preserves!r}")
     options_model = spec.options_model
     if not (isinstance(options_model, type) and issubclass(options_model, BaseModel)):
         raise TypeError(f"family {spec.name!r}: options_model must be a pydantic model class")

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors import safe_open
 from torch import nn
 
 import fusion_core
@@ -60,16 +59,6 @@ def _root_family(mixin: type, preserves: str = "outputs") -> fusion_core.FusionF
     return family
 
 
-def _tensors(directory: Path) -> dict[str, bytes]:
-    out: dict[str, bytes] = {}
-    for shard in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(shard), "pt") as handle:
-            for key in handle.keys():
-                tensor = handle.get_tensor(key)
-                out[key] = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-    return out
-
-
 def test_a_root_family_composes_saves_the_original_layout_and_unfuses(llama: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -84,7 +73,7 @@ def test_a_root_family_composes_saves_the_original_layout_and_unfuses(llama: Pat
     with torch.no_grad():
         assert kit.relative_error(plain(ids).logits, model(ids).logits) <= kit.TOLERANCES[torch.float32]
     fusion_core.save_pretrained(model, tmp_path / "saved")
-    assert _tensors(tmp_path / "saved") == _tensors(llama)
+    assert kit.compare_checkpoints(llama, tmp_path / "saved").ok  # names, dtypes, shapes, bytes
     fusion_core.unfuse(model)
     assert type(model) is type(plain) and fusion_core.get_fusion_plan(model) is None
 
@@ -126,7 +115,7 @@ def test_a_fused_root_keeps_the_key_renames_of_its_class(tmp_path: Path) -> None
     assert isinstance(fused, _Root)
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), fused.state_dict().values(), strict=True))
     fusion_core.save_pretrained(fused, tmp_path / "saved")
-    assert _tensors(tmp_path / "saved") == _tensors(tmp_path / "source")
+    assert kit.compare_checkpoints(tmp_path / "source", tmp_path / "saved").ok
 
 
 def test_a_root_fused_by_class_only_is_held_to_every_key_below_it(llama: Path, tmp_path: Path) -> None:
@@ -146,3 +135,9 @@ def test_a_root_fused_by_class_only_is_held_to_every_key_below_it(llama: Path, t
 
     with pytest.raises(fusion_core.FusionLoadError, match=r"missing key 'model\.layers\.0\.mlp\.down_proj\.weight'"):
         fusion_core.from_pretrained(AutoModelForCausalLM, tmp_path / "partial", fusion_config={"root_test": True})
+
+
+def test_a_declaration_the_core_does_not_know_is_refused_at_registration() -> None:
+    """A misspelt ``preserves`` value would otherwise leave the family held to nothing but the default."""
+    with pytest.raises(fusion_core.PluginError, match="preserves must be one of .*'training_loss'.*got 'loss'"):
+        fusion_core.register_family(_root_family(_Root, "loss"))
