@@ -84,12 +84,6 @@ LinearKernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], tor
 bias)``."""
 
 
-def _version(tensor: torch.Tensor) -> int:
-    # Inference tensors have no version counter; in-place writes to them are only possible inside
-    # inference mode, and no attention or MLP forward writes its input between two projections.
-    return version_counter(tensor)
-
-
 class MergedLinear:
     """The merged projection of one fused module: weight owner, part sizes and the eager output cache.
 
@@ -182,7 +176,7 @@ class MergedLinear:
         cache = self._cache
         if cache is not None:
             cached_input, version, grad, parts, pending = cache
-            if cached_input is input and grad == torch.is_grad_enabled() and version == _version(input):
+            if cached_input is input and grad == torch.is_grad_enabled() and version == version_counter(input):
                 pending &= ~(1 << index)
                 if pending:
                     cache[4] = pending
@@ -208,7 +202,7 @@ class MergedLinear:
                  else [output.narrow(-1, start, stop - start) for start, stop in self.bounds])
         pending = self._all & ~(1 << index)
         if pending:
-            self._cache = [input, _version(input), grad, parts, pending]
+            self._cache = [input, version_counter(input), grad, parts, pending]
         return parts[index]
 
     def _through(self, owner: nn.Module, index: int, input: torch.Tensor) -> torch.Tensor:
@@ -217,7 +211,7 @@ class MergedLinear:
         cache = self._cache
         if cache is not None:
             cached_input, version, grad, parts, pending = cache
-            if cached_input is input and grad == torch.is_grad_enabled() and version == _version(input) and (
+            if cached_input is input and grad == torch.is_grad_enabled() and version == version_counter(input) and (
                 pending >> index
             ) & 1:
                 pending &= ~(1 << index)
@@ -228,7 +222,7 @@ class MergedLinear:
         self.merged_gemms += 1
         columns = [output.narrow(-1, lo, hi - lo) for lo, hi in self.bounds]
         pending = self._all & ~(1 << index)
-        self._cache = [input, _version(input), torch.is_grad_enabled(), columns, pending] if pending else None
+        self._cache = [input, version_counter(input), torch.is_grad_enabled(), columns, pending] if pending else None
         return columns[index]
 
     def _traced_through(self, owner: nn.Module, index: int, input: torch.Tensor) -> torch.Tensor:

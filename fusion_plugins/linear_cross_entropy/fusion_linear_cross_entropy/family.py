@@ -87,6 +87,7 @@ def _labels_position(cls: type) -> int | None:
     return _positions[cls]
 
 
+@functools.cache
 def _original_loss_property(cls: type) -> Any:
     """The ``loss_function`` descriptor the fused class overrides (transformers' property)."""
     mro = cls.__mro__
