@@ -12,6 +12,7 @@ This measures what that is worth, per setting:
 
 - ``lora``: PEFT LoRA r=8 on q/k/v/o/gate/up/down, everything else frozen;
 - ``lora-gc``: the same with gradient checkpointing (non-reentrant);
+- ``full``: every parameter trainable (the head too: its weight gradient is vocab-sized);
 - ``full-gc``: every parameter trainable, with gradient checkpointing.
 
 Contenders: ``plain`` (transformers), ``linear_cross_entropy`` (and with ``--with-merged``
@@ -53,7 +54,7 @@ from bench_io import RESULT_PREFIX, peak_rss_mb, reset_peak_rss, rotate, rss_mb 
 FUSED = "linear_cross_entropy"
 MERGED = "linear_cross_entropy+qkv+gate_up"
 CONTROL = "plain (A/A)"
-SETTINGS = ("lora", "lora-gc", "full-gc")
+SETTINGS = ("lora", "lora-gc", "full", "full-gc")
 MODEL_NAMES = ("qwen2-0.5b", "llama-3.2-1b", "tiny")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 #: Full fine-tuning compares these gradients (original names): the embedding / LM head, the final norm, layer 0.
