@@ -76,8 +76,8 @@ from fusion_core.wrapped import row_slice
 #: Input shapes whose decision kind a merged projection remembers (a cap: prompt lengths vary).
 _MEMO_SIZE = 64
 
-#: Set on a merged container (``qkv_proj``): the names of the projections it holds, for messages.
-PARTS_ATTRIBUTE = "fusion_merged_parts"
+#: Set on a merged container (``qkv_proj``): the names of the projections it holds (read: :func:`container_parts`).
+_PARTS_ATTRIBUTE = "fusion_merged_parts"
 
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 """What :attr:`MergedLinear.kernel` holds: ``kernel(input, weight, bias)``, computing ``F.linear(input, weight,
@@ -351,7 +351,7 @@ def merge_children(parent: nn.Module, names: tuple[str, ...], container: str) ->
     for index, name in enumerate(names):
         parent._modules[name] = MergedSlice(merged, index, in_features)
     merged.originals = dict(zip(names, children, strict=True))
-    owner.__dict__[PARTS_ATTRIBUTE] = tuple(names)
+    owner.__dict__[_PARTS_ATTRIBUTE] = tuple(names)
     return merged
 
 
@@ -374,7 +374,13 @@ def unmerge_children(parent: nn.Module, merged: MergedLinear) -> None:
         del owner.__dict__["in_features"], owner.__dict__["out_features"]
     if "bias" in owner._parameters and owner._parameters["bias"] is None:
         del owner._parameters["bias"]  # the placeholder merge_children registered: an empty container is dropped
-    owner.__dict__.pop(PARTS_ATTRIBUTE, None)
+    owner.__dict__.pop(_PARTS_ATTRIBUTE, None)
+
+
+def container_parts(module: nn.Module) -> tuple[str, ...] | None:
+    """The names of the projections a merged container (``qkv_proj``) holds, in row order; None for any other module."""
+    parts: tuple[str, ...] | None = module.__dict__.get(_PARTS_ATTRIBUTE)
+    return parts
 
 
 def merged_projection(module: nn.Module) -> MergedLinear | None:

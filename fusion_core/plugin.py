@@ -22,7 +22,7 @@ The names, by what they serve:
 - **merged projections** (:mod:`fusion_core.merged`), for families that merge sibling ``nn.Linear``
   layers (``qkv``, ``gate_up``): :class:`MergingFamily` (the family side: finding, refusing, transforms)
   and :class:`MergedProjectionsMixin` (the fused class), :func:`merged_transforms`, :class:`MergedLinear`,
-  :class:`MergedProjection`, :class:`MergedSlice`, :class:`LinearKernel`, :data:`PARTS_ATTRIBUTE`,
+  :class:`MergedProjection`, :class:`MergedSlice`, :class:`LinearKernel`, :func:`container_parts`,
   :func:`merge_children`, :func:`merge_refusal`, :func:`is_plain_linear`, :func:`merged_projection`
   (a fused module's shared projection, or None).
 - **reading a forward's source** (:mod:`fusion_core.forward_source`), for an exact ``is_fusable``:
@@ -81,7 +81,7 @@ _EXPORTS: dict[str, str] = {
     "merged_transforms": "fusion_core.merged",
     "merged_projection": "fusion_core.merged",
     "PackedPart": "fusion_core.transforms",
-    "PARTS_ATTRIBUTE": "fusion_core.merged",
+    "container_parts": "fusion_core.merged",
     "is_plain_linear": "fusion_core.merged",
     "merge_children": "fusion_core.merged",
     "merge_refusal": "fusion_core.merged",
@@ -174,13 +174,13 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         take_own_block as take_own_block,
     )
     from fusion_core.merged import (
-        PARTS_ATTRIBUTE as PARTS_ATTRIBUTE,
         LinearKernel as LinearKernel,
         MergedLinear as MergedLinear,
         MergedProjection as MergedProjection,
         MergedProjectionsMixin as MergedProjectionsMixin,
         MergedSlice as MergedSlice,
         MergingFamily as MergingFamily,
+        container_parts as container_parts,
         is_plain_linear as is_plain_linear,
         merge_children as merge_children,
         merge_refusal as merge_refusal,

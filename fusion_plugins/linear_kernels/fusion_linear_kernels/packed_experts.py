@@ -11,8 +11,8 @@ slices are packed transposed). The dense stack is released; :class:`PrepackExper
 transform, its inverse the stack again, bit for bit, which ``state_dict``, saves and ``unfuse`` present.
 
 **Where it packs** (at load, once per kind of module, :func:`packs_module`, or read from this machine's stored
-decisions: :class:`fusion_core.plugin.Decisions`, topic ``"linear_kernels.packed_experts"``; :func:`decisions` lists them
-with the timings): every 3-D weight of the module is a plain CPU floating tensor that
+decisions: :class:`fusion_core.plugin.Decisions`, topic ``"linear_kernels.packed_experts"``; :func:`decisions` lists
+them with the timings): every 3-D weight of the module is a plain CPU floating tensor that
 :func:`fusion_linear_kernels.packing.ineligible` admits (not a quantizer's, not a DTensor, not in a
 distributed job); each stack's expert matrices pack (:func:`fusion_linear_kernels.packing.measure`: the
 packed GEMM within the bound of ``F.linear``, or bit-identical in exact mode, and faster at one row and not

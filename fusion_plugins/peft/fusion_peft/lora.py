@@ -58,9 +58,9 @@ from torch import nn
 from fusion_core import ModulePlan
 from fusion_core.plugin import (
     LORA_MODULE,
-    PARTS_ATTRIBUTE,
     MergedProjection,
     MergedSlice,
+    container_parts,
     detach_plan,
     is_torch_tensor,
     module_plan,
@@ -232,8 +232,8 @@ def _fused_lora_layer(lora_config: Any, adapter_name: str, target: nn.Module, **
                 f"LoRA with use_dora=True is not supported on the fused {plan.original_class.__name__} at "
                 f"{plan.path!r} (family {plan.family!r}); use plain LoRA, or load that module unfused"
             )
-    elif PARTS_ATTRIBUTE in target.__dict__:
-        parts = "/".join(target.__dict__[PARTS_ATTRIBUTE])
+    elif (names := container_parts(target)) is not None:
+        parts = "/".join(names)
         raise ValueError(
             f"this module is fusion-core's merged container of {parts}; LoRA targets the original "
             f"projections by name ({parts}), as on the unfused model"

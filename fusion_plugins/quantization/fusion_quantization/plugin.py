@@ -2,10 +2,10 @@
 
 After a fused load, a quantizer that picks ``nn.Linear`` modules (torchao's ``quantize_``, quanto's
 ``quantize``) quantizes a merged projection's container like the parts on the unfused model (see
-:class:`fusion_core.plugin.MergedProjectionsMixin`). A load that quantizes (or a checkpoint pre-quantized) is merged exactly
-unless :func:`at_load_refusal` says why not, and when every fused module only concatenates rows: torchao through
-the conversion's concatenation of tensor subclasses (:func:`fusion_core.plugin.concat`); bitsandbytes and
-quanto, whose modules hold state the conversion cannot carry, by taking the parts' state out before
+:class:`fusion_core.plugin.MergedProjectionsMixin`). A load that quantizes (or a checkpoint pre-quantized) is
+merged exactly unless :func:`at_load_refusal` says why not, and when every fused module only concatenates rows:
+torchao through the conversion's concatenation of tensor subclasses (:func:`fusion_core.plugin.concat`);
+bitsandbytes and quanto, whose modules hold state the conversion cannot carry, by taking the parts' state out before
 it and installing the quantizer's module over the merged state after it
 (:mod:`fusion_quantization.bnb_int8`, :mod:`~fusion_quantization.bnb_4bit`,
 :mod:`~fusion_quantization.quanto_bytes`). What cannot be quantized exactly is refused by name,
