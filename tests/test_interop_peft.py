@@ -259,3 +259,9 @@ def test_a_fused_load_next_to_such_a_peft_loads_and_refuses_lora_there(llama, mo
     with pytest.raises(ImportError, match=rf"needs fusion-peft.*peft {peft.__version__} has no LoraModel\."
                                           r"_create_new_module.*'model\.layers\.0\.self_attn'"):
         LoraModel(model=fused, peft_config=None, adapter_name="default")
+
+
+def test_lora_on_a_merged_container_is_refused_naming_its_parts(llama: Path) -> None:
+    """The merged container holds rows of several projections: LoRA targets those by their original names."""
+    with pytest.raises(ValueError, match=r"merged container of q_proj/k_proj/v_proj.*target.*original"):
+        _lora(_fused(llama), ["qkv_proj"])
