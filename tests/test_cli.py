@@ -396,3 +396,29 @@ def test_check_runs_a_training_step_for_a_family_that_declares_the_training_loss
     assert "training loss" in report["training"]["note"]
     assert cli.main(["check", str(tmp_path / "qwen2"), "-f", "scaled_loss", "--repeats", "1"]) == 1
     assert "Training step with labels (scaled_loss" in capsys.readouterr().out
+
+
+class _RaisingLoss(_ScaledLoss):
+    """A training-time root fusion whose training step raises (where the plain model trains)."""
+
+    def forward(self, *args, **kwargs):
+        if self.training and kwargs.get("labels") is not None:
+            raise RuntimeError("training step exploded")
+        return super().forward(*args, **kwargs)
+
+
+class _RaisingLossFamily(_ScaledLossFamily):
+    """Declares preserves='training_loss' and cannot train."""
+
+    name = "raising_loss"
+    fused_mixin = _RaisingLoss
+
+
+def test_check_fails_when_the_fused_training_step_raises(tmp_path, fusion_registered, capsys):
+    from fusion_core.testing.tiny_models import TEXT_MODELS, save_tiny_model
+
+    save_tiny_model(TEXT_MODELS["qwen2"], tmp_path / "qwen2")
+    fusion_registered(_RaisingLossFamily())
+    assert cli.main(["check", str(tmp_path / "qwen2"), "-f", "raising_loss", "--repeats", "1", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["training"]["ok"] and "RuntimeError in the training step" in report["training"]["note"]
