@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextvars
 import copy
 import hashlib
+import json
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -33,13 +34,18 @@ from fusion_core.layout import fuse_instance
 from fusion_core.patching import LOAD_LOCK, ClassRoute, construction_order, context_scoped_patch, no_routing
 from fusion_core.patterns import search_any
 from fusion_core.plugins import PluginSource, RegisteredFamily
-from fusion_core.spec import FamilyOptions, spec_member
+from fusion_core.spec import FamilyOptions, ModuleFusionSpec, spec_member
 from fusion_core.transforms import FusionPlan, ModulePlan, WeightTransform, bind_transforms, declined
 
 
 @dataclass(frozen=True)
 class Discovery:
-    """The outcome of discovery: the plan and the class routing that builds it."""
+    """The plan of one load, immutable: what the load, ``fuse()``, the kit and the CLI read after discovery.
+
+    The validated ``fusion_config`` is read once, by :func:`discover`: its enabled families (each as
+    registered, with its options, hence its source and ``required`` flag) and its record, the JSON written
+    into a saved checkpoint's config. Nothing after discovery goes back to the config.
+    """
 
     model_class: type[nn.Module]
     plan: FusionPlan
@@ -47,6 +53,26 @@ class Discovery:
     scanned_modules: int
     names: LoadedNames
     """How transformers names the checkpoint keys it loads into this model (matches checkpoint keys exactly)."""
+    families: tuple[tuple[RegisteredFamily, FamilyOptions], ...]
+    """The enabled families, in ``fusion_config`` order, each with its options."""
+    fusion_config: str
+    """The validated ``fusion_config`` as JSON (disabled families included): the record a save writes."""
+
+    def specs(self) -> dict[str, ModuleFusionSpec[Any]]:
+        """Each enabled family's spec, by name (what the lifecycle hooks receive as ``families``)."""
+        return {family.name: family.spec for family, _ in self.families}
+
+    def sources(self) -> dict[str, PluginSource]:
+        """Where each enabled family came from, by name: what every error about a family names."""
+        return {family.name: family.source for family, _ in self.families}
+
+    def required(self, name: str) -> bool:
+        """Whether the enabled family ``name`` must fuse something (its ``required`` option)."""
+        return next(options.required for family, options in self.families if family.name == name)
+
+    def record(self) -> dict[str, Any]:
+        """The ``fusion_config`` to record on the loaded model's config (a fresh copy)."""
+        return dict(json.loads(self.fusion_config))
 
 
 def build_meta_model(model_cls: Any, config: Any, constructed: list[nn.Module] | None = None) -> nn.Module:
@@ -146,19 +172,16 @@ def discover(model_cls: Any, config: Any, fusion_config: FusionConfig) -> Discov
 
     The families are the ones ``fusion_config`` was validated against (see :meth:`FusionConfig.families`).
     """
-    families = fusion_config.families()
+    families = tuple(fusion_config.families())
+    recorded = fusion_config.to_json()
     fingerprint = config_fingerprint(config)
-    key = (
-        model_cls,
-        fingerprint,
-        tuple((f.name, _Identity(f.spec), o.model_dump_json()) for f, o in families),
-    )
+    key = (model_cls, fingerprint, recorded, tuple(_Identity(f.spec) for f, _ in families))
     with _cache_lock:
         hit = _cache.get(key) if fingerprint is not None else None
     if hit is not None:
         return hit
     with LOAD_LOCK:  # building the meta model may patch nn.Module.register_parameter process-wide
-        result = _discover(model_cls, config, families)
+        result = _discover(model_cls, config, families, recorded)
     if fingerprint is not None:
         with _cache_lock:
             _cache[key] = result
@@ -233,7 +256,7 @@ def _module_transforms(family: RegisteredFamily, where: str, path: str, module: 
 
 
 def _discover(
-    model_cls: Any, config: Any, families: list[tuple[RegisteredFamily, FamilyOptions]]
+    model_cls: Any, config: Any, families: tuple[tuple[RegisteredFamily, FamilyOptions], ...], recorded: str
 ) -> Discovery:
     constructed: list[nn.Module] = []
     meta_model = build_meta_model(model_cls, config, constructed)
@@ -315,7 +338,7 @@ def _discover(
                       refused=tuple(refused))
     routes = _routes(plan, class_owner, constructed, modules)
     _rehearse(meta_model, plan, {family.name: family.source for family, _ in families})
-    return Discovery(type(meta_model), plan, routes, len(modules), names)
+    return Discovery(type(meta_model), plan, routes, len(modules), names, families, recorded)
 
 
 def _routes(

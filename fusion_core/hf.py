@@ -40,7 +40,7 @@ from fusion_core.aliases import in_process_group
 from fusion_core.casting import Casts, cast_back, hold_stored_dtypes, stored_dtypes
 from fusion_core.checkpoint import check_checkpoint, planned_tensors, read_checkpoint_index
 from fusion_core.compat import transformers as compat
-from fusion_core.config import FusionConfig, parse_fusion_config
+from fusion_core.config import parse_fusion_config
 from fusion_core.discovery import Discovery, discover
 from fusion_core.errors import CheckpointError, FusionError, FusionLoadError, SaveError
 from fusion_core.integration_needs import load_needs, loaded_needs, warn_unserved_libraries
@@ -71,9 +71,9 @@ def get_fusion_plan(model: nn.Module) -> FusionPlan | None:
     return attached_plan(model, FusionPlan)
 
 
-def mark_fused(model: nn.Module, fusion: FusionConfig, plan: FusionPlan) -> None:
+def mark_fused(model: nn.Module, discovery: Discovery, plan: FusionPlan) -> None:
     """Record on a freshly fused model what was applied: the config's record and the plan."""
-    attach_record(model.config, fusion.model_dump())
+    attach_record(model.config, discovery.record())
     attach_plan(model, plan)
 
 
@@ -118,17 +118,18 @@ def from_pretrained(
     fused_dir = is_fused_layout_dir(local)
     config = load_config(model_cls, name_or_path, fused_dir, kwargs)
     stored = pop_stored_fusion_config(config)
-    # A stored fusion_config is validated only when it is used: an explicit one replaces it.
-    fusion = explicit if explicit is not None else parse_fusion_config(stored or {}, registry)
-    if fused_dir and fusion.model_dump() != parse_fusion_config(stored or {}, registry).model_dump():
+    # A stored fusion_config is validated only when it is used: an explicit one replaces it, except in a
+    # fused-layout checkpoint, whose tensors only the stored one can load.
+    fusion = explicit if explicit is not None and not fused_dir else parse_fusion_config(stored or {}, registry)
+    if explicit is not None and explicit.model_dump() != fusion.model_dump():
         raise CheckpointError(
             f"{name_or_path} holds a fused-layout checkpoint made with fusion_config={stored}; it can only be "
-            f"loaded with that fusion_config, not {fusion.model_dump()} (convert it to the original layout first)"
+            f"loaded with that fusion_config, not {explicit.model_dump()} (convert it to the original layout first)"
         )
     if not fusion.enabled_names():
         with LOAD_LOCK:
             return model_cls.from_pretrained(name_or_path, config=config, output_loading_info=want_info, **kwargs)
-    discovery = discover(model_cls, config, fusion)
+    discovery = discover(model_cls, config, fusion)  # from here on, the load reads the plan, not the config
     for name in discovery.plan.skipped:
         reasons = declined(discovery.plan.refused, name)
         logger.warning("fusion family %r found nothing to fuse in %s and is left out (required=False)%s", name,
@@ -137,7 +138,7 @@ def from_pretrained(
         registry.require_integration(need.integration, need.workflow)
     _call_plugins(registry.hook.fusion_load_planned, "fusion_load_planned", plan=discovery.plan,
                   model_class=model_cls, config=config, load_kwargs=MappingProxyType(kwargs),
-                  families=fusion.specs())
+                  families=discovery.specs())
     as_stored: dict[str, tuple[str, torch.dtype]] = {}  # parts a merge casts, loaded as stored (fusion_core.casting)
     if local.is_dir():
         directory = local / kwargs.get("subfolder", "")
@@ -156,18 +157,18 @@ def from_pretrained(
           as reports):
         model = model_cls.from_pretrained(name_or_path, config=config, **kwargs)
     info = _report_of(model, reports)
-    built, plan = _reconcile_build(model, scope, discovery, fusion, fused_dir, casts)
+    built, plan = _reconcile_build(model, scope, discovery, fused_dir, casts)
     _verify_loading_info(info, plan, fused_dir)
     for need in loaded_needs(model):
         registry.require_integration(need.integration, need.workflow)
 
-    convert_with_hooks(model, built, fusion, lambda: _convert_built(built, fused_dir, fusion.sources(), casts))
-    mark_fused(model, fusion, plan)
+    convert_with_hooks(model, built, discovery, lambda: _convert_built(built, fused_dir, discovery.sources(), casts))
+    mark_fused(model, discovery, plan)
     return (model, info) if want_info else model
 
 
 def convert_with_hooks(
-    model: nn.Module, built: list[tuple[nn.Module, ModulePlan]], fusion: FusionConfig, convert: Callable[[], None]
+    model: nn.Module, built: list[tuple[nn.Module, ModulePlan]], discovery: Discovery, convert: Callable[[], None]
 ) -> None:
     """Run ``convert`` (fusing ``built``) as the innermost call of ``fusion_convert_loaded``: wrappers run around it.
 
@@ -178,7 +179,7 @@ def convert_with_hooks(
     registry = get_registry()
     with LOAD_LOCK:
         registry.hook.fusion_convert_loaded.call_extra(
-            [convert], {"model": model, "built": built, "families": fusion.specs()}
+            [convert], {"model": model, "built": built, "families": discovery.specs()}
         )
     warn_unserved_libraries({entry.name for entry in registry.integrations()})
 
@@ -347,8 +348,7 @@ def _convert_one(module: nn.Module, plan: ModulePlan, source: PluginSource, fuse
 
 
 def _reconcile_build(
-    model: nn.Module, scope: BuildScope, discovery: Discovery, fusion: FusionConfig, fused_dir: bool,
-    casts: dict[int, Casts],
+    model: nn.Module, scope: BuildScope, discovery: Discovery, fused_dir: bool, casts: dict[int, Casts],
 ) -> tuple[list[tuple[nn.Module, ModulePlan]], FusionPlan]:
     """The fused instances that sit where discovery planned them, and the plan of this load.
 
@@ -385,10 +385,10 @@ def _reconcile_build(
         family = next(p.family for p in scope.routes[cls].instances if p is not None)
         problems.append((family, f"the model constructs {count} more {cls.__qualname__} instances than the model "
                                  "discovery planned"))
-    required = {family.name: options.required for family, options in fusion.families()}
     for family, what in problems:
-        if required[family] or fused_dir:
-            hint = "; a fused-layout checkpoint cannot leave it unfused" if fused_dir and not required[family] else ""
+        required = discovery.required(family)
+        if required or fused_dir:
+            hint = "; a fused-layout checkpoint cannot leave it unfused" if fused_dir and not required else ""
             raise FusionLoadError(f"family {family!r}: {what}{hint}")
     for family, what in problems:
         logger.warning("fusion family %r: %s; left unfused (required=False)", family, what)

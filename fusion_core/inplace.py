@@ -75,7 +75,7 @@ def fuse(model: ModelT, fusion_config: Any) -> ModelT:
     discovery = discover(type(model), plain_config, fusion)
     targets = [(_checked_instance(model, plan), plan) for plan in discovery.plan.modules]
     verified: set[tuple[object, ...]] = set()
-    sources = fusion.sources()
+    sources = discovery.sources()
 
     def convert() -> None:
         for module, plan in targets:
@@ -89,8 +89,8 @@ def fuse(model: ModelT, fusion_config: Any) -> ModelT:
 
     snapshot = _Snapshot(model)
     try:
-        convert_with_hooks(model, targets, fusion, convert)  # under the load lock, as on a load
-        mark_fused(model, fusion, discovery.plan)
+        convert_with_hooks(model, targets, discovery, convert)  # under the load lock, as on a load
+        mark_fused(model, discovery, discovery.plan)
     except BaseException as exc:  # KeyboardInterrupt too: never hand back a half-fused model
         snapshot.restore()
         _add_note(exc, f"fusion_core.fuse: {type(model).__name__} was restored to its state before the call "
