@@ -2,7 +2,7 @@
 
 ``benchmarks/gpu.sh`` runs on a machine that cannot reach PyPI, with a python whose setuptools
 may not build wheels. fusion-core and its families need no build: their sources import as they
-are. What an install adds is the distribution metadata, whose ``fusion_core`` entry points
+are. What an install adds is the distribution metadata, whose entry points
 register the families. This writes that metadata (``<name>-<version>.dist-info`` with METADATA
 and entry_points.txt, read from each pyproject.toml) into a site folder, and prints the
 ``PYTHONPATH`` that makes both importable: the site folder, then each project's source root.

@@ -444,7 +444,8 @@ def save_pretrained(
     """
     if transformers_kwargs.get("safe_serialization", True) is False:
         raise SaveError("fusion-core writes safetensors only; safe_serialization=False is not supported")
-    fused = get_fusion_plan(model) is not None or any(module_plan(m) is not None for m in model.modules())
+    families = {plan.family for m in model.modules() if (plan := module_plan(m)) is not None}
+    fused = get_fusion_plan(model) is not None or bool(families)
     if not save_original_format and not fused:
         raise SaveError("save_original_format=False needs a fused model; this one has no fused module")
     _refuse_replaced_fused_modules(model)
@@ -452,7 +453,7 @@ def save_pretrained(
     with rank_zero_directory(target) as staging:
         with nullcontext() if save_original_format else fused_layout():
             save_kwargs = dict(gathered_save_kwargs(model, transformers_kwargs))
-            get_registry().hook.fusion_save_kwargs(model=model, save_kwargs=save_kwargs)
+            get_registry().ensure(*families).hook.fusion_save_kwargs(model=model, save_kwargs=save_kwargs)
             model.save_pretrained(staging, **save_kwargs)  # type: ignore[operator]
         if not save_original_format and is_writer():  # other ranks of a process group wrote no config
             config_path = staging / CONFIG_NAME

@@ -363,7 +363,7 @@ def unfuse_refusal(module: nn.Module) -> str | None:
             f"family {plan.family!r}, module {plan.path!r}: its fused class sets itself up in fusion_finalize but "
             "has no fusion_unfinalize, so it cannot be returned to its original class exactly"
         )
-    reason: str | None = get_registry().hook.fusion_unfuse_refusal(module=module, plan=plan)
+    reason: str | None = get_registry().ensure(plan.family).hook.fusion_unfuse_refusal(module=module, plan=plan)
     return None if reason is None else f"family {plan.family!r}, module {plan.path!r}: {reason}"
 
 
@@ -420,7 +420,7 @@ def unfuse_instance(module: nn.Module) -> None:
             owner.register_buffer(leaf, tensor)
     detach_original_layout(module)
     module.__class__ = plan.original_class
-    get_registry().hook.fusion_module_unfused(module=module, plan=plan)
+    get_registry().ensure(plan.family).hook.fusion_module_unfused(module=module, plan=plan)
 
 
 def _drop_created_containers(module: nn.Module, plan: ModulePlan) -> None:

@@ -1,7 +1,11 @@
 """The family registry: plugins found through entry points, each isolated from the others.
 
 Every family, the shipped ones included, arrives the same way: a plugin module named by an
-entry point in the ``fusion_core`` group implements :func:`~fusion_core.hookspecs.register_fusion_families`.
+entry point implements :func:`~fusion_core.hookspecs.register_fusion_families`. A load pays only for the
+families it uses: an entry point in the ``fusion_core.families`` group is named after the one family it
+registers and is imported the first time that name is asked for (a fused load imports the plugins of its
+enabled families, not the others); an entry point in the ``fusion_core`` group (integrations, whose hooks
+act on every load, and any plugin registering several names) is imported when the registry is created.
 A plugin that fails (its import, its hook, what it registers, a hook name no hookspec declares) is
 recorded as a :class:`PluginFailure` naming its distribution and version; the others keep working.
 
@@ -45,6 +49,8 @@ from fusion_core.patterns import compile_pattern
 from fusion_core.spec import FamilyOptions, ModuleFusionSpec
 
 ENTRY_POINT_GROUP = "fusion_core"
+#: Entry points named after the one family each registers, imported when that family is first asked for.
+FAMILY_ENTRY_POINT_GROUP = "fusion_core.families"
 DISABLE_AUTOLOAD_ENV = "FUSION_CORE_DISABLE_PLUGIN_AUTOLOAD"
 STRICT_ENV = "FUSION_CORE_STRICT_PLUGINS"
 ALLOWED_ENV = "FUSION_CORE_ALLOWED_PLUGINS"
@@ -202,7 +208,10 @@ class FamilyRegistry:
     def __init__(self) -> None:
         self._families: dict[str, RegisteredFamily] = {}
         self._integrations: dict[str, RegisteredIntegration] = {}
-        self.failures: list[PluginFailure] = []
+        self._failures: list[PluginFailure] = []
+        # family name -> the fusion_core.families entry points of that name, not imported yet
+        self._deferred: dict[str, list[tuple[metadata.EntryPoint, PluginSource]]] = {}
+        self._deferred_lock = threading.RLock()
         # (kind, name) -> every plugin source that claimed it
         self._claims: dict[tuple[str, str], list[PluginSource]] = {}
         self._plugins: dict[PluginSource, object] = {}
@@ -212,13 +221,33 @@ class FamilyRegistry:
 
     # -- reading ---------------------------------------------------------------------------
     def __contains__(self, name: object) -> bool:
+        if isinstance(name, str):
+            self.ensure(name)
         return name in self._families
 
     def __iter__(self) -> Iterator[RegisteredFamily]:
+        self._load_deferred(list(self._deferred))
         return iter(list(self._families.values()))
 
     def names(self) -> list[str]:
+        self._load_deferred(list(self._deferred))
         return list(self._families)
+
+    @property
+    def failures(self) -> list[PluginFailure]:
+        """Every plugin that could not be used, and why (every entry point is imported first)."""
+        self._load_deferred(list(self._deferred))
+        return list(self._failures)
+
+    def ensure(self, *names: str) -> FamilyRegistry:
+        """Import the plugins of the families ``names`` if not yet imported; returns the registry.
+
+        Whoever calls a hook about modules of some families (a save, an unfuse) ensures their plugins first:
+        a model unpickled in a fresh process has fused modules whose plugins nothing has imported yet.
+        """
+        # A name registered already may still be claimed by a deferred entry point: loading it reports the clash.
+        self._load_deferred([name for name in names if name in self._deferred or name not in self._families])
+        return self
 
     @property
     def hook(self) -> Any:
@@ -231,6 +260,7 @@ class FamilyRegistry:
 
     def get(self, name: str) -> RegisteredFamily:
         """The family called ``name``, or :class:`UnknownFamilyError` saying what is installed."""
+        self.ensure(name)
         try:
             return self._families[name]
         except KeyError:
@@ -245,7 +275,7 @@ class FamilyRegistry:
                                       f"installed{self._absence(name)}")
 
     def unknown_family_message(self, name: str) -> str:
-        installed = ", ".join(sorted(self._families)) or "none"
+        installed = ", ".join(sorted(self.names())) or "none"
         message = f"unknown fusion family {name!r}; installed families: {installed}"
         close = difflib.get_close_matches(name, list(self._families), n=1)
         if close:
@@ -258,7 +288,8 @@ class FamilyRegistry:
         failed = [f for f in self.failures if name in (f.family, f.source.plugin)]
         if failed:
             return f". It failed to load: {failed[0]}"
-        declared = next((ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == name), None)
+        declared = next((ep for group in (ENTRY_POINT_GROUP, FAMILY_ENTRY_POINT_GROUP)
+                         for ep in metadata.entry_points(group=group) if ep.name == name), None)
         if declared is not None and declared.dist is not None:
             why = f" ({DISABLE_AUTOLOAD_ENV}=1)" if _env_flag(DISABLE_AUTOLOAD_ENV) else ""
             return (f". The installed distribution {declared.dist.name} {declared.dist.version} declares "
@@ -274,6 +305,7 @@ class FamilyRegistry:
             valid = validate_spec(spec)
         except (TypeError, ValueError) as exc:
             raise PluginError(f"{source}: {exc}") from exc
+        self.ensure(valid.name)  # an installed family of that name is registered first, and wins
         existing = self._families.get(valid.name)
         if existing is not None:
             raise PluginError(
@@ -292,11 +324,14 @@ class FamilyRegistry:
         del self._families[name]
         return registered
 
-    def register_plugin(self, plugin: object, *, source: PluginSource | None = None) -> list[str]:
+    def register_plugin(
+        self, plugin: object, *, source: PluginSource | None = None, family: str | None = None
+    ) -> list[str]:
         """Register a plugin object (a module or instance with hook implementations).
 
         Returns the family and integration names it registered. Failures are recorded (raised in
-        strict mode); a plugin that fails has none of its hooks left registered.
+        strict mode); a plugin that fails has none of its hooks left registered. ``family``: the plugin
+        must register that family and nothing else (a ``fusion_core.families`` entry point of that name).
         """
         source = source or PluginSource(getattr(plugin, "__name__", repr(plugin)))
         try:
@@ -320,7 +355,7 @@ class FamilyRegistry:
         for hook_name, kind in _KINDS.items():
             for impl in getattr(self._pm.hook, hook_name).get_hookimpls():
                 if impl.plugin is plugin:
-                    failed |= not self._call_hook(impl.function, hook_name, kind, source, added)
+                    failed |= not self._call_hook(impl.function, hook_name, kind, source, added, family)
         if failed:
             self._drop(source)
         return added
@@ -352,7 +387,8 @@ class FamilyRegistry:
             self._pm.unregister(plugin)
 
     def _call_hook(
-        self, function: Callable[..., Any], hook_name: str, kind: str, source: PluginSource, added: list[str]
+        self, function: Callable[..., Any], hook_name: str, kind: str, source: PluginSource, added: list[str],
+        family: str | None,
     ) -> bool:
         """Run one registration hook; False when the plugin failed (its hooks are then taken out)."""
         pending: list[object] = []
@@ -375,6 +411,12 @@ class FamilyRegistry:
                     registered = RegisteredIntegration(validate_integration(value), source)
             except (TypeError, ValueError) as exc:
                 self._fail(source, str(exc), family=name if isinstance(name, str) and kind == "family" else None)
+                ok = False
+                continue
+            if family is not None and (kind, registered.name) != ("family", family):
+                self._fail(source, f"an entry point of the {FAMILY_ENTRY_POINT_GROUP!r} group registers the one family "
+                           f"it is named after ({family!r}), not {kind} {registered.name!r}; declare a plugin that "
+                           f"registers other names in the {ENTRY_POINT_GROUP!r} group", family=family)
                 ok = False
                 continue
             ok &= self._claim(kind, registered, source, added)
@@ -419,28 +461,45 @@ class FamilyRegistry:
         failure = PluginFailure(source, reason, family)
         if self.strict:
             raise PluginError(f"{failure} ({STRICT_ENV}=1)")
-        self.failures.append(failure)
+        self._failures.append(failure)
 
     def load_entry_points(self) -> None:
-        """Import every ``fusion_core`` entry point and register its families, one by one."""
+        """Import every ``fusion_core`` entry point and register what it registers, one by one; list the
+        ``fusion_core.families`` ones, imported when their family is first asked for (:meth:`ensure`)."""
         allowed_raw = os.environ.get(ALLOWED_ENV, "").strip()
         allowed = {_normalize(d.strip()) for d in allowed_raw.split(",") if d.strip()} if allowed_raw else None
-        for entry_point in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-            dist = entry_point.dist
-            source = PluginSource(
-                entry_point.name,
-                dist.name if dist is not None else "<unknown distribution>",
-                dist.version if dist is not None else "?",
-            )
-            if allowed is not None and _normalize(source.distribution or "") not in allowed:
-                self.failures.append(PluginFailure(source, f"not loaded: distribution not in {ALLOWED_ENV}"))
-                continue
-            try:
-                plugin = entry_point.load()
-            except (Exception, SystemExit) as exc:  # a plugin calling sys.exit() must not end the host
-                self._fail(source, f"import of {entry_point.value!r} failed: {type(exc).__name__}: {exc}")
-                continue
-            self.register_plugin(plugin, source=source)
+        for group in (ENTRY_POINT_GROUP, FAMILY_ENTRY_POINT_GROUP):
+            for entry_point in sorted(metadata.entry_points(group=group), key=lambda e: e.name):
+                dist = entry_point.dist
+                source = PluginSource(
+                    entry_point.name,
+                    dist.name if dist is not None else "<unknown distribution>",
+                    dist.version if dist is not None else "?",
+                )
+                if allowed is not None and _normalize(source.distribution or "") not in allowed:
+                    self._failures.append(PluginFailure(source, f"not loaded: distribution not in {ALLOWED_ENV}"))
+                elif group == FAMILY_ENTRY_POINT_GROUP:
+                    self._deferred.setdefault(entry_point.name, []).append((entry_point, source))
+                else:
+                    self._load(entry_point, source, None)
+
+    def _load_deferred(self, names: list[str]) -> None:
+        """Import the deferred ``fusion_core.families`` entry points named ``names`` (each plugin once)."""
+        with self._deferred_lock:
+            for name in names:
+                for entry_point, source in self._deferred.pop(name, ()):
+                    if self._load(entry_point, source, name) == []:
+                        self._fail(source, f"registers no family {name!r}, the name of its "
+                                   f"{FAMILY_ENTRY_POINT_GROUP!r} entry point", family=name)
+
+    def _load(self, entry_point: metadata.EntryPoint, source: PluginSource, family: str | None) -> list[str] | None:
+        """Import one entry point and register its plugin: the names it registered (None: its import failed)."""
+        try:
+            plugin = entry_point.load()
+        except (Exception, SystemExit) as exc:  # a plugin calling sys.exit() must not end the host
+            self._fail(source, f"import of {entry_point.value!r} failed: {type(exc).__name__}: {exc}", family=family)
+            return None
+        return self.register_plugin(plugin, source=source, family=family)
 
 
 def conventional_distribution(name: str) -> str:

@@ -8,6 +8,7 @@ Every plugin here is a real distribution: a ``<name>-<version>.dist-info`` direc
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import textwrap
 import uuid
@@ -17,6 +18,7 @@ import pytest
 import torch
 from fusion_patch_embeddings.family import PatchLinearMixin
 from pydantic import ValidationError
+from transformers import AutoModelForCausalLM
 
 import fusion_core
 from fusion_core import cli
@@ -35,26 +37,29 @@ class Site:
         self.prefix = f"relplug_{uuid.uuid4().hex[:8]}_"
         self.modules: list[str] = []
 
-    def add(self, dist: str, version: str, plugins: dict[str, str], modules: dict[str, str]) -> dict[str, str]:
-        """Write a distribution; module names get a unique prefix. Returns the real module names."""
+    def add(self, dist: str, version: str, plugins: dict[str, str], modules: dict[str, str],
+            group: str = "fusion_core") -> dict[str, str]:
+        """Write a distribution with entry points in ``group``; module names get a unique prefix. Returns the real
+        module names."""
         names = {short: self.prefix + dist.replace("-", "_") + "_" + short for short in modules}
         info = self.root / f"{dist.replace('-', '_')}-{version}.dist-info"
         info.mkdir(parents=True)
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
         lines = [f"{ep} = {_rename(target, names)}\n" for ep, target in plugins.items()]
-        (info / "entry_points.txt").write_text("[fusion_core]\n" + "".join(lines))
+        (info / "entry_points.txt").write_text(f"[{group}]\n" + "".join(lines))
         for short, source in modules.items():
             (self.root / f"{names[short]}.py").write_text(textwrap.dedent(source))
         self.modules.extend(names.values())
         fusion_core.reset_registry()
         return names
 
-    def family(self, dist: str, name: str, version: str = "0.3.1", body: str = "", register: str | None = None) -> None:
+    def family(self, dist: str, name: str, version: str = "0.3.1", body: str = "", register: str | None = None,
+               group: str = "fusion_core", entry_point: str | None = None) -> None:
         """A one-family plugin distribution; ``body`` overrides parts of a working family."""
         source = FAMILY_TEMPLATE.format(name=name, body=textwrap.indent(textwrap.dedent(body), "    "))
         source += textwrap.dedent(register or "\n@fusion_core.hookimpl\ndef register_fusion_families(register):\n"
                                               "    register(Family())\n")
-        self.add(dist, version, {name: "plugin"}, {"plugin": source})
+        self.add(dist, version, {entry_point or name: "plugin"}, {"plugin": source}, group)
 
 
 FAMILY_TEMPLATE = '''\
@@ -569,3 +574,79 @@ def test_a_new_optional_member_is_read_when_registering(monkeypatch):
     with pytest.raises(fusion_core.PluginError, match=r"'kernel_choise' .*did you mean 'kernel_choice'\?"):
         fusion_core.register_family(spec)
 
+
+
+# -- families imported when first asked for (the fusion_core.families entry-point group) -----------------------
+
+FAMILIES_GROUP = "fusion_core.families"
+
+
+def test_a_family_entry_point_is_imported_when_its_family_is_first_asked_for(site, tmp_path, qwen_dir):
+    marker = tmp_path / "imported"
+    site.add("fusion-marker", "1.0", {"markerfam": "plugin"}, _marker_plugin(marker), group=FAMILIES_GROUP)
+    registry = fusion_core.get_registry()
+    _patch_embeddings_still_works(qwen_dir)
+    assert not marker.exists()  # a load that does not enable it never imports it
+    assert "markerfam" in registry and marker.exists()
+
+
+def test_a_fused_load_imports_the_plugins_of_its_families_and_the_integrations_only(llama):
+    """In a fresh process: the shipped families not enabled stay unimported; listing the families imports them."""
+    script = textwrap.dedent(f"""
+        import sys
+        import fusion_core
+        from transformers import AutoModelForCausalLM
+        fusion_core.from_pretrained(AutoModelForCausalLM, {str(llama)!r}, fusion_config={{"qkv": True}})
+        print(sorted(m for m in sys.modules if m.startswith("fusion_") and m.endswith(".plugin") and "core" not in m))
+        fusion_core.get_registry().names()
+        print(sorted(m for m in sys.modules if m.startswith("fusion_") and m.endswith(".plugin") and "core" not in m))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    at_load, listed = (eval(line) for line in result.stdout.strip().splitlines()[-2:])
+    integrations = ["fusion_peft.plugin", "fusion_quantization.plugin", "fusion_tensor_parallel.plugin"]
+    assert at_load == sorted(["fusion_qkv.plugin", *integrations])
+    assert {"fusion_gate_up.plugin", "fusion_linear_kernels.plugin", "fusion_moe_experts.plugin"} <= set(listed)
+
+
+def test_a_family_entry_point_registering_another_name_is_refused_naming_the_group(site):
+    site.family("fusion-misnamed", "realname", entry_point="othername", group=FAMILIES_GROUP)
+    registry = fusion_core.get_registry()
+    assert "othername" not in registry and "realname" not in registry
+    text = _failures_text()
+    assert "fusion-misnamed" in text and "registers the one family it is named after ('othername')" in text
+    assert "not family 'realname'" in text
+
+
+def test_a_family_entry_point_registering_nothing_is_reported(site):
+    site.family("fusion-empty", "emptyfam", group=FAMILIES_GROUP,
+                register="\n@fusion_core.hookimpl\ndef register_fusion_families(register):\n    pass\n")
+    with pytest.raises(fusion_core.UnknownFamilyError, match="registers no family 'emptyfam'"):
+        fusion_core.get_registry().get("emptyfam")
+
+
+def test_a_deferred_family_claimed_by_two_distributions_is_disabled(site):
+    site.family("fusion-first", "twinfam", group=FAMILIES_GROUP)
+    site.family("fusion-second", "twinfam", group=FAMILIES_GROUP)
+    assert "twinfam" not in fusion_core.get_registry()
+    assert "fusion-first" in _failures_text() and "fusion-second" in _failures_text()
+
+
+def test_a_save_imports_the_plugins_of_the_families_the_model_holds(llama, tmp_path):
+    """A fused model unpickled in a fresh process: its save runs its family's hooks (linear_kernels'), whose plugin
+    nothing had imported."""
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config={"linear_kernels": True})
+    torch.save(fused, tmp_path / "model.pt")
+    script = textwrap.dedent(f"""
+        import sys
+        import torch
+        import fusion_core
+        model = torch.load({str(tmp_path / "model.pt")!r}, weights_only=False)
+        before = "fusion_linear_kernels.plugin" in sys.modules
+        fusion_core.save_pretrained(model, {str(tmp_path / "saved")!r})
+        print(before, "fusion_linear_kernels.plugin" in sys.modules)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-2:] == ["False", "True"]
+    assert (tmp_path / "saved" / "model.safetensors").read_bytes() == (llama / "model.safetensors").read_bytes()

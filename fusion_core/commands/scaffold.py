@@ -31,8 +31,9 @@ dependencies = ["fusion-core>=0.1,<0.2"]
 [project.optional-dependencies]
 test = ["pytest>=8"]
 
-# The entry point that makes `fusion list` and fusion_config={{"{name}": True}} find the family.
-[project.entry-points.fusion_core]
+# The entry point, named after the family: `fusion list` and fusion_config={{"{name}": True}} import the plugin
+# when the family is first asked for (the "fusion_core.families" group; see docs/writing-a-family.md).
+[project.entry-points."fusion_core.families"]
 {name} = "{package}.plugin"
 
 [tool.setuptools.packages.find]
