@@ -25,6 +25,15 @@ the first step, with every first-call allocation in it, is the one whose peak co
 timed. Loss and gradients (all LoRA tensors; for full fine-tuning the embedding / LM head, the final
 norm and layer 0, under their original names) are compared with the plain run of the same round: same
 weights, same adapters, same token ids.
+
+The step peak is resident memory, so it includes freed memory glibc's malloc keeps: after the first
+free of a large block glibc raises its mmap threshold (up to 32 MiB), the layers' activations then come
+from the heap, and what they leave there when freed is not given back. That kept heap grows with depth
+for both contenders (Qwen2-0.5B widths, lora-gc, 2048 tokens: about 50-80 MB a layer) while the live
+tensors grow by one checkpointed layer input (3.7 MB a layer); the "heap kept" column shows it.
+``--mmap-threshold 131072`` runs every worker with that fixed threshold (``MALLOC_MMAP_THRESHOLD_``: every
+block above it is its own mapping, unmapped on free), so the peak is the tensors' own; it makes the step
+slower (fresh pages fault in), so its times are not comparable with a default run's.
 """
 
 from __future__ import annotations
@@ -149,6 +158,17 @@ def release_freed_memory() -> None:
         pass
 
 
+def heap_kept_mb() -> float:
+    """Resident memory that :func:`release_freed_memory` gives back now: freed memory the allocator was keeping.
+
+    Read after the timed step (it would change the timed step's starting heap if taken before), it shows how
+    much of a resident-memory peak can be the allocator's rather than live tensors'.
+    """
+    before = rss_mb()
+    release_freed_memory()
+    return before - rss_mb()
+
+
 def step(model: Any, ids: Any) -> float:
     """Forward + backward with ``labels=ids``; the loss."""
     loss = model(input_ids=ids, labels=ids).loss
@@ -221,6 +241,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     out["loss"] = step(model, ids)
     out["step_s"] = time.perf_counter() - start
+    out["heap_kept_mb"] = heap_kept_mb()
     lora = args["setting"].startswith("lora")
     grads = original_named_gradients(model, (lambda name: True) if lora else FULL_GRADS.search)
     torch.save({"loss": out["loss"], "grads": grads}, args["grads"])
@@ -237,6 +258,8 @@ def run_worker(args: dict[str, Any], timeout: float = 3600) -> dict[str, Any]:
     """Run one measurement in a fresh process (this script with ``--worker``); its parsed result."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(args)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
+    if args.get("mmap_threshold") is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args["mmap_threshold"])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"worker {args} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -305,7 +328,8 @@ def measure(args: argparse.Namespace, setting: str, tokens: int, path: Path, con
             for name in rotate(list(contenders), r):
                 files[name] = scratch / f"{len(files)}.pt"
                 job = {"path": str(path), "families": contenders[name], "setting": setting, "tokens": tokens,
-                       "dtype": args.dtype, "chunk_tokens": args.chunk_tokens, "grads": str(files[name])}
+                       "dtype": args.dtype, "chunk_tokens": args.chunk_tokens, "grads": str(files[name]),
+                       "mmap_threshold": args.mmap_threshold}
                 samples[name].append(run_worker(job))
             for name in contenders:
                 samples[name][-1].update(compare(files[name], files["plain"]))
@@ -326,7 +350,7 @@ def step_table(args: argparse.Namespace, setting: str, tokens: int, samples: dic
     table = Table(f"Training step, {shape}, {setting}, {args.dtype}, batch 1 x {tokens} tokens: median [min-max] of "
                   f"{args.rounds} fresh processes",
                   ["contender", "loaded GB", "step peak GB", "peak vs plain", "step s", "time vs plain",
-                   "loss rel diff", "worst grad rel L2"])
+                   "loss rel diff", "worst grad rel L2", "heap kept GB"])
     for name, runs in samples.items():
         def col(key: str, runs: list[dict[str, Any]] = runs) -> list[float]:
             return [run[key] for run in runs]
@@ -340,6 +364,7 @@ def step_table(args: argparse.Namespace, setting: str, tokens: int, samples: dic
                     Summary.of(col("step_s")).fmt_range(digits=3),
                     ratios(col("step_s"), [p["step_s"] for p in plain]).fmt_range(digits=3, unit="x"),
                     f"{max(col('loss_rel')):.1e}", f"{max(col('grad_rel')):.1e}"]
+        row.append(Summary.of(col("heap_kept_mb")).fmt_range(1e-3, 2))
         table.rows.append(row)
         for run in runs:
             if run["unmatched"]:
@@ -350,8 +375,18 @@ def step_table(args: argparse.Namespace, setting: str, tokens: int, samples: dic
         f"step s: the second step; {first['trainable_params'] / 1e6:.2f}M trainable parameters, "
         f"{first['compared_tensors']} gradient tensors compared (plain's L2 norm over them {first['grad_norm']:.3g})",
         "differences: the worst over the rounds, each vs the plain run of the same round (same weights and ids)",
+        "heap kept: after the second step, the resident memory gc + malloc_trim(0) gives back (freed memory the "
+        "allocator kept; the step peak includes what it kept then); malloc: " + malloc_settings(args),
     ]
     return table
+
+
+def malloc_settings(args: argparse.Namespace) -> str:
+    """The glibc malloc tunables the workers ran with (``--mmap-threshold``, or inherited ``MALLOC_*`` variables)."""
+    settings = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    if args.mmap_threshold is not None:
+        settings["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    return ", ".join(f"{k}={v}" for k, v in sorted(settings.items())) or "glibc's defaults"
 
 
 def budgets_for(args: argparse.Namespace, setting: str, tokens: int, samples: dict[str, list[dict[str, Any]]]
@@ -398,6 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--with-merged", action="store_true", help=f"also the contender {MERGED}")
     parser.add_argument("--chunk-tokens", type=int, default=None,
                         help=f"{FUSED}'s chunk_tokens option (default: the family's)")
+    parser.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
+                        help="run every worker with MALLOC_MMAP_THRESHOLD_=BYTES (e.g. 131072): the step peak is then "
+                        "the live tensors' rather than also the freed heap glibc keeps; steps are slower")
     parser.add_argument("--json", type=Path, default=None, help="write every sample and summary as JSON")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     return parser
