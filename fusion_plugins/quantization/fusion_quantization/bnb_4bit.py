@@ -80,11 +80,11 @@ def take_packed(found: Sequence[QuantizedParts]) -> list[PackedMerge]:
             raise FusionLoadError(f"{parts.where}: {list(parts.names)} are not all 4-bit-quantized bitsandbytes "
                                   "layers; they cannot share one merged 4-bit weight")
         read = [state for state in states if state is not None]
-        refusal = _unmergeable(read, [spec.shape for spec in parts.bound.sources])
+        refusal = _unmergeable(read, parts.layout.shapes)
         if refusal is not None:
             raise FusionLoadError(f"{parts.where}: {list(parts.names)} cannot be merged exactly: {refusal}; load "
                                   "without quantization_config and quantize after, or leave the family out")
-        merges.append(PackedMerge(parts.layout, int(parts.bound.sources[0].shape[1]),
+        merges.append(PackedMerge(parts.layout, int(parts.layout.shapes[0][1]),
                                   torch.cat([state.packed for state in read]),
                                   torch.cat([state.absmax for state in read]), read[0]))
         leave_stand_ins(parts)

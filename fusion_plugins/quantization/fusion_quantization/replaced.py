@@ -13,6 +13,7 @@ another device does not keep its load-time tensors alive through them.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion_core import Concat, ModulePlan
-from fusion_core.plugin import BoundTransform
+from fusion_core import ModulePlan
+from fusion_core.plugin import PackedPart
 from fusion_quantization.detect import package_of
 
 #: Packages whose layers replace ``nn.Linear`` at load (bitsandbytes' ``Linear8bitLt`` / ``Linear4bit``, quanto's
@@ -31,11 +32,13 @@ REPLACING_PACKAGES = frozenset({"bitsandbytes", "optimum"})
 
 @dataclass(frozen=True)
 class PartsLayout:
-    """Where a merged container's parts are: the container's path, the parts' names and row counts, in order."""
+    """Where a merged container's parts are: the container's path, the parts' names, row counts and weight shapes,
+    in order."""
 
     container: str
     parts: tuple[str, ...]
     rows: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
 
     def ranges(self) -> Iterator[tuple[str, int, int]]:
         """``(part, first row, end row)`` of each part in the merged container."""
@@ -51,56 +54,59 @@ class PartsLayout:
 
 @dataclass(frozen=True)
 class QuantizedParts:
-    """One weight concatenation of a plan whose parts include a quantizer's layers."""
+    """One merged container of a plan whose parts include a quantizer's layers."""
 
-    bound: BoundTransform
-    names: tuple[str, ...]
+    layout: PartsLayout
     layers: list[Any]
     where: str
 
     @property
-    def layout(self) -> PartsLayout:
-        return layout_of(self.bound)
+    def names(self) -> tuple[str, ...]:
+        return self.layout.parts
 
     def of(self, is_layer: Callable[[nn.Module], bool]) -> bool:
         """Whether one of the parts is a layer ``is_layer`` recognises."""
         return any(is_layer(layer) for layer in self.layers)
 
 
-def layout_of(bound: BoundTransform) -> PartsLayout:
-    """Where the parts of one weight concatenation (``q_proj.weight``, ... -> ``qkv_proj.weight``) are."""
-    return PartsLayout(bound.targets[0].name.rpartition(".")[0],
-                       tuple(spec.name.rpartition(".")[0] for spec in bound.sources),
-                       tuple(int(spec.shape[0]) for spec in bound.sources))
-
-
 def weight_rows(plan: ModulePlan) -> tuple[PartsLayout, ...]:
-    """The layouts of ``plan``'s concatenations of weight rows (``Concat`` along dim 0 of ``.weight`` tensors): the
-    merged containers a quantizer may replace by its own module, as it replaces the parts on the unfused model."""
-    return tuple(layout_of(bound) for bound in plan.transforms
-                 if isinstance(bound.op, Concat) and bound.op.dim == 0 and bound.sources
-                 and all(spec.name.endswith(".weight") for spec in (*bound.sources, *bound.targets)))
+    """The merged containers of ``plan`` whose weight is the rows of two or more parts' weights, end to end: what a
+    quantizer may replace by its own module, as it replaces the parts on the unfused model.
+
+    Read from the plan's packed parts (:meth:`fusion_core.plugin.ModulePlan.packed_parts`), the one source of which
+    original tensors live where in a fused one; only the parts' shapes come from the transforms' sources.
+    """
+    shapes = {spec.name: tuple(spec.shape) for bound in plan.transforms for spec in bound.sources}
+    containers: dict[str, list[PackedPart]] = {}
+    for part in plan.packed_parts():
+        if part.dim == 0 and part.fused.endswith(".weight") and part.original.endswith(".weight"):
+            containers.setdefault(part.fused, []).append(part)
+    layouts = []
+    for fused, parts in containers.items():
+        parts.sort(key=lambda part: part.start)
+        ends = list(itertools.accumulate(part.length for part in parts))
+        if len(parts) < 2 or [part.start for part in parts] != [0, *ends[:-1]]:
+            continue
+        layouts.append(PartsLayout(fused.rpartition(".")[0], tuple(p.original.rpartition(".")[0] for p in parts),
+                                   tuple(p.length for p in parts), tuple(shapes[p.original] for p in parts)))
+    return tuple(layouts)
 
 
 def quantized_parts(module: nn.Module, plan: ModulePlan) -> list[QuantizedParts]:
-    """Each weight concatenation of ``plan`` one of whose parts is a replacing quantizer's layer."""
+    """Each merged container of ``plan`` (:func:`weight_rows`) one of whose parts is a replacing quantizer's layer."""
     found = []
-    for bound in plan.transforms:
-        leaves = [spec.name for spec in bound.sources]
-        if not leaves or not all(leaf.endswith(".weight") for leaf in leaves):
-            continue
-        names = tuple(leaf.rpartition(".")[0] for leaf in leaves)
-        layers: list[Any] = [module.get_submodule(name) for name in names]
+    for layout in weight_rows(plan):
+        layers: list[Any] = [module.get_submodule(name) for name in layout.parts]
         if any(package_of(type(layer)) in REPLACING_PACKAGES for layer in layers):
-            found.append(QuantizedParts(bound, names, layers, f"family {plan.family!r}, module {plan.path!r}"))
+            found.append(QuantizedParts(layout, layers, f"family {plan.family!r}, module {plan.path!r}"))
     return found
 
 
 def leave_stand_ins(parts: QuantizedParts) -> None:
     """Put a stand-in of the plan's shape (a zero-stride view of one byte) in each part's weight: the conversion
     concatenates it as the plan says, and :func:`replace_container` then drops the result."""
-    for layer, spec in zip(parts.layers, parts.bound.sources, strict=True):
-        stand_in = torch.zeros((), dtype=torch.uint8, device=layer.weight.device).expand(spec.shape)
+    for layer, shape in zip(parts.layers, parts.layout.shapes, strict=True):
+        stand_in = torch.zeros((), dtype=torch.uint8, device=layer.weight.device).expand(shape)
         layer._parameters["weight"] = nn.Parameter(stand_in, requires_grad=False)
 
 
