@@ -43,7 +43,7 @@ from pydantic import Field
 from torch import nn
 
 from fusion_core import FamilyOptions, FusedModule, FusionFamily
-from fusion_core.plugin import forwards, fused_subclass
+from fusion_core.plugin import forwards, fused_subclass, self_call
 from fusion_linear_cross_entropy.deferred import DeferredLogits, Source
 from fusion_linear_cross_entropy.loss import chunked_causal_lm_loss
 
@@ -339,6 +339,34 @@ def _self_calls(tree: ast.AST) -> set[str]:
             and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"}
 
 
+def _indexed_logits(tree: ast.AST, head: str) -> str | None:
+    """The first subscript of the head's output, or of a name computed from it, in ``tree`` (as source); or None.
+
+    The placeholder the head returns replays elementwise ops only, so a forward that indexes its logits
+    (transformers 4.57's Moshi shifts them by hand: ``logits[..., :-1, :]``) is declined here, by name, rather
+    than refused when it first runs.
+    """
+    assigned = [(target.id, node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                for target in node.targets if isinstance(target, ast.Name)]
+
+    def is_logits(node: ast.AST, derived: set[str]) -> bool:
+        return (isinstance(node, ast.Name) and node.id in derived) or self_call(node, (head,)) is not None
+
+    def from_logits(expr: ast.AST, derived: set[str]) -> bool:
+        return any(is_logits(node, derived) for node in ast.walk(expr))
+
+    derived: set[str] = set()
+    while True:
+        grown = {name for name, value in assigned if name not in derived and from_logits(value, derived)}
+        if not grown:
+            break
+        derived |= grown
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and is_logits(node.value, derived):
+            return ast.unparse(node)
+    return None
+
+
 def refusal(module: nn.Module) -> str | None:
     """Why ``module`` (a model's root) is not one this family computes the loss of; None when it is."""
     from transformers import PreTrainedModel
@@ -371,6 +399,9 @@ def refusal(module: nn.Module) -> str | None:
     top = path.split(".")[0]
     if top not in called:
         return f"{name}.forward does not call its LM head (self.{top}(...))"
+    indexed = _indexed_logits(tree, top)
+    if indexed is not None:
+        return f"{name}.forward indexes its logits ({indexed}); the family replays elementwise ops on them only"
     return None
 
 

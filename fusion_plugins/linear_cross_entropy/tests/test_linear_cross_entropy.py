@@ -363,6 +363,30 @@ def test_a_forward_without_loss_function_is_refused():
         fusion_core.fuse(ManualLossLlama(_config("llama")), ON)
 
 
+class ShiftingLlama(transformers.LlamaForCausalLM):
+    """Shifts its logits by hand before ``self.loss_function`` (transformers 4.57's Moshi does)."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+        loss = None
+        if labels is not None:
+            logits = logits.float()
+            shift_logits = logits[..., :-1, :].contiguous()
+            loss = self.loss_function(shift_logits.view(-1, self.config.vocab_size), labels[..., 1:].reshape(-1),
+                                      vocab_size=self.config.vocab_size)
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def test_a_forward_that_indexes_its_logits_is_declined_at_plan_time():
+    with torch.device("meta"):
+        model = ShiftingLlama(_config("llama"))
+    reason = FAMILY.refusal(model, FAMILY.options_model())
+    assert reason is not None and "indexes its logits (logits[..., :-1, :])" in reason
+    torch.manual_seed(0)
+    with pytest.raises(fusion_core.DiscoveryError, match=r"indexes its logits"):
+        fusion_core.fuse(ShiftingLlama(_config("llama")), ON)
+
+
 def test_an_op_the_family_cannot_replay_fails_by_name():
     torch.manual_seed(0)
     model = fusion_core.fuse(SortingLlama(_config("llama")), ON)
