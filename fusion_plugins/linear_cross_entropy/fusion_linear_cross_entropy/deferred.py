@@ -100,6 +100,16 @@ def _describe(func: Any) -> str:
     return f"{owner!r}.{_name(func)}" if owner is not None else repr(func)
 
 
+def vocab_index(index: Any, dim: int) -> slice | None:
+    """The slice of the last dimension when ``index`` narrows nothing else (``[..., a:b]``, ``[:, :, a:b]``)."""
+    if not isinstance(index, tuple) or not index or not isinstance(index[-1], slice) or index[-1].step not in (None, 1):
+        return None
+    whole = slice(None)
+    if (len(index) == 2 and index[0] is Ellipsis) or (len(index) == dim and all(i == whole for i in index[:-1])):
+        return index[-1]
+    return None
+
+
 class DeferredLogits(torch.Tensor):
     """Logits not computed yet: the head's input, and the elementwise ops applied since.
 
@@ -134,11 +144,27 @@ class DeferredLogits(torch.Tensor):
             logits = op(logits)
         return logits.reshape(rows, self.shape[-1])
 
+    def vocab_slice(self, index: Any) -> DeferredLogits:
+        """``self[index]`` for an ``index`` that only narrows the vocabulary (``logits[..., :n]``: Inkling drops
+        its padded vocabulary so): each chunk of rows is narrowed alike, so it replays chunk by chunk."""
+        last = vocab_index(index, self.dim())
+        if last is None:
+            raise FusionError(
+                f"linear_cross_entropy: {self.fusion_source.owner}'s forward indexes its logits with {index!r}, which "
+                "the fused loss cannot replay chunk by chunk (only a slice of the vocabulary, logits[..., a:b], is)"
+            )
+        size = len(range(*last.indices(self.shape[-1])))
+        op = Op(torch.Tensor.__getitem__, (SLOT, (Ellipsis, last)), {})
+        return DeferredLogits.make(self.fusion_source, (*self.fusion_ops, op), (*self.shape[:-1], size), self.dtype,
+                                   self.device)
+
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         name = _name(func)
+        if name == "__getitem__" and len(args) == 2 and not kwargs and isinstance(args[0], DeferredLogits):
+            return args[0].vocab_slice(args[1])
         if name == "__get__" or name in METADATA:
             result = super().__torch_function__(func, types, args, kwargs)  # type: ignore[no-untyped-call]
             if not isinstance(result, torch.Tensor):

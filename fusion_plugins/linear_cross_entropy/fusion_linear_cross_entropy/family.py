@@ -15,9 +15,10 @@ intercepted for the duration of the call:
   placeholder that records its input and the elementwise ops the model applies to the logits;
 - ``loss_function`` (transformers' ``ForCausalLMLoss``) is answered by the chunked equivalent.
 
-So every architecture whose forward is "head, elementwise scaling/capping, ``self.loss_function``"
-is covered, whatever it calls its head and however it scales its logits, and an architecture that
-does something else to its logits fails with the op named (never a wrong loss). The output's
+So every architecture whose forward is "head, elementwise scaling/capping or a slice of the vocabulary,
+``self.loss_function``" is covered, whatever it calls its head and however it scales its logits; one whose
+source indexes its logits otherwise is declined at plan time, and one that does something else to them at
+run time fails with the op named (never a wrong loss). The output's
 ``logits`` is None (or, with ``return_logits``, the logits computed in the same pass, detached).
 Auxiliary losses the forward adds (Mixtral's router loss) are added as before. In eval mode,
 without labels or without grad, the forward is the original's, untouched: the family declares
@@ -340,11 +341,13 @@ def _self_calls(tree: ast.AST) -> set[str]:
 
 
 def _indexed_logits(tree: ast.AST, head: str) -> str | None:
-    """The first subscript of the head's output, or of a name computed from it, in ``tree`` (as source); or None.
+    """The first subscript of the head's output, or of a name computed from it, in ``tree`` (as source), that
+    narrows more than the vocabulary; or None.
 
-    The placeholder the head returns replays elementwise ops only, so a forward that indexes its logits
-    (transformers 4.57's Moshi shifts them by hand: ``logits[..., :-1, :]``) is declined here, by name, rather
-    than refused when it first runs.
+    The placeholder the head returns replays elementwise ops and slices of the vocabulary only
+    (:meth:`~fusion_linear_cross_entropy.deferred.DeferredLogits.vocab_slice`: Inkling's ``logits[..., :n]``), so a
+    forward that indexes its logits otherwise (transformers 4.57's Moshi shifts them by hand: ``logits[..., :-1, :]``)
+    is declined here, by name, rather than refused when it first runs.
     """
     assigned = [(target.id, node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
                 for target in node.targets if isinstance(target, ast.Name)]
@@ -362,9 +365,16 @@ def _indexed_logits(tree: ast.AST, head: str) -> str | None:
             break
         derived |= grown
     for node in ast.walk(tree):
-        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and is_logits(node.value, derived):
+        if (isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and is_logits(node.value, derived)
+                and not _narrows_vocabulary_only(node.slice)):
             return ast.unparse(node)
     return None
+
+
+def _narrows_vocabulary_only(index: ast.expr) -> bool:
+    """Whether a subscript's index is ``[..., a:b]`` (a slice of the last dimension, step 1)."""
+    return (isinstance(index, ast.Tuple) and len(index.elts) == 2 and isinstance(index.elts[0], ast.Constant)
+            and index.elts[0].value is Ellipsis and isinstance(index.elts[1], ast.Slice) and index.elts[1].step is None)
 
 
 def refusal(module: nn.Module) -> str | None:
@@ -401,7 +411,8 @@ def refusal(module: nn.Module) -> str | None:
         return f"{name}.forward does not call its LM head (self.{top}(...))"
     indexed = _indexed_logits(tree, top)
     if indexed is not None:
-        return f"{name}.forward indexes its logits ({indexed}); the family replays elementwise ops on them only"
+        return (f"{name}.forward indexes its logits ({indexed}); the family replays elementwise ops and slices of "
+                "the vocabulary only")
     return None
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 import transformers
 from fusion_linear_cross_entropy import DeferredLogits, LinearCrossEntropyFamily, LinearCrossEntropyMixin
+from fusion_linear_cross_entropy.deferred import Source
 from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
@@ -385,6 +386,32 @@ def test_a_forward_that_indexes_its_logits_is_declined_at_plan_time():
     torch.manual_seed(0)
     with pytest.raises(fusion_core.DiscoveryError, match=r"indexes its logits"):
         fusion_core.fuse(ShiftingLlama(_config("llama")), ON)
+
+
+class PaddedVocabularyLlama(transformers.LlamaForCausalLM):
+    """Drops the padding rows of its head's vocabulary before ``self.loss_function`` (Inkling does)."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+        logits = logits[..., : self.config.vocab_size - 56]
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits * 0.5, labels=labels, vocab_size=logits.shape[-1])
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def test_a_slice_of_the_vocabulary_is_replayed_chunk_by_chunk():
+    torch.manual_seed(0)
+    plain = PaddedVocabularyLlama(_config("llama"))
+    assert FAMILY.refusal(plain, FAMILY.options_model()) is None
+    fused = fusion_core.fuse(copy.deepcopy(plain), {"linear_cross_entropy": {"chunk_tokens": 5}})
+    inputs = _inputs()
+    inputs["labels"] = inputs["labels"].clamp(max=VOCAB - 57)
+    _assert_same_training(plain, fused, **inputs)
+    deferred = DeferredLogits.make(Source(torch.zeros(1, 4), nn.Identity(), lambda h: h, "M"), (), (2, 3, 10),
+                                   torch.float32, torch.device("cpu"))
+    with pytest.raises(fusion_core.FusionError, match=r"M's forward indexes its logits with \(Ellipsis, slice"):
+        deferred[..., :-1, :]
 
 
 def test_an_op_the_family_cannot_replay_fails_by_name():
