@@ -16,6 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import compat  # noqa: E402  (repository tooling: scripts/compat.py)
 import gen_api  # noqa: E402  (repository tooling: scripts/gen_api.py)
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import summary  # noqa: E402  (benchmarks/summary.py)
 from doc_snippets import python_blocks, run_python_blocks  # noqa: E402  (tests/doc_snippets.py)
 
 DOCS = ROOT / "docs"
@@ -108,3 +111,26 @@ def test_tiny_models_page_lists_every_tiny_model():
 
     text = (DOCS / "tiny-models.md").read_text()
     assert not [name for name in ALL_TINY_MODELS if f"| `{name}` |" not in text]
+
+
+def test_benchmark_summary_is_current_and_its_charts_draw(tmp_path):
+    """The summary that opens docs/benchmarks.md is what benchmarks/summary.json records, and its charts render."""
+    rows = summary.rows()
+    page = summary.PAGE.read_text()
+    assert summary.page_with(summary.markdown(rows), page) == page, (
+        f"docs/benchmarks.md's summary is stale: regenerate with {sys.executable} benchmarks/summary.py")
+    charts = {row.chart for row in rows}
+    written = summary.draw(rows, tmp_path)
+    assert sorted(p.name for p in written) == sorted(f"summary-{chart}.png" for chart in charts)
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
+    for chart in charts:  # the page shows the charts it draws
+        assert (summary.IMAGES / f"summary-{chart}.png").is_file() and f"images/summary-{chart}.png" in page
+
+
+def test_a_summary_row_outside_its_range_is_refused(tmp_path):
+    record = tmp_path / "summary.json"
+    row = {"family": "f", "workload": "w", "chart": "speed", "value": 2.0, "low": 0.5, "high": 1.5, "budget": "-",
+           "machine": "m", "transformers": "5.25.0", "date": "2026-12-03", "command": "c"}
+    record.write_text(json.dumps({"rows": [row]}))
+    with pytest.raises(ValueError, match="outside its range"):
+        summary.rows(record)
