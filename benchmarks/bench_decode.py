@@ -17,6 +17,7 @@ weight, and which weight kinds it holds prepacked (oneDNN's layout) with the tim
 
     python benchmarks/bench_decode.py --model qwen2-0.5b --dtype bf16 --rounds 5
     python benchmarks/bench_decode.py --compile --contenders plain,linear_kernels,qkv+gate_up+linear_kernels
+    python benchmarks/bench_decode.py --profile --rounds 1   # also: each step split into GEMVs by kind, attention, rest
     .venvs/quant-tf5/bin/python benchmarks/bench_decode.py --quantize int8wo   # torchao int8 weight-only loads
 """
 
@@ -32,6 +33,7 @@ import torch
 from bench_common import Summary, Table, machine_info
 from bench_e2e import allow_recompiles, compile_forward, generate_call, load, paired_rounds, prefill_call
 from bench_models import QWEN2_05B, build_checkpoint
+from decode_split import decode_split, split_rows
 from torch import nn
 
 #: Llama-3.2-1B's geometry (hidden 2048, 32/8 heads, MLP 8192, vocabulary 128256, tied embeddings).
@@ -170,6 +172,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="model.forward = torch.compile(model.forward) for every contender (Inductor)")
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, from: "
                         + ", ".join(CONTENDERS))
+    parser.add_argument("--profile", action="store_true",
+                        help="also split each contender's decode step into GEMVs by kind, attention and the rest "
+                        "(torch.profiler; see decode_split.py), in ms and as a share of the floor")
     args = parser.parse_args(argv)
     log: Callable[[str], None] = lambda line: print(line, flush=True)  # noqa: E731
     info = machine_info()
@@ -233,6 +238,14 @@ def main(argv: list[str] | None = None) -> None:
         + ", ".join(f"{k} {v:.1f}" for k, v in first.items()),
     ]
     log(table.text())
+    if args.profile:
+        for name, model in models.items():
+            split = Table(f"Where {name}'s decode step goes (torch.profiler, {args.new_tokens} tokens minus 1)",
+                          ["group", "ms/token", "x floor"])
+            split.rows = split_rows(decode_split(model, prompt, args.new_tokens), floor_ms / 1e3)
+            split.notes.append("outside operators: wall time not inside any operator (Python, dispatch, generate's "
+                               "loop); the profiler's own overhead inflates every row a little")
+            log(split.text())
     try:
         from fusion_linear_kernels import decisions
     except ImportError:
