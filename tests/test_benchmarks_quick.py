@@ -163,3 +163,32 @@ def test_training_step_benchmark_runs_and_its_fused_steps_match_plain(tmp_path: 
             assert sample["grad_norm"] > 0, (name, sample)  # zero gradients would compare equal to anything
             limit = 0.0 if name.startswith("plain") else 1e-5  # the fp32 budget; plain vs plain is bit for bit
             assert sample["loss_rel"] <= limit and sample["grad_rel"] <= limit, (run["setting"], name, sample)
+
+
+@pytest.mark.parametrize("families", [None, {"qkv": True, "gate_up": True, "linear_kernels": True}])
+def test_the_decode_split_finds_every_weight_kind_a_step_reads(llama: Path, families: dict[str, bool] | None) -> None:
+    """``bench_decode.py --profile`` names GEMVs by the operators torch runs (``mm``, ``mv``, oneDNN's packed
+    ``_linear_pointwise``): an operator it does not know would land in "other operators" and hide a GEMV kind."""
+    pytest.importorskip("fusion_linear_kernels")
+    import torch
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+
+    import fusion_core
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from decode_split import decode_split
+
+    model = (AutoModelForCausalLM.from_pretrained(llama) if families is None
+             else fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=families)).eval()
+    split = decode_split(model, torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(0)), 4)
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    if families is None:  # every nn.Linear runs
+        kinds = {f"GEMV {m.weight.shape[0]}x{m.weight.shape[1]}" for m in model.modules() if isinstance(m, nn.Linear)}
+    else:  # the merged projections and the head
+        qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
+        kinds = {f"GEMV {qkv}x{config.hidden_size}", f"GEMV {2 * config.intermediate_size}x{config.hidden_size}",
+                 f"GEMV {config.vocab_size}x{config.hidden_size}"}
+    assert kinds <= set(split), sorted(split)
+    assert {"other operators", "outside operators"} <= set(split) and all(s >= 0 for s in split.values())
