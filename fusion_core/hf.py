@@ -121,7 +121,7 @@ def from_pretrained(
     # A stored fusion_config is validated only when it is used: an explicit one replaces it, except in a
     # fused-layout checkpoint, whose tensors only the stored one can load.
     fusion = explicit if explicit is not None and not fused_dir else parse_fusion_config(stored or {}, registry)
-    if explicit is not None and explicit.model_dump() != fusion.model_dump():
+    if fused_dir and explicit is not None and explicit.model_dump() != fusion.model_dump():
         raise CheckpointError(
             f"{name_or_path} holds a fused-layout checkpoint made with fusion_config={stored}; it can only be "
             f"loaded with that fusion_config, not {explicit.model_dump()} (convert it to the original layout first)"
