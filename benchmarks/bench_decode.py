@@ -18,6 +18,7 @@ weight, and which weight kinds it holds prepacked (oneDNN's layout) with the tim
     python benchmarks/bench_decode.py --model qwen2-0.5b --dtype bf16 --rounds 5
     python benchmarks/bench_decode.py --compile --contenders plain,linear_kernels,qkv+gate_up+linear_kernels
     python benchmarks/bench_decode.py --profile --rounds 1   # also: each step split into GEMVs by kind, attention, rest
+    python benchmarks/bench_decode.py --processes 5 --rounds 3   # 5 fresh processes: the median one and the worst
     .venvs/quant-tf5/bin/python benchmarks/bench_decode.py --quantize int8wo   # torchao int8 weight-only loads
 """
 
@@ -25,8 +26,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -157,6 +164,36 @@ def speed(samples: dict[str, list[dict[str, float]]], name: str, against: str, m
     return Summary.of([a[metric] / b[metric] for a, b in zip(samples[against], samples[name], strict=True)])
 
 
+def fresh_processes_table(argv: list[str], processes: int, log: Callable[[str], None]) -> Table:
+    """Run this script ``processes`` times (each a fresh process, ``argv`` without ``--processes``) and tabulate
+    each contender's median process next to its worst one: speed vs plain, ms/token, x floor."""
+    own = [a for i, a in enumerate(argv) if a != "--processes" and (i == 0 or argv[i - 1] != "--processes")
+           and not a.startswith("--processes=")]
+    runs: list[dict[str, dict[str, float]]] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for number in range(processes):
+            out = Path(scratch) / f"{number}.json"
+            subprocess.run([sys.executable, str(Path(__file__).resolve()), *own, "--json", str(out)], check=True,
+                           stdout=subprocess.DEVNULL)
+            runs.append(json.loads(out.read_text()))
+            log(f"  fresh process {number + 1}/{processes}: " + ", ".join(
+                f"{name} {run['vs_plain']:.2f}x" for name, run in runs[-1].items()))
+    table = Table(f"Decode in {processes} fresh processes (each: the per-round median of its rounds)",
+                  ["contender", "vs plain, median process", "vs plain, worst process", "worst / median",
+                   "ms/token median [worst]", "x floor median [worst]"])
+    for name in runs[0]:
+        speeds = [run[name]["vs_plain"] for run in runs]
+        times = [run[name]["decode_ms"] for run in runs]
+        floors = [run[name]["decode_ms"] / run[name]["floor_ms"] for run in runs]
+        middle = statistics.median(speeds)
+        table.rows.append([name, f"{middle:.2f}", f"{min(speeds):.2f}", f"{min(speeds) / middle:.2f}",
+                           f"{statistics.median(times):.1f} [{max(times):.1f}]",
+                           f"{statistics.median(floors):.2f} [{max(floors):.2f}]"])
+    table.notes.append("worst: the slowest process's figure; worst / median is what the budget 'the worst fresh "
+                       "process at least 0.9x the median's speed' reads")
+    return table
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen2-0.5b")
@@ -172,6 +209,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="model.forward = torch.compile(model.forward) for every contender (Inductor)")
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, from: "
                         + ", ".join(CONTENDERS))
+    parser.add_argument("--processes", type=int, default=None, metavar="N",
+                        help="run the whole measurement in N fresh processes, one after another, and report each "
+                        "contender's median process next to its worst (a load's decisions hold for its process)")
+    parser.add_argument("--json", type=Path, default=None, help=argparse.SUPPRESS)  # a --processes worker's result
     parser.add_argument("--profile", action="store_true",
                         help="also split each contender's decode step into GEMVs by kind, attention and the rest "
                         "(torch.profiler; see decode_split.py), in ms and as a share of the floor")
@@ -180,6 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     info = machine_info()
     log(f"{info['cpu']} {info['cpu_flags']}, {info['torch_threads']} threads, torch {info['torch']}, "
         f"transformers {info['transformers']}")
+    if args.processes:
+        log(fresh_processes_table(argv if argv is not None else sys.argv[1:], args.processes, log).text())
+        return
 
     dtype = DTYPES[args.dtype]
     path = build_checkpoint(config_of(args.model, args.layers), "AutoModelForCausalLM",
@@ -238,6 +282,12 @@ def main(argv: list[str] | None = None) -> None:
         + ", ".join(f"{k} {v:.1f}" for k, v in first.items()),
     ]
     log(table.text())
+    if args.json is not None:
+        args.json.write_text(json.dumps({name: {
+            "decode_ms": Summary.of([x["decode"] for x in samples[name]]).median * 1e3,
+            "vs_plain": speed(samples, name, "plain", "decode").median,
+            "floor_ms": floor_ms,
+        } for name in names}))
     if args.profile:
         for name, model in models.items():
             split = Table(f"Where {name}'s decode step goes (torch.profiler, {args.new_tokens} tokens minus 1)",
