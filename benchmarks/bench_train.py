@@ -63,6 +63,7 @@ from bench_io import RESULT_PREFIX, peak_rss_mb, reset_peak_rss, rotate, rss_mb 
 FUSED = "linear_cross_entropy"
 MERGED = "linear_cross_entropy+qkv+gate_up"
 CONTROL = "plain (A/A)"
+REFERENCE = "plain in float32"
 SETTINGS = ("lora", "lora-gc", "full", "full-gc")
 MODEL_NAMES = ("qwen2-0.5b", "llama-3.2-1b", "tiny")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -331,8 +332,16 @@ def measure(args: argparse.Namespace, setting: str, tokens: int, path: Path, con
                        "dtype": args.dtype, "chunk_tokens": args.chunk_tokens, "grads": str(files[name]),
                        "mmap_threshold": args.mmap_threshold}
                 samples[name].append(run_worker(job))
+            if args.fp32_reference:  # plain in float32, after the round: the exact gradients each contender is off by
+                files[REFERENCE] = scratch / "reference.pt"
+                run_worker({"path": str(path), "families": None, "setting": setting, "tokens": tokens,
+                            "dtype": "fp32", "chunk_tokens": None, "grads": str(files[REFERENCE]),
+                            "mmap_threshold": args.mmap_threshold})
             for name in contenders:
                 samples[name][-1].update(compare(files[name], files["plain"]))
+                if args.fp32_reference:
+                    against = compare(files[name], files[REFERENCE])
+                    samples[name][-1].update(loss_rel_fp32=against["loss_rel"], grad_rel_fp32=against["grad_rel"])
             for file in files.values():
                 file.unlink()
             log(f"  {setting}, {tokens} tokens: round {r + 1}/{args.rounds} in {time.perf_counter() - start:.0f} s")
@@ -350,7 +359,8 @@ def step_table(args: argparse.Namespace, setting: str, tokens: int, samples: dic
     table = Table(f"Training step, {shape}, {setting}, {args.dtype}, batch 1 x {tokens} tokens: median [min-max] of "
                   f"{args.rounds} fresh processes",
                   ["contender", "loaded GB", "step peak GB", "peak vs plain", "step s", "time vs plain",
-                   "loss rel diff", "worst grad rel L2", "heap kept GB"])
+                   "loss rel diff", "worst grad rel L2", "heap kept GB"]
+                  + (["worst grad rel L2 vs fp32"] if args.fp32_reference else []))
     for name, runs in samples.items():
         def col(key: str, runs: list[dict[str, Any]] = runs) -> list[float]:
             return [run[key] for run in runs]
@@ -365,6 +375,8 @@ def step_table(args: argparse.Namespace, setting: str, tokens: int, samples: dic
                     ratios(col("step_s"), [p["step_s"] for p in plain]).fmt_range(digits=3, unit="x"),
                     f"{max(col('loss_rel')):.1e}", f"{max(col('grad_rel')):.1e}"]
         row.append(Summary.of(col("heap_kept_mb")).fmt_range(1e-3, 2))
+        if args.fp32_reference:
+            row.append(f"{max(col('grad_rel_fp32')):.1e}")
         table.rows.append(row)
         for run in runs:
             if run["unmatched"]:
@@ -433,6 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--with-merged", action="store_true", help=f"also the contender {MERGED}")
     parser.add_argument("--chunk-tokens", type=int, default=None,
                         help=f"{FUSED}'s chunk_tokens option (default: the family's)")
+    parser.add_argument("--fp32-reference", action="store_true",
+                        help="also run plain in float32 each round and show every contender's distance from its "
+                        "gradients (bf16 runs differ from each other by about as much as each differs from exact)")
     parser.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
                         help="run every worker with MALLOC_MMAP_THRESHOLD_=BYTES (e.g. 131072): the step peak is then "
                         "the live tensors' rather than also the freed heap glibc keeps; steps are slower")
