@@ -176,14 +176,14 @@ def run_convert(
             source_index["metadata"] = metadata
             source_index["weight_map"] = dict(sorted(weight_map.items()))
             (staging / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(source_index, indent=2, sort_keys=True) + "\n")
-        write_config(staging, checkpoint.raw_config, fusion.model_dump(), fused=to_fused)
+        write_config(staging, checkpoint.raw_config, discovery.record(), fused=to_fused)
     return {
         "command": "convert",
         "source": str(checkpoint.directory),
         "destination": str(target),
         "from": checkpoint.layout,
         "to": to,
-        "fusion_config": fusion.model_dump(),
+        "fusion_config": discovery.record(),
         "shards": len(shards),
         "tensors": len(weight_map),
         "transformed_groups": len(groups),
