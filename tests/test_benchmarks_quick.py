@@ -168,18 +168,28 @@ def test_training_step_benchmark_runs_and_its_fused_steps_match_plain(tmp_path: 
 
 
 @pytest.mark.parametrize("families", [None, {"qkv": True, "gate_up": True, "linear_kernels": True}])
-def test_the_decode_split_finds_every_weight_kind_a_step_reads(llama: Path, families: dict[str, bool] | None) -> None:
+def test_the_decode_split_finds_every_weight_kind_a_step_reads(llama: Path, families: dict[str, bool] | None,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """``bench_decode.py --profile`` names GEMVs by the operators torch runs (``mm``, ``mv``, oneDNN's packed
-    ``_linear_pointwise``): an operator it does not know would land in "other operators" and hide a GEMV kind."""
+    ``_linear_pointwise``): an operator it does not know would land in "other operators" and hide a GEMV kind.
+    The fused model has its layers packed: its packing decision finds packing faster, and nothing is stored."""
     pytest.importorskip("fusion_linear_kernels")
     import torch
+    from fusion_linear_kernels import packing
     from torch import nn
     from transformers import AutoModelForCausalLM
 
     import fusion_core
+    from fusion_core.plugin import Decisions
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from decode_split import decode_split
+
+    clock = Decisions.times
+    monkeypatch.setenv("FUSION_CORE_DECISIONS", "off")  # measured now, never stored
+    monkeypatch.setattr(Decisions, "times", lambda table, ways, device: (
+        [1.0] + [0.5] * (len(ways) - 1) if table.topic == "linear_kernels.packing" else clock(table, ways, device)))
+    packing.clear_pack_decisions()
 
     model = (AutoModelForCausalLM.from_pretrained(llama) if families is None
              else fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=families)).eval()
@@ -192,5 +202,8 @@ def test_the_decode_split_finds_every_weight_kind_a_step_reads(llama: Path, fami
         qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
         kinds = {f"GEMV {qkv}x{config.hidden_size}", f"GEMV {2 * config.intermediate_size}x{config.hidden_size}",
                  f"GEMV {config.vocab_size}x{config.hidden_size}"}
+    packed = any(p.is_mkldnn for p in model.parameters())
+    packing.clear_pack_decisions()
+    assert packed == (families is not None)  # the fused step runs oneDNN's packed kernel
     assert kinds <= set(split), sorted(split)
     assert {"other operators", "outside operators"} <= set(split) and all(s >= 0 for s in split.values())
