@@ -86,8 +86,7 @@ def compare(checks: Checks, label: str, losses: tuple[list[float], list[float]],
     errors = {k: relative(fused[k] - initial[k], plain[k] - initial[k]) for k in plain
               if not torch.equal(plain[k], initial[k])}
     name = max(errors, key=errors.__getitem__)
-    ok = errors[name] <= TOLERANCE and len(errors) == len(plain) and all(torch.equal(fused[k], initial[k])
-                                                                          for k in plain if k not in errors)
+    ok = errors[name] <= TOLERANCE and len(errors) == len(plain)  # every tensor trained, each as plain's
     checks[f"{label}: weight updates"] = [ok, f"{len(errors)}/{len(plain)} tensors updated; worst {name}: "
                                               f"relative L2 {errors[name]:.3g}"]
 
