@@ -151,7 +151,7 @@ class Decisions(dict[K, T], Generic[K, T]):
             return self[kind]
         how, key = mode(), _key(kind)
         if how == "stored":
-            value = _mine(_read(store_path()).get("machines", {})).get(self.topic, {}).get(key)
+            value = _stored(store_path()).get(self.topic, {}).get(key)
             value = None if value is None else (self._load or _tupled)(value)
             if value is not None:
                 self[kind] = value
@@ -187,6 +187,7 @@ def reset() -> None:
     """Forget every table's decisions in this process (:func:`fusion_core.reset_state`); the store is kept."""
     for table in list(_TABLES.values()):
         table.clear()
+    _SEEN.clear()
     _WARNED.clear()
     _host.cache_clear()
 
@@ -291,15 +292,30 @@ def _read(path: Path) -> dict[str, Any]:
 
 def _mine(machines: dict[str, Any]) -> dict[str, Any]:
     """This machine's and software's decisions by topic, in the store's ``machines`` (added when missing)."""
-    entry: dict[str, Any] = machines.setdefault(_machine(), {"fingerprint": fingerprint(), "decisions": {}})
-    return entry["decisions"]  # type: ignore[no-any-return]
+    name = _machine()
+    if name not in machines:
+        machines[name] = {"fingerprint": fingerprint(), "decisions": {}}
+    return machines[name]["decisions"]  # type: ignore[no-any-return]
+
+
+#: This machine's stored decisions by topic, per store file, as this process last read or wrote them: the store is
+#: read once per process (and again after :func:`reset`), not once per kind on the first forward of each layer kind.
+_SEEN: dict[Path, dict[str, Any]] = {}
+
+
+def _stored(path: Path) -> dict[str, Any]:
+    if path not in _SEEN:
+        _SEEN[path] = _mine(_read(path).get("machines", {}))
+    return _SEEN[path]
 
 
 def _change(edit: Callable[[dict[str, Any]], bool]) -> None:
     """Apply ``edit`` to the store's machines and write the store atomically, when ``edit`` says it changed them."""
     path = store_path()
     data = _read(path) or {"format": _FORMAT, "machines": {}}
-    if not edit(data["machines"]):
+    changed = edit(data["machines"])
+    _SEEN[path] = _mine(data["machines"])  # what this process now knows the store holds
+    if not changed:
         return
     temporary = None
     try:

@@ -76,6 +76,20 @@ def test_a_kind_is_measured_once_and_its_decision_reused(store, clock):
                                             '["cpu","torch.bfloat16",[64,32],2,false]': 1}}
 
 
+def test_the_store_is_read_once_per_process_not_once_per_kind(store, clock, monkeypatch):
+    """Kinds are first decided on the first forward of each layer kind: reading the store there for each would put
+    file I/O on the forward path, growing with the store."""
+    table: Decisions[Any, int] = Decisions("test.reads")
+    for rows in range(4):
+        _decide(table, ("cpu", rows))  # measured, each written to the store
+    reads: list[Path] = []
+    real = decisions._read
+    monkeypatch.setattr(decisions, "_read", lambda path: reads.append(path) or real(path))
+    decisions.reset()  # as a fresh process: nothing in memory, the store on disk
+    assert [_decide(table, ("cpu", rows)) for rows in range(4)] == [1, 1, 1, 1] and len(clock.timed) == 4
+    assert reads == [store]
+
+
 def test_the_tie_rule_keeps_the_first_way_unless_another_is_faster_beyond_the_margin(clock):
     table: Decisions[Any, int] = Decisions("test.tie")
     for times, taken in [([1.0, 0.99], 0), ([1.0, 0.97], 1), ([1.0, 1.5], 0), ([1.0, 0.5, 0.4], 2),
