@@ -44,7 +44,7 @@ from pydantic import Field
 from torch import nn
 
 from fusion_core import FamilyOptions, FusedModule, FusionFamily
-from fusion_core.plugin import forwards, fused_subclass, self_call
+from fusion_core.plugin import aliases, forwards, fused_subclass, self_call
 from fusion_linear_cross_entropy.deferred import DeferredLogits, Source
 from fusion_linear_cross_entropy.loss import chunked_causal_lm_loss
 
@@ -349,8 +349,7 @@ def _indexed_logits(tree: ast.AST, head: str) -> str | None:
     forward that indexes its logits otherwise (transformers 4.57's Moshi shifts them by hand: ``logits[..., :-1, :]``)
     is declined here, by name, rather than refused when it first runs.
     """
-    assigned = [(target.id, node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
-                for target in node.targets if isinstance(target, ast.Name)]
+    assigned = aliases(tree)
 
     def is_logits(node: ast.AST, derived: set[str]) -> bool:
         return (isinstance(node, ast.Name) and node.id in derived) or self_call(node, (head,)) is not None
@@ -360,7 +359,8 @@ def _indexed_logits(tree: ast.AST, head: str) -> str | None:
 
     derived: set[str] = set()
     while True:
-        grown = {name for name, value in assigned if name not in derived and from_logits(value, derived)}
+        grown = {name for name, values in assigned.items()
+                 if name not in derived and any(from_logits(value, derived) for value in values)}
         if not grown:
             break
         derived |= grown
@@ -372,9 +372,17 @@ def _indexed_logits(tree: ast.AST, head: str) -> str | None:
 
 
 def _narrows_vocabulary_only(index: ast.expr) -> bool:
-    """Whether a subscript's index is ``[..., a:b]`` (a slice of the last dimension, step 1)."""
-    return (isinstance(index, ast.Tuple) and len(index.elts) == 2 and isinstance(index.elts[0], ast.Constant)
-            and index.elts[0].value is Ellipsis and isinstance(index.elts[1], ast.Slice) and index.elts[1].step is None)
+    """Whether a subscript's index is one the placeholder replays (:func:`~fusion_linear_cross_entropy.deferred.
+    vocab_index`): ``[..., a:b]`` or ``[:, :, a:b]``, the last a slice of step 1 (the runtime checks the count of
+    ``:`` against the logits' dimensions)."""
+    if not (isinstance(index, ast.Tuple) and len(index.elts) >= 2 and isinstance(index.elts[-1], ast.Slice)):
+        return False
+    last, lead = index.elts[-1], index.elts[:-1]
+    if last.step is not None and not (isinstance(last.step, ast.Constant) and last.step.value == 1):
+        return False
+    if len(lead) == 1 and isinstance(lead[0], ast.Constant) and lead[0].value is Ellipsis:
+        return True
+    return all(isinstance(e, ast.Slice) and e.lower is None and e.upper is None and e.step is None for e in lead)
 
 
 def refusal(module: nn.Module) -> str | None:

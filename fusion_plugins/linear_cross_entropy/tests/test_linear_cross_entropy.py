@@ -414,6 +414,27 @@ def test_a_slice_of_the_vocabulary_is_replayed_chunk_by_chunk():
         deferred[..., :-1, :]
 
 
+@pytest.mark.parametrize(("line", "declined"), [
+    ("logits = logits[..., :n]", False), ("logits = logits[:, :, :n]", False), ("logits = logits[..., 2:n:1]", False),
+    ("logits = logits[..., :-1, :]", True), ("logits = logits[:, -1]", True), ("logits = logits[..., ::2]", True),
+])
+def test_the_plan_time_reading_accepts_the_slices_the_placeholder_replays(line, declined):
+    import ast
+
+    from fusion_linear_cross_entropy.family import _indexed_logits
+
+    tree = ast.parse(f"def forward(self, h):\n    logits = self.lm_head(h)\n    {line}\n    return logits\n")
+    assert (_indexed_logits(tree, "lm_head") is not None) is declined
+    index = eval(f"(lambda logits, n: {line.split(' = ')[1]})", {"__builtins__": {}})
+    deferred = DeferredLogits.make(Source(torch.zeros(1, 4), nn.Identity(), lambda h: h, "M"), (), (2, 3, 10),
+                                   torch.float32, torch.device("cpu"))
+    if declined:
+        with pytest.raises(fusion_core.FusionError):
+            index(deferred, 7)
+    else:
+        assert index(deferred, 7).shape[:-1] == (2, 3)
+
+
 def test_an_op_the_family_cannot_replay_fails_by_name():
     torch.manual_seed(0)
     model = fusion_core.fuse(SortingLlama(_config("llama")), ON)
