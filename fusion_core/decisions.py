@@ -13,9 +13,9 @@ is asked in a process:
 **How a decision is measured**: the way decode runs. A pass reads distinct weights of the kind from
 memory (:func:`distinct_copies`, :func:`pass_size`: about :data:`PASS_BYTES`, where one weight timed
 again and again would be served from cache), each way is timed by :func:`best_times` over at least
-five interleaved rounds and until the noise is beaten, and one tie rule decides
-(:meth:`Decisions.fastest`, :func:`faster`): the first way, the original's, is kept unless another
-was faster by more than :data:`MARGIN`.
+five interleaved rounds and until 50 ms were timed (a time budget, not a test of the noise: hence the
+margin), and one tie rule decides (:meth:`Decisions.fastest`, :func:`faster`): the first way, the
+original's, is kept unless another was faster by more than :data:`MARGIN`.
 
 **The store** is one JSON file, ``decisions.json`` under ``$FUSION_CORE_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/fusion_core``, else ``~/.cache/fusion_core``)::

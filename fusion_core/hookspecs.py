@@ -169,6 +169,7 @@ def fusion_save_kwargs(model: nn.Module, save_kwargs: MutableMapping[str, Any]) 
 def fusion_reset_state() -> None:
     """:func:`fusion_core.reset_state` is clearing fusion-core's process-wide state: clear the plugin's own.
 
-    Caches, measured decisions, finders on ``sys.meta_path``: whatever a fresh process would not have.
+    Caches, finders on ``sys.meta_path``: whatever a fresh process would not have. Measured decisions kept in a
+    :class:`fusion_core.plugin.Decisions` are reset by the core (:func:`fusion_core.decisions.reset`).
     Called on the plugins of the registry in use, before it is discarded; not while a load runs.
     """

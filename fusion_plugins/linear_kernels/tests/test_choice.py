@@ -13,9 +13,8 @@ GEN = torch.Generator().manual_seed(0)
 SHAPES = [(96, 64), (40, 200), (256, 24)]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_decisions(fake_times):
-    """Every decision forgotten before and after (``fake_times``); the clock unless a test replaces it."""
+#: Every decision forgotten before and after (``fake_times``); the clock unless a test replaces it.
+pytestmark = pytest.mark.usefixtures("fake_times")
 
 
 def _layer(out: int, inn: int, dtype: torch.dtype, bias: bool = True):
