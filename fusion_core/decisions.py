@@ -25,7 +25,7 @@ original's, is kept unless another was faster by more than :data:`MARGIN`.
         "decisions": {"<topic>": {"<kind as JSON>": <decision>}}}}}
 
 keyed by :func:`fingerprint` (CPU model and flags, core and thread counts, torch version and build,
-transformers' and fusion-core's versions): another machine, or an upgrade, measures anew. Written
+the versions of transformers, fusion-core and the plugins): another machine, or an upgrade, measures anew. Written
 atomically (a temporary file, then ``os.replace``); a file that cannot be read or written is warned
 about once (:class:`DecisionStoreWarning`) and the decisions are measured and kept in memory.
 
@@ -234,12 +234,20 @@ def _host() -> dict[str, str]:
         pass
     return {"machine": platform.machine(), "cpu": cpu, "cpu_flags": _digest(flags), "cpus": str(os.cpu_count()),
             "torch": torch.__version__, "torch_build": _digest(torch.__config__.show()),
-            "transformers": _version("transformers"), "fusion_core": _version("fusion-core")}
+            "transformers": _version("transformers"), "fusion_core": _version("fusion-core"), "plugins": _plugins()}
+
+
+def _plugins() -> str:
+    """The installed plugin distributions and their versions (digested): most decisions are a family's
+    (``linear_kernels``' kernels and layouts), and an upgrade of it may change what they measure."""
+    found = {f"{ep.dist.name}=={ep.dist.version}" for group in ("fusion_core", "fusion_core.families")
+             for ep in metadata.entry_points(group=group) if ep.dist is not None}
+    return _digest(" ".join(sorted(found)))
 
 
 def fingerprint() -> dict[str, str]:
     """What this machine's and software's decisions are stored under: CPU model and flags (digested), core count,
-    torch's version, build and thread count, transformers' and fusion-core's versions."""
+    torch's version, build and thread count, transformers', fusion-core's and the plugin distributions' versions."""
     return {**_host(), "threads": str(torch.get_num_threads())}
 
 

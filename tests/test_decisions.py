@@ -231,7 +231,7 @@ def test_another_fingerprint_measures_anew_and_keeps_both(store, clock, monkeypa
     decisions.reset()
     assert _decide(table, kind) == 1 and len(clock.timed) == 1  # read from the store
     here = decisions.fingerprint()
-    for change in ({"cpu_flags": "0123456789abcdef"}, {"torch": "2.99.0"}):
+    for change in ({"cpu_flags": "0123456789abcdef"}, {"torch": "2.99.0"}, {"plugins": "an upgraded family"}):
         monkeypatch.setattr(decisions, "fingerprint", lambda change=change: {**here, **change})
         decisions.reset()
         clock.times = [0.5, 1.0]
@@ -242,7 +242,7 @@ def test_another_fingerprint_measures_anew_and_keeps_both(store, clock, monkeypa
     decisions.reset()
     assert _decide(table, kind) == 1 and clock.timed == ["reset"]  # this machine's stored decision again
     machines = json.loads(store.read_text())["machines"]
-    assert len(machines) == 3 and sorted(m["fingerprint"]["torch"] for m in machines.values()).count("2.99.0") == 1
+    assert len(machines) == 4 and sorted(m["fingerprint"]["torch"] for m in machines.values()).count("2.99.0") == 1
 
 
 def test_measure_mode_measures_again_and_stores_the_new_decision(store, clock, monkeypatch):
