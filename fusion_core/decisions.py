@@ -39,6 +39,7 @@ fresh process would.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -48,7 +49,7 @@ import tempfile
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -105,6 +106,13 @@ def best_times(ways: Sequence[Callable[[], object]], device: torch.device) -> li
 def faster(seconds: float, than: float) -> bool:
     """The one tie rule: whether ``seconds`` is faster than ``than`` by more than :data:`MARGIN` (less is noise)."""
     return seconds * MARGIN < than
+
+
+@functools.cache
+def device_key(device: torch.device) -> str:
+    """How a kind names its device: the CPU's model and flags are in every stored decision's fingerprint, an
+    accelerator's model is here (a decision measured on one GPU is not another's)."""
+    return f"{device} {torch.cuda.get_device_name(device)}" if device.type == "cuda" else str(device)
 
 
 def pass_size(nbytes: int, available: int = MAX_PASS) -> int:
@@ -165,7 +173,7 @@ class Decisions(dict[K, T], Generic[K, T]):
     def times(self, ways: Sequence[Callable[[], object]], device: torch.device) -> list[float]:
         """Seconds of each of ``ways`` (:func:`best_times`). The one seam where a test replaces the clock:
         ``monkeypatch.setattr(Decisions, "times", fake)``, ``fake(table, ways, device)`` (``table.topic`` says
-        whose decision is timed)."""
+        whose decision is timed); :func:`fusion_core.testing.decisions.fake_clock` builds one per topic."""
         return best_times(ways, device)
 
     def fastest(self, ways: Sequence[Callable[[], object]], device: torch.device) -> int:
@@ -317,9 +325,35 @@ def _stored(path: Path) -> dict[str, Any]:
     return _SEEN[path]
 
 
+@contextlib.contextmanager
+def _exclusive(directory: Path) -> Iterator[None]:
+    """An exclusive lock on the store's directory for a read-edit-write of the store, so that processes deciding at
+    once (the ranks of one job) each add their decisions, where the last writer would replace the others'. POSIX
+    ``flock`` on the directory itself (no lock file beside the store); without it, or where the directory cannot be
+    made or opened, no lock (the write then warns or succeeds as before)."""
+    try:
+        import fcntl
+
+        directory.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(directory, os.O_RDONLY)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # releases the lock
+
+
 def _change(edit: Callable[[dict[str, Any]], bool]) -> None:
     """Apply ``edit`` to the store's machines and write the store atomically, when ``edit`` says it changed them."""
     path = store_path()
+    with _exclusive(path.parent):
+        _edit_and_write(path, edit)
+
+
+def _edit_and_write(path: Path, edit: Callable[[dict[str, Any]], bool]) -> None:
     data = _read(path) or {"format": _FORMAT, "machines": {}}
     changed = edit(data["machines"])
     _SEEN[path] = _mine(data["machines"])  # what this process now knows the store holds

@@ -31,7 +31,6 @@ Compiled code is not affected: under ``torch.compile`` every part runs its own G
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,7 +39,7 @@ from typing import Literal, get_args
 import torch
 from torch.nn import functional as F
 
-from fusion_core.decisions import Decisions, distinct_copies
+from fusion_core.decisions import Decisions, device_key, distinct_copies
 from fusion_core.wrapped import is_torch_tensor, row_slice
 
 MergePolicy = Literal["measure", "always", "never"]
@@ -107,16 +106,10 @@ def reset_merge_policy() -> None:
     _POLICY[0] = _from_environment()
 
 
-@functools.cache
-def _device(device: torch.device) -> str:
-    """The device, with its model on an accelerator: a decision stored for one GPU is not another's."""
-    return f"{device} {torch.cuda.get_device_name(device)}" if device.type == "cuda" else str(device)
-
-
 def kind_of(input: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...], has_bias: bool) -> Kind:
     """The kind of a call: what its decision is filed under."""
     rows = input.numel() // max(int(input.shape[-1]), 1)
-    return (_device(input.device), input.dtype, tuple(weight.shape), sizes, has_bias, max(rows - 1, 0).bit_length(),
+    return (device_key(input.device), input.dtype, tuple(weight.shape), sizes, has_bias, max(rows - 1, 0).bit_length(),
             "torch" if is_torch_tensor(weight) else f"{type(weight).__module__}.{type(weight).__qualname__}")
 
 

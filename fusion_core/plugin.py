@@ -32,8 +32,9 @@ The names, by what they serve:
   included), :func:`is_torch_tensor`, :func:`same_bits`.
 - **measured decisions** (:mod:`fusion_core.decisions`), for a choice of the faster way per kind of call:
   :class:`Decisions` (one topic's table: measured once per kind, stored per machine and software, forgotten
-  by ``reset_state``), :func:`best_times` (the timer), :func:`faster` (the one tie rule), and for a pass that
-  reads weights from memory as decode does, :func:`distinct_copies` and :func:`pass_size`.
+  by ``reset_state``), :func:`best_times` (the timer), :func:`faster` (the one tie rule), :func:`device_key`
+  (a kind's device, an accelerator's model included), and for a pass that reads weights from memory as decode
+  does, :func:`distinct_copies` and :func:`pass_size`.
 - **tensor parallelism** (:mod:`fusion_core.parallel.rules`): :class:`TensorParallelRule`,
   :class:`Replicated`, :class:`PackedColwise`, :func:`is_dtensor`.
 - **integrations**: :func:`load_quantization` (the quantization config a load asked for),
@@ -97,6 +98,7 @@ _EXPORTS: dict[str, str] = {
     "same_bits": "fusion_core.wrapped",
     "Decisions": "fusion_core.decisions",
     "best_times": "fusion_core.decisions",
+    "device_key": "fusion_core.decisions",
     "distinct_copies": "fusion_core.decisions",
     "faster": "fusion_core.decisions",
     "pass_size": "fusion_core.decisions",
@@ -152,6 +154,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
     from fusion_core.decisions import (
         Decisions as Decisions,
         best_times as best_times,
+        device_key as device_key,
         distinct_copies as distinct_copies,
         faster as faster,
         pass_size as pass_size,

@@ -360,6 +360,31 @@ def test_a_failed_write_keeps_the_previous_store(store, clock, monkeypatch):
     assert store.read_text() == before and [p.name for p in store.parent.iterdir()] == ["decisions.json"]
 
 
+def test_processes_storing_at_once_each_keep_their_decisions(store):
+    """Two writers at once (the ranks of one job deciding together): the second waits for the first's write, so
+    neither decision is lost (without the lock, the second read the store before the first wrote it and the first's
+    write replaced the second's)."""
+    import threading
+
+    first_read = threading.Event()
+
+    def add(topic: str, hold: float) -> Callable[[dict[str, Any]], bool]:
+        def edit(machines: dict[str, Any]) -> bool:
+            decisions._mine(machines)[topic] = {"kind": 1}
+            first_read.set()
+            time.sleep(hold)
+            return True
+
+        return edit
+
+    slow = threading.Thread(target=decisions._change, args=(add("test.first", 0.5),))
+    slow.start()
+    first_read.wait(10)
+    decisions._change(add("test.second", 0.0))
+    slow.join()
+    assert {"test.first", "test.second"} <= set(_stored(store))
+
+
 def test_a_stored_value_is_loaded_back_as_the_caller_keeps_it(store, clock):
     """Tuples come back as tuples; a ``load`` that does not know a stored value (None) has it measured again."""
     pairs: Decisions[Any, tuple[bool, str]] = Decisions("test.pairs")

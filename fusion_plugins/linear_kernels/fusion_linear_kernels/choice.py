@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.nn import functional as F
 
-from fusion_core.plugin import Decisions, distinct_copies
+from fusion_core.plugin import Decisions, device_key, distinct_copies
 from fusion_linear_kernels import compat, kernels
 from fusion_linear_kernels.kernels import LINEAR, Candidate
 from fusion_linear_kernels.tolerance import admission_bound, admitted
@@ -74,7 +74,7 @@ def runs_original(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def kind_of(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, exact: bool) -> Kind:
     """The kind a call's decision is filed under."""
-    return (str(input.device), input.dtype, tuple(weight.shape), tuple(weight.stride()), bias is not None,
+    return (device_key(input.device), input.dtype, tuple(weight.shape), tuple(weight.stride()), bias is not None,
             rows_of(input), exact)
 
 
@@ -98,9 +98,10 @@ def linear_exact(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def choose(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, exact: bool,
-           candidates: Sequence[Candidate] | None = None) -> Candidate:
+           candidates: Sequence[Candidate] | None = None, copies: Sequence[torch.Tensor] | None = None) -> Candidate:
     """The fastest of ``candidates`` (default: :data:`~fusion_linear_kernels.kernels.CANDIDATES`) admitted on this
-    input, timed over a pass of copies of ``weight``; ``F.linear`` unless another is faster beyond the margin."""
+    input, timed over a pass of ``copies`` of ``weight`` (default: :func:`~fusion_core.plugin.distinct_copies`);
+    ``F.linear`` unless another is faster beyond the margin."""
     candidates = kernels.CANDIDATES if candidates is None else candidates
     x = input.detach()
     with torch.no_grad():
@@ -112,7 +113,7 @@ def choose(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         ]
         if len(taken) == 1:
             return LINEAR
-        weights = distinct_copies(weight.detach())
+        weights = distinct_copies(weight.detach()) if copies is None else copies
         return taken[_DECISIONS.fastest([_call(c, x, weights, bias) for c in taken], x.device)]
 
 

@@ -25,12 +25,14 @@ first layer of that kind a load converts, or read from this machine's stored dec
   in 20,000, so **exact mode packs no layer with a bias** (:func:`fusion_linear_kernels.family.packing_plan`).
   The probes are evidence on synthetic inputs, not a proof for every input: exact mode's promise
   (logits bit-identical to the model without this family) is what the tests check on whole models;
-- only where it is faster: timed against ``F.linear`` over a pass of copies of the layer's weight (read
-  from memory, as decode reads every layer's) on a synthetic input, it must be faster beyond the
-  facility's margin (:func:`fusion_core.plugin.faster`) at :data:`DECODE_ROWS` row (decode), and
-  ``F.linear`` must not be faster beyond it at :data:`PREFILL_ROWS` rows (a prompt: a packed weight has
-  no dense copy to fall back on). Timing does not depend on the values, so the decision is made at
-  load, on synthetic inputs, not on the first real call.
+- only where it is faster: timed over a pass of copies of the layer's weight (read from memory, as
+  decode reads every layer's) on a synthetic input, it must be faster beyond the facility's margin
+  (:func:`fusion_core.plugin.faster`) at :data:`DECODE_ROWS` row (decode) than the kernel the dense
+  weight would run there (:func:`fusion_linear_kernels.choice.choose`: ``F.linear`` or ``torch.mv``, which
+  beats the packed GEMV on some shapes: a 896x4864 bfloat16 down projection on a 2-core Xeon read at 25 GB/s
+  by ``torch.mv``, 21 GB/s packed), and ``F.linear`` must not be faster beyond it at :data:`PREFILL_ROWS`
+  rows (a prompt: a packed weight has no dense copy to fall back on). Timing does not depend on the
+  values, so the decision is made at load, on synthetic inputs, not on the first real call.
 
 A weight shared with another module (a tied LM head: it is the embedding table) is never packed:
 the plugin's ``fusion_convert_loaded`` hook drops the transform from that module's plan.
@@ -47,7 +49,7 @@ module would (with its errors).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,8 +58,9 @@ from torch.nn import functional as F
 
 from fusion_core import TransformOp
 from fusion_core.plugin import Decisions, Shape, distinct_copies, faster
-from fusion_linear_kernels import compat
+from fusion_linear_kernels import choice, compat
 from fusion_linear_kernels.data_parallel import in_distributed_job
+from fusion_linear_kernels.kernels import LINEAR, Candidate
 from fusion_linear_kernels.tolerance import admission_bound, admitted
 
 PROBE_ROWS = (1, 2, 3, 4, 16, 64)
@@ -129,24 +132,32 @@ def measure(weights: Sequence[torch.Tensor], exact: bool) -> tuple[bool, str]:
                     if not admitted(got, reference, admission_bound(x, weight, reference), exact):
                         return False, f"not {'bit-identical to' if exact else 'within the bound of'} F.linear " \
                                       f"at {rows} rows{' with a bias' if b is not None else ''}"
-            times = {}
-            for rows in sorted({DECODE_ROWS, PREFILL_ROWS}):
-                x = torch.randn(1, rows, inn, generator=generator).to(weight.dtype)
-                ways = (lambda x=x: [F.linear(x, w) for w in weights],
-                        lambda x=x: [compat.packed_linear(x, p, None) for p in packed])
-                times[rows] = [t / len(weights) for t in _DECISIONS.times(ways, x.device)]
+            decode, prefill = (torch.randn(1, rows, inn, generator=generator).to(weight.dtype)
+                               for rows in (DECODE_ROWS, PREFILL_ROWS))
+            # A dense weight's decode runs what choice.py chooses (torch.mv on some shapes): packing must beat that.
+            unpacked = choice.choose(decode, weight, None, exact, copies=weights)
+            times = {rows: [t / len(weights) for t in _DECISIONS.times(_dense_and_packed(x, kernel, weights, packed),
+                                                                         x.device)]
+                     for rows, x, kernel in ((DECODE_ROWS, decode, unpacked), (PREFILL_ROWS, prefill, LINEAR))}
     except (RuntimeError, NotImplementedError) as exc:  # a dtype or shape oneDNN does not pack here
         first = str(exc).splitlines()[0] if str(exc) else ""
         return False, f"oneDNN refused to pack it: {type(exc).__name__}: {first}"
     (dense, fast), (dense_prefill, fast_prefill) = times[DECODE_ROWS], times[PREFILL_ROWS]
     over = f" (each, a pass over {len(weights)})" if len(weights) > 1 else ""
-    timing = (f"{DECODE_ROWS} row {dense * 1e3:.3f} -> {fast * 1e3:.3f} ms, "
+    timing = (f"{DECODE_ROWS} row {dense * 1e3:.3f} ({unpacked.name}) -> {fast * 1e3:.3f} ms, "
               f"{PREFILL_ROWS} rows {dense_prefill * 1e3:.3f} -> {fast_prefill * 1e3:.3f} ms{over}")
     if not faster(fast, dense):
         return False, f"not faster at decode ({timing})"
     if faster(dense_prefill, fast_prefill):
         return False, f"slower at prefill ({timing})"
     return True, timing
+
+
+def _dense_and_packed(x: torch.Tensor, kernel: Candidate, weights: Sequence[torch.Tensor],
+                      packed: Sequence[torch.Tensor]) -> tuple[Callable[[], object], Callable[[], object]]:
+    """The two ways a packing decision times: a pass of ``kernel`` over the dense weights, then of the packed one."""
+    return (lambda: [kernel.run(x, w, None) for w in weights],
+            lambda: [compat.packed_linear(x, p, None) for p in packed])
 
 
 def pack_decisions() -> dict[PackKind, tuple[bool, str]]:

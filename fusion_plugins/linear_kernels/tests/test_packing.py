@@ -27,6 +27,7 @@ import fusion_core
 from fusion_core import ModulePlan, SaveError
 from fusion_core.plugin import fuse_instance, same_bits
 from fusion_core.testing import kit
+from fusion_core.testing.decisions import original_slowest
 from fusion_core.testing.tiny_models import TEXT_MODELS
 
 pytestmark = pytest.mark.skipif(not compat.available(), reason="this torch build has no oneDNN prepacked linear")
@@ -39,7 +40,7 @@ GEN = torch.Generator().manual_seed(0)
 @pytest.fixture(autouse=True)
 def _packing_wins(fake_times: Any) -> None:
     """The packed kernel measures fastest; every decision is forgotten before and after (``fake_times``)."""
-    fake_times(packing, lambda ways: [1.0] + [0.5] * (ways - 1))
+    fake_times(packing, original_slowest)
 
 
 def _linear(out: int, inn: int, dtype: torch.dtype, bias: bool = True) -> nn.Linear:
@@ -125,6 +126,32 @@ def test_packing_must_win_at_decode_and_not_lose_at_prefill(fake_times, times, e
     calls = iter([times[:2], times[2:]])  # (dense, packed) at decode, then at prefill
     fake_times(packing, lambda ways: list(next(calls)))
     assert packing.packs(torch.randn(64, 32).bfloat16(), exact=True) is expected, packing.pack_decisions()
+
+
+def test_packing_at_decode_must_beat_the_kernel_a_dense_weight_would_run(monkeypatch, fake_times):
+    """Where ``torch.mv`` is the dense weight's decode kernel (choice.py measured it faster than ``F.linear``),
+    packing is timed against ``torch.mv``, not against ``F.linear``."""
+    from fusion_linear_kernels import choice
+
+    fake_times(choice, original_slowest)  # torch.mv beats F.linear at one row
+    mv, ran_mv = torch.mv, []
+    monkeypatch.setattr(torch, "mv", lambda *args: ran_mv.append(True) or mv(*args))
+
+    def timed(table: Any, ways: Any, device: Any) -> list[float]:
+        if table.topic != packing._DECISIONS.topic:
+            return original(table, ways, device)
+        ran_mv.clear()
+        ways[0]()
+        dense_ran_mv.append(bool(ran_mv))
+        return [1.0, 0.5]
+
+    from fusion_core.plugin import Decisions
+
+    original, dense_ran_mv = Decisions.times, []
+    monkeypatch.setattr(Decisions, "times", timed)
+    assert packing.packs(torch.randn(64, 32).bfloat16(), exact=True)
+    assert dense_ran_mv == [True, False]  # decode: the dense way is torch.mv; prefill (64 rows): F.linear
+    assert "(mv)" in packing.pack_decisions()[((64, 32), torch.bfloat16, True)][1]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
