@@ -61,7 +61,7 @@ from typing import Any
 import torch
 
 import fusion_core
-from fusion_core.compare import TOLERANCES, compare_checkpoints, compare_outputs, model_inputs
+from fusion_core.compare import TOLERANCES, compare_checkpoints, compare_outputs, model_inputs, relative_l2
 
 #: Attribute -> tiny value, set wherever the config (or a sub-config) has the attribute.
 SHRINK: dict[str, int] = {
@@ -314,7 +314,7 @@ def census_training_one(model_type: str, auto_cls: Any, work: Path) -> Row:
         problems.append(f"gradients of other parameters: {sorted(set(grads) ^ set(expected_grads))[:3]}")
     for name, expected in expected_grads.items():
         if name in grads:
-            error = float((grads[name] - expected).norm() / (expected.norm() + 1e-12))
+            error = relative_l2(expected, grads[name])
             if not error <= TRAINING_BOUND:
                 problems.append(f"gradient of {name} differs by {error:.1e}")
                 break
@@ -355,16 +355,11 @@ def _kernels_win() -> None:
     import os
 
     from fusion_core.plugin import Decisions
+    from fusion_core.testing.decisions import fake_clock, original_slowest
 
     os.environ["FUSION_CORE_DECISIONS"] = "off"
-    measured = Decisions.times
-
-    def original_slowest(table: Any, ways: Any, device: Any) -> list[float]:
-        if not table.topic.startswith("linear_kernels"):
-            return measured(table, ways, device)  # the merge policy keeps its clock
-        return [1.0] + [0.5] * (len(ways) - 1)  # every timer lists the original way first (packing: dense F.linear)
-
-    Decisions.times = original_slowest  # type: ignore[method-assign]
+    # Every timer lists the original way first (packing: the dense weight); the merge policy keeps its clock.
+    Decisions.times = fake_clock({"linear_kernels": original_slowest})  # type: ignore[method-assign]
 
 
 def _print_table(rows: list[Row]) -> None:

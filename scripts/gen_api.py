@@ -32,6 +32,7 @@ EXTRA_MODULES = (
     "fusion_core.hookspecs",
     "fusion_core.compare",
     "fusion_core.testing.kit",
+    "fusion_core.testing.decisions",
     "fusion_core.testing.pytest_plugin",
     "fusion_core.testing.tiny_models",
 )

@@ -22,6 +22,7 @@ from fusion_core.testing.distributed import (
     Checks,
     close,
     free_port,
+    fsdp2,
     full_state,
     report_rank,
     same_generation,
@@ -342,16 +343,6 @@ def data_parallel(rank: int, world: int, path: Path, out: Path) -> Checks:
         same_state(checks, "save after FSDP2 training", saved(out / "fsdp"), plain_state)
     with_kernels_in_the_job(checks, models, ids)
     return checks
-
-
-def fsdp2(model: Any) -> Any:
-    """``model`` sharded by FSDP2 as the data-parallel scenarios shard it: each decoder layer, then the model."""
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    return model
 
 
 def with_kernels_in_the_job(checks: Checks, models: Callable[..., tuple[Any, Any]], ids: torch.Tensor) -> None:

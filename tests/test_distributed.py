@@ -30,6 +30,7 @@ from torch import nn
 import fusion_core
 from fusion_core.parallel import PackedColwise, Replicated, TensorParallelRule, check_tensor_parallel_rule
 from fusion_core.testing import kit
+from fusion_core.testing.distributed import run_job
 from fusion_core.transforms import Concat, WeightTransform, bind_transforms
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,28 +41,9 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 def run_scenario(
     scenario: str, world: int, tmp_path: Path, expected: set[str] | Callable[[set[str]], set[str]]
 ) -> set[str]:
-    """Run a scenario on ``world`` processes; fail with every rank's failed checks or an ``expected`` one not run.
-
-    ``expected`` may be a function of the checks rank 0 ran (a scenario that takes another branch on a
-    release that lacks what it needs reports other checks). Returns the names of rank 0's checks.
-    """
-    result = subprocess.run(
-        [sys.executable, str(WORKER), scenario, str(world), str(tmp_path)],
-        capture_output=True, text=True, timeout=900,
-    )
-    reports = {rank: tmp_path / f"rank{rank}.json" for rank in range(world)}
-    missing = [rank for rank, file in reports.items() if not file.exists()]
-    assert result.returncode == 0 and not missing, f"ranks {missing} reported nothing:\n{result.stderr[-4000:]}"
-    failed = {}
-    for rank, file in reports.items():
-        checks = json.loads(file.read_text())
-        assert checks, f"rank {rank} ran no check"
-        failed.update({f"rank {rank}: {name}": detail for name, (ok, detail) in checks.items() if not ok})
-        if rank == 0:  # rank 0 runs every check; the others skip those on files only rank 0 writes
-            want = expected(set(checks)) if callable(expected) else expected
-            failed.update({f"rank 0: {name}": "did not run" for name in want - checks.keys()})
-    assert not failed, "\n".join(f"{name}: {detail}" for name, detail in failed.items())
-    return set(json.loads(reports[0].read_text()))
+    """Run a scenario on ``world`` processes (:func:`fusion_core.testing.distributed.run_job`); returns the names of
+    rank 0's checks, which runs every check (the others skip those on files only rank 0 writes)."""
+    return run_job([sys.executable, str(WORKER), scenario, str(world), str(tmp_path)], world, tmp_path, expected)
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ fused modules in a real process group. A check is recorded, not raised, so that 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +106,44 @@ def report_rank(rank: int, world: int, port: int, out: Path, scenario: Callable[
     (out / f"rank{rank}.json").write_text(json.dumps(checks, indent=1))
     dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
     dist.destroy_process_group()
+
+
+def fsdp2(model: Any, head: bool = False) -> Any:
+    """``model`` (a decoder whose layers are ``model.model.layers``) sharded by FSDP2 as the data-parallel tests
+    shard it: each decoder layer, then the model (its embeddings, norm and LM head in the root group); with
+    ``head``, the LM head in a group of its own first (its own unshard/reshard hooks around its forward)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    if head:
+        fully_shard(model.get_output_embeddings())
+    fully_shard(model)
+    return model
+
+
+def run_job(command: Sequence[str], world: int, out: Path, expected: set[str] | Callable[[set[str]], set[str]],
+            every_rank: bool = False, env: Mapping[str, str] | None = None, timeout: float = 900) -> set[str]:
+    """Run ``command`` (a worker that spawns ``world`` ranks, each writing ``out/rank<r>.json`` through
+    :func:`report_rank`); fail with every rank's failed checks, and each ``expected`` check that rank 0 (with
+    ``every_rank``, any rank) did not run. ``expected`` may be a function of the checks rank 0 ran (a scenario that
+    takes another branch on a release that lacks what it needs reports other checks). Returns rank 0's checks."""
+    import json
+    import subprocess
+
+    result = subprocess.run(list(command), capture_output=True, text=True, timeout=timeout,
+                            env=None if env is None else dict(env))
+    reports = {rank: out / f"rank{rank}.json" for rank in range(world)}
+    missing = [rank for rank, file in reports.items() if not file.exists()]
+    assert result.returncode == 0 and not missing, f"ranks {missing} reported nothing:\n{result.stderr[-4000:]}"
+    failed, first = {}, set()
+    for rank, file in reports.items():
+        checks = json.loads(file.read_text())
+        assert checks, f"rank {rank} ran no check"
+        failed.update({f"rank {rank}: {name}": detail for name, (ok, detail) in checks.items() if not ok})
+        first = set(checks) if rank == 0 else first
+        if rank == 0 or every_rank:  # without every_rank, the others skip checks on files only rank 0 writes
+            want = expected(first) if callable(expected) else expected
+            failed.update({f"rank {rank}: {name}": "did not run" for name in want - checks.keys()})
+    assert not failed, "\n".join(f"{name}: {detail}" for name, detail in failed.items())
+    return first

@@ -33,6 +33,7 @@ from fusion_core.compare import (
     compare_outputs,
     compare_training as assert_training_loss,
     relative_error,
+    relative_l2,
 )
 from fusion_core.compat import transformers as compat
 from fusion_core.layout import fuse_instance
@@ -49,7 +50,7 @@ __all__ = [
     "assert_transform_op", "assert_transform_round_trip", "build_model", "compare_checkpoints", "fuse_module",
     "model_config",
     "module_factory",
-    "registered", "relative_error", "resolve_model",
+    "registered", "relative_error", "relative_l2", "resolve_model",
 ]
 
 ModelSource = str | os.PathLike[str] | tuple[Any, Any]

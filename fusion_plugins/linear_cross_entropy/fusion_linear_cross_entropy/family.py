@@ -407,17 +407,24 @@ def refusal(module: nn.Module) -> str | None:
     if loss is not _causal_lm_loss():
         return (f"the loss_function of {name} is {getattr(loss, '__qualname__', loss)!r}, not transformers' "
                 "ForCausalLMLoss")
-    tree = next((tree for _, _, tree in forwards(type(module))), None)
+    path = next((path for path, sub in module.named_modules() if sub is head), "")
+    return _forward_refusal(type(module), path.split(".")[0])
+
+
+@functools.cache
+def _forward_refusal(cls: type[nn.Module], head: str) -> str | None:
+    """What the source of ``cls.forward`` says against it, whose LM head is ``self.<head>``; read once per class
+    (``is_fusable`` and ``refusal`` both ask, at every load)."""
+    name = cls.__name__
+    tree = next((tree for _, _, tree in forwards(cls)), None)
     if tree is None:
         return f"the source of {name}.forward cannot be read"
     called = _self_calls(tree)
     if "loss_function" not in called:
         return f"{name}.forward does not compute its loss with self.loss_function(...)"
-    path = next((path for path, sub in module.named_modules() if sub is head), "")
-    top = path.split(".")[0]
-    if top not in called:
-        return f"{name}.forward does not call its LM head (self.{top}(...))"
-    indexed = _indexed_logits(tree, top)
+    if head not in called:
+        return f"{name}.forward does not call its LM head (self.{head}(...))"
+    indexed = _indexed_logits(tree, head)
     if indexed is not None:
         return (f"{name}.forward indexes its logits ({indexed}); the family replays elementwise ops and slices of "
                 "the vocabulary only")

@@ -24,12 +24,14 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from fusion_core.testing.distributed import Checks, free_port, full_state, report_rank
+from fusion_core.testing.distributed import Checks, free_port, fsdp2, full_state, report_rank
+from fusion_core.testing.kit import relative_l2
 
 FUSION = {"linear_cross_entropy": {"chunk_tokens": 5}}  # several chunks per rank's batch
 STEPS = 3
 LR = 0.05
-TOLERANCE = 1e-5  # float32: loss relative error, weight-update relative L2 error
+TOLERANCE = 1e-5  # float32: loss relative error; relative L2 error of each trained weight and of all updates together
+TENSOR_UPDATE_TOLERANCE = 1e-3  # one tensor's own update, ill-conditioned (test_workflows._assert_same_updates)
 
 
 def configs() -> dict[str, Any]:
@@ -57,11 +59,6 @@ def batches(rank: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def relative(got: torch.Tensor, expected: torch.Tensor) -> float:
-    got, expected = got.detach().float(), expected.detach().float()
-    return float((got - expected).norm() / expected.norm().clamp_min(1e-30))
-
-
 def train(model: torch.nn.Module, wrapped: torch.nn.Module, rank: int) -> list[float]:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
@@ -83,25 +80,17 @@ def compare(checks: Checks, label: str, losses: tuple[list[float], list[float]],
     if fused.keys() != plain.keys():
         checks[f"{label}: weight updates"] = [False, f"keys differ: {sorted(fused.keys() ^ plain.keys())[:6]}"]
         return
-    errors = {k: relative(fused[k] - initial[k], plain[k] - initial[k]) for k in plain
-              if not torch.equal(plain[k], initial[k])}
-    name = max(errors, key=errors.__getitem__)
-    ok = errors[name] <= TOLERANCE and len(errors) == len(plain)  # every tensor trained, each as plain's
-    checks[f"{label}: weight updates"] = [ok, f"{len(errors)}/{len(plain)} tensors updated; worst {name}: "
-                                              f"relative L2 {errors[name]:.3g}"]
-
-
-def fsdp2(model: Any, head: bool = False) -> Any:
-    """Each decoder layer sharded, then the model (its embeddings, norm and LM head in the root group); with
-    ``head``, the LM head in a group of its own first (its own unshard/reshard hooks around its forward)."""
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model.model.layers:
-        fully_shard(layer)
-    if head:
-        fully_shard(model.get_output_embeddings())
-    fully_shard(model)
-    return model
+    moved = [k for k in plain if not torch.equal(plain[k], initial[k])]
+    weights = {k: relative_l2(plain[k], fused[k]) for k in moved}
+    updates = {k: relative_l2(plain[k] - initial[k], fused[k] - initial[k]) for k in moved}
+    together = relative_l2(torch.cat([(plain[k] - initial[k]).flatten() for k in moved]),
+                           torch.cat([(fused[k] - initial[k]).flatten() for k in moved]))
+    name = max(updates, key=updates.__getitem__)
+    ok = (len(moved) == len(plain) and max(weights.values()) <= TOLERANCE  # every tensor trained, each as plain's
+          and updates[name] <= TENSOR_UPDATE_TOLERANCE and together <= TOLERANCE)
+    checks[f"{label}: weight updates"] = [ok, f"{len(moved)}/{len(plain)} tensors updated; worst weight relative L2 "
+                                              f"{max(weights.values()):.3g}; worst update {name} {updates[name]:.3g}; "
+                                              f"all updates together {together:.3g}"]
 
 
 def scenario(rank: int, paths: dict[str, Path]) -> Checks:

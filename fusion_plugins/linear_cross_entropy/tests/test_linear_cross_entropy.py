@@ -25,6 +25,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 import fusion_core
 from fusion_core.testing import kit
+from fusion_core.testing.kit import relative_l2
 
 FAMILY = LinearCrossEntropyFamily()
 ON = {"linear_cross_entropy": True}
@@ -84,20 +85,15 @@ def _step(model: nn.Module, **inputs: Any) -> tuple[Any, dict[str, torch.Tensor]
                     for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
-    got, expected = got.detach(), expected.detach()
-    return float((got.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-30))
-
-
 def _assert_same_training(plain: nn.Module, fused: nn.Module, tolerance: tuple[float, float] = FP32,
                           **inputs: Any) -> tuple[Any, Any]:
     expected, expected_grads = _step(plain, **inputs)
     got, got_grads = _step(fused, **inputs)
     expected_loss = expected[0] if isinstance(expected, tuple) else expected.loss
     got_loss = got[0] if isinstance(got, tuple) else got.loss
-    assert _relative(got_loss, expected_loss) <= tolerance[0], (float(got_loss), float(expected_loss))
+    assert relative_l2(expected_loss, got_loss) <= tolerance[0], (float(got_loss), float(expected_loss))
     assert sorted(got_grads) == sorted(expected_grads)
-    errors = {n: _relative(got_grads[n], g) for n, g in expected_grads.items()}
+    errors = {n: relative_l2(g, got_grads[n]) for n, g in expected_grads.items()}
     worst = max(errors, key=errors.__getitem__)
     assert errors[worst] <= tolerance[1], f"gradient of {worst}: relative L2 error {errors[worst]:.3g}"
     return expected, got
@@ -268,11 +264,11 @@ def test_composes_with_qkv_and_gate_up(checkpoints):
     assert families == {"qkv", "gate_up", "linear_cross_entropy"}
     expected, expected_grads = _step(plain, **_inputs())
     got, got_grads = _step(fused, **_inputs())
-    assert _relative(got.loss, expected.loss) <= 1e-5 and got.logits is None
+    assert relative_l2(expected.loss, got.loss) <= 1e-5 and got.logits is None
     shared = sorted(set(expected_grads) & set(got_grads))
     assert "lm_head.weight" in shared and "model.embed_tokens.weight" in shared
     for name in shared:
-        assert _relative(got_grads[name], expected_grads[name]) <= 1e-5, name
+        assert relative_l2(expected_grads[name], got_grads[name]) <= 1e-5, name
     norm = sum(float(g.float().square().sum()) for g in expected_grads.values()) ** 0.5
     got_norm = sum(float(g.float().square().sum()) for g in got_grads.values()) ** 0.5
     assert abs(got_norm - norm) <= 1e-5 * norm
@@ -362,6 +358,23 @@ def test_a_forward_without_loss_function_is_refused():
     torch.manual_seed(0)
     with pytest.raises(fusion_core.DiscoveryError, match="self.loss_function"):
         fusion_core.fuse(ManualLossLlama(_config("llama")), ON)
+
+
+def test_the_forward_source_is_read_once_per_class(monkeypatch):
+    """``is_fusable`` and ``refusal`` both ask at every load; the forward's source is parsed once per class."""
+    from fusion_linear_cross_entropy import family
+
+    class OncePerClassLlama(transformers.LlamaForCausalLM):
+        pass
+
+    reads, forwards = [], family.forwards
+    monkeypatch.setattr(family, "forwards", lambda cls: reads.append(cls) or forwards(cls))
+    with torch.device("meta"):
+        model = OncePerClassLlama(_config("llama"))
+    options = FAMILY.options_model()
+    assert FAMILY.is_fusable(model, options) and FAMILY.refusal(model, options) is None
+    assert FAMILY.refusal(model, options) is None
+    assert reads == [OncePerClassLlama]
 
 
 class ShiftingLlama(transformers.LlamaForCausalLM):

@@ -11,9 +11,7 @@ head drawn at unit scale so the logits are O(1-10) and the loss is not ``log(voc
 from __future__ import annotations
 
 import copy
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import fusion_core
+from fusion_core.testing.decisions import fake_clock, original_slowest
+from fusion_core.testing.distributed import run_job
+from fusion_core.testing.kit import relative_l2
 from fusion_core.testing.tiny_models import MOE_MODELS, TEXT_MODELS
 
 LOSS_TOLERANCE = 1e-5  # float32: relative error of a loss
@@ -47,11 +48,6 @@ def _load(path: Path, fusion_config: Any = None) -> Any:
     if fusion_config is None:
         return AutoModelForCausalLM.from_pretrained(path)
     return fusion_core.from_pretrained(AutoModelForCausalLM, path, fusion_config=fusion_config)
-
-
-def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
-    got, expected = got.detach().float(), expected.detach().float()
-    return float((got - expected).norm() / expected.norm().clamp_min(1e-30))
 
 
 def _state(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
@@ -82,14 +78,14 @@ def _assert_same_updates(got: dict[str, torch.Tensor], expected: dict[str, torch
     assert sorted(got) == sorted(expected)
     moved = [k for k in expected if not torch.equal(expected[k], initial[k])]
     assert moved, "the plain training moved nothing"
-    weights = {k: _relative(got[k], expected[k]) for k in moved}
+    weights = {k: relative_l2(expected[k], got[k]) for k in moved}
     worst = max(weights, key=weights.__getitem__)
     assert weights[worst] <= UPDATE_TOLERANCE, f"updated {worst}: relative L2 error {weights[worst]:.3g}"
-    updates = {k: _relative(got[k] - initial[k], expected[k] - initial[k]) for k in moved}
+    updates = {k: relative_l2(expected[k] - initial[k], got[k] - initial[k]) for k in moved}
     worst = max(updates, key=updates.__getitem__)
     assert updates[worst] <= TENSOR_UPDATE_TOLERANCE, f"update of {worst}: relative L2 error {updates[worst]:.3g}"
-    together = _relative(torch.cat([(got[k] - initial[k]).flatten() for k in moved]),
-                         torch.cat([(expected[k] - initial[k]).flatten() for k in moved]))
+    together = relative_l2(torch.cat([(expected[k] - initial[k]).flatten() for k in moved]),
+                           torch.cat([(got[k] - initial[k]).flatten() for k in moved]))
     assert together <= UPDATE_TOLERANCE, f"update of all trained tensors: relative L2 error {together:.3g}"
     still = [k for k in expected if k not in moved and not torch.equal(got[k], initial[k])]
     assert not still, f"moved in the fused training only: {still}"
@@ -222,7 +218,7 @@ def test_trainer_evaluate_predict_and_compute_metrics_see_plain_logits(checkpoin
     assert predicted.metrics["test_loss"] == plain_predicted.metrics["test_loss"]
     assert all(torch.equal(a, b) for a, b in zip(seen["fused"][:2], seen["plain"][:2], strict=True))
     assert abs(after["eval_loss"] - plain_after["eval_loss"]) <= LOSS_TOLERANCE * plain_after["eval_loss"]
-    assert _relative(seen["fused"][2], seen["plain"][2]) <= UPDATE_TOLERANCE
+    assert relative_l2(seen["plain"][2], seen["fused"][2]) <= UPDATE_TOLERANCE
     assert len(fused_losses) == 4  # the training's micro-batches used the chunked loss; evaluation did not
 
 
@@ -367,14 +363,7 @@ def packing_wins(monkeypatch: pytest.MonkeyPatch) -> Any:
 
     if not compat.available():
         pytest.skip("this torch build has no oneDNN prepacked linear")
-    clock = Decisions.times
-
-    def times(table: Any, ways: Any, device: Any) -> list[float]:
-        if table.topic == "linear_kernels.packing":
-            return [1.0] + [0.5] * (len(ways) - 1)
-        return clock(table, ways, device)
-
-    monkeypatch.setattr(Decisions, "times", times)
+    monkeypatch.setattr(Decisions, "times", fake_clock({"linear_kernels.packing": original_slowest}))
     packing.clear_pack_decisions()
     yield linear_kernels
     packing.clear_pack_decisions()
@@ -412,23 +401,14 @@ def test_ddp_and_fsdp2_train_like_plain(tmp_path):
     loss cannot differentiate) and trains like plain."""
     world = 2
     worker = Path(__file__).with_name("distributed_worker.py")
-    env = {**os.environ, "USE_HUB_KERNELS": "NO"}
-    result = subprocess.run([sys.executable, str(worker), str(world), str(tmp_path)], capture_output=True, text=True,
-                            timeout=600, env=env)
-    reports = [tmp_path / f"rank{rank}.json" for rank in range(world)]
-    assert result.returncode == 0 and all(r.exists() for r in reports), result.stderr[-4000:]
     expected = {f"{name}{what}" for name in ("llama", "qwen2_tied") for what in (
         ": the model is fused", " DDP: losses", " DDP: weight updates", " DDP: no fallback warning",
         " FSDP2: the head's weight is sharded", " FSDP2: losses", " FSDP2: weight updates",
         " FSDP2: no fallback warning")}
     expected |= {f"llama FSDP2 (head in its own group){what}" for what in (
         ": losses", ": weight updates", ": one fallback warning", ": the original forward's logits")}
-    failed = {}
-    for rank, report in enumerate(reports):
-        checks = json.loads(report.read_text())
-        failed.update({f"rank {rank}: {name}": detail for name, (ok, detail) in checks.items() if not ok})
-        failed.update({f"rank {rank}: {name}": "did not run" for name in expected - checks.keys()})
-    assert not failed, "\n".join(f"{name}: {detail}" for name, detail in failed.items())
+    run_job([sys.executable, str(worker), str(world), str(tmp_path)], world, tmp_path, expected, every_rank=True,
+            env={**os.environ, "USE_HUB_KERNELS": "NO"}, timeout=600)
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")

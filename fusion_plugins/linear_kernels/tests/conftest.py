@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 import torch
 
+from fusion_core.testing.decisions import Times, fake_clock, original_fastest, original_slowest
+
 #: The layers the LoRA tests adapt: merged slices (q/v), packed layers (o/down) and the head.
 LORA_TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj", "lm_head"]
 
@@ -26,35 +28,17 @@ def lora() -> Callable[[Any], Any]:
     return attach
 
 
-Times = Callable[[int], list[float]]
-"""What a replaced clock reports for a number of ways."""
-
-
-def original_slowest(ways: int) -> list[float]:
-    return [1.0] + [0.5] * (ways - 1)  # every decision lists the original way (F.linear, the dense weight) first
-
-
-def original_fastest(ways: int) -> list[float]:
-    return [0.5] + [1.0] * (ways - 1)
-
-
 @pytest.fixture
 def fake_times(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Any, Times], None]]:
     """``fake_times(module, times)``: the decisions of ``module`` (``choice``, ``packing``, ``experts``) are timed by
-    ``times(number of ways)`` instead of a clock, through the one seam, ``Decisions.times``; the others keep the
-    clock. Every ``linear_kernels`` decision is forgotten before and after."""
+    ``times(number of ways)`` instead of a clock (:func:`fusion_core.testing.decisions.fake_clock`); the others keep
+    the clock. Every ``linear_kernels`` decision is forgotten before and after."""
     from fusion_linear_kernels import choice, experts, packed_experts, packing
 
     from fusion_core.plugin import Decisions
 
     by_topic: dict[str, Times] = {}
-    clock = Decisions.times
-
-    def times(table: Decisions[Any, Any], ways: Any, device: Any) -> list[float]:
-        fake = by_topic.get(table.topic)
-        return clock(table, ways, device) if fake is None else fake(len(ways))
-
-    monkeypatch.setattr(Decisions, "times", times)
+    monkeypatch.setattr(Decisions, "times", fake_clock(by_topic))
     forget = (choice.clear_decisions, packing.clear_pack_decisions, experts.clear_decisions,
               packed_experts.clear_decisions)
     for clear in forget:

@@ -9,6 +9,8 @@ from fusion_linear_kernels.kernels import LINEAR, Candidate
 from fusion_linear_kernels.tolerance import admission_bound, admitted
 from torch.nn import functional as F
 
+from fusion_core.testing.decisions import original_slowest
+
 GEN = torch.Generator().manual_seed(0)
 SHAPES = [(96, 64), (40, 200), (256, 24)]
 
@@ -79,7 +81,7 @@ def test_a_wrong_candidate_is_never_taken_however_fast(fake_times):
 
 def test_the_fastest_admitted_candidate_is_kept_per_kind(fake_times):
     mv = kernels.CANDIDATES[1]
-    fake_times(choice, lambda ways: [1.0] + [0.5] * (ways - 1))
+    fake_times(choice, original_slowest)
     weight, bias = _layer(96, 64, torch.float32)
     x = torch.randn(1, 1, 64, generator=GEN)
     with torch.no_grad():

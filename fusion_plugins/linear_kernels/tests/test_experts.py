@@ -21,6 +21,7 @@ from fusion_linear_kernels.family import ExpertsKernelsMixin
 from transformers import AutoModelForCausalLM
 
 import fusion_core
+from fusion_core.testing.decisions import original_fastest, original_slowest
 from fusion_core.testing.kit import TOLERANCES
 from fusion_core.testing.tiny_models import MOE_MODELS, save_tiny_model
 
@@ -37,13 +38,13 @@ IDS = torch.tensor([[5, 17, 42, 9]])
 def _configured_is_slowest(fake_times: Any) -> None:
     """The configured implementation measures slowest; packing measures slower (weights stay dense) unless a test
     asks for :func:`_packing_wins`. Every decision is forgotten before and after (``fake_times``)."""
-    fake_times(experts, lambda ways: [1.0] + [0.5] * (ways - 1))
-    fake_times(packing, lambda ways: [0.5] + [1.0] * (ways - 1))
+    fake_times(experts, original_slowest)
+    fake_times(packing, original_fastest)
 
 
 @pytest.fixture
 def _packing_wins(fake_times: Any, _configured_is_slowest: None) -> None:
-    fake_times(packing, lambda ways: [1.0] + [0.5] * (ways - 1))
+    fake_times(packing, original_slowest)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from fusion_linear_kernels import LinearKernelsMixin, packing
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import fusion_core
+from fusion_core.testing.decisions import original_slowest
 from fusion_core.testing.tiny_models import TEXT_MODELS
 
 pytestmark = pytest.mark.usefixtures("other_kernels_dense_weights")
@@ -78,7 +79,7 @@ def test_a_dtype_onednn_cannot_pack_here_stays_dense(monkeypatch: pytest.MonkeyP
         raise RuntimeError("mkldnn_reorder_linear_weight: float16 is not supported on this CPU")
 
     monkeypatch.setattr(packing.compat, "pack", refuse)
-    fake_times(packing, lambda ways: [1.0] + [0.5] * (ways - 1))  # packing wins
+    fake_times(packing, original_slowest)  # packing wins
     config = TEXT_MODELS["llama"].make_config()
     torch.manual_seed(0)
     plain = AutoModelForCausalLM.from_config(config).half().eval()
