@@ -129,6 +129,28 @@ def test_a_pass_reads_distinct_weights_from_memory():
     assert all(torch.equal(c, weight) for c in copies)
 
 
+def test_a_pass_reads_more_than_the_last_level_cache_holds(monkeypatch):
+    """By default a CPU pass is the last-level cache plus 64 MiB (a pass the cache holds times the cache);
+    ``FUSION_CORE_PASS_BYTES`` sets another size (the suite's 64 MiB); an accelerator's pass is 64 MiB."""
+    monkeypatch.delenv("FUSION_CORE_PASS_BYTES")
+    monkeypatch.setattr(decisions, "last_level_cache", lambda: 480 * 2**20)
+    assert decisions.pass_bytes() == 544 * 2**20 and pass_size(2**20) == 544
+    assert decisions.pass_bytes(torch.device("meta")) == 64 * 2**20
+    monkeypatch.setenv("FUSION_CORE_PASS_BYTES", str(2**20))
+    assert pass_size(2**18) == 4
+    monkeypatch.setenv("FUSION_CORE_PASS_BYTES", "lots")
+    with pytest.raises(ValueError, match="FUSION_CORE_PASS_BYTES='lots'"):
+        pass_size(2**18)
+
+
+def test_the_last_level_cache_is_the_largest_size_sysfs_reports(tmp_path):
+    for index, size in enumerate(["48K", "2048K", "491520K\n", "junk"]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size)
+    assert decisions.last_level_cache(tmp_path) == 480 * 2**20
+    assert decisions.last_level_cache(tmp_path / "missing") == 0
+
+
 def test_the_merge_decision_times_a_pass_over_distinct_weights(monkeypatch):
     """The merged GEMM is timed on copies of the weight, each read once per pass, not one weight again and again."""
     read: list[int] = []

@@ -136,7 +136,8 @@ def run_job(command: Sequence[str], world: int, out: Path, expected: set[str] | 
     reports = {rank: out / f"rank{rank}.json" for rank in range(world)}
     missing = [rank for rank, file in reports.items() if not file.exists()]
     assert result.returncode == 0 and not missing, f"ranks {missing} reported nothing:\n{result.stderr[-4000:]}"
-    failed, first = {}, set()
+    failed: dict[str, Any] = {}
+    first: set[str] = set()
     for rank, file in reports.items():
         checks = json.loads(file.read_text())
         assert checks, f"rank {rank} ran no check"
