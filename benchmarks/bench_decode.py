@@ -47,6 +47,10 @@ from torch import nn
 LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
                    head_dim=64, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=8192,
                    rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001)
+#: Qwen2.5-3B's geometry (hidden 2048, 16/2 heads, MLP 11008, vocabulary 151936, tied embeddings).
+QWEN25_3B = dict(hidden_size=2048, intermediate_size=11008, num_attention_heads=16, num_key_value_heads=2,
+                 vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1000000.0,
+                 rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151643)
 #: OLMoE-1B-7B's geometry (64 experts, 8 routed per token, MLP 1024 per expert, vocabulary 50304, untied).
 OLMOE_1B_7B = dict(hidden_size=2048, intermediate_size=1024, num_attention_heads=16, num_key_value_heads=16,
                    num_experts=64, num_experts_per_tok=8, vocab_size=50304, max_position_embeddings=4096,
@@ -54,6 +58,7 @@ OLMOE_1B_7B = dict(hidden_size=2048, intermediate_size=1024, num_attention_heads
 MODELS: dict[str, tuple[str, dict[str, Any], int]] = {
     "qwen2-0.5b": ("Qwen2Config", QWEN2_05B, 24),
     "llama-3.2-1b": ("LlamaConfig", LLAMA_32_1B, 16),
+    "qwen2.5-3b": ("Qwen2Config", QWEN25_3B, 36),
     "olmoe-1b-7b": ("OlmoeConfig", OLMOE_1B_7B, 16),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
