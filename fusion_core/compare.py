@@ -109,6 +109,20 @@ class WholeModelReport:
 
 
 @dataclass
+class TrainingReport:
+    """One training step compared (:func:`compare_training`): the loss's relative error, the worst gradient's
+    relative L2 error, and what differs (``note``) where ``ok`` is False."""
+
+    ok: bool
+    loss: float | None = None
+    gradients: float | None = None
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+@dataclass
 class RoundTripReport:
     ok: bool
     tensors: int = 0
@@ -548,15 +562,16 @@ def _training_step(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
     return outputs.loss.detach(), outputs, grads
 
 
-def compare_training(plain: nn.Module, fused: nn.Module, seed: int = 0, tokens: int = 12) -> dict[str, float]:
-    """What a family declaring ``preserves = "training_loss"`` promises, checked on a causal LM (raises
-    ``AssertionError`` saying what differs; the kit's ``assert_training_loss``, and ``fusion check``'s training step).
+def compare_training(plain: nn.Module, fused: nn.Module, seed: int = 0, tokens: int = 12) -> TrainingReport:
+    """What a family declaring ``preserves = "training_loss"`` promises, checked on a causal LM (the kit's
+    ``assert_training_loss`` asserts the report, ``fusion check`` prints it).
 
     In training mode, called with labels (a few of them ``-100``, ignored), the fused model's loss
     and the gradient of every parameter equal the plain model's within :data:`TOLERANCES` (the
     gradients by relative L2 norm); called without labels, or in eval mode, its outputs equal the
-    plain model's bit for bit, since the fused forward is the original's there. Returns the loss's
-    and the worst gradient's relative errors.
+    plain model's bit for bit, since the fused forward is the original's there. A fused model that raises
+    where the plain one trained is a failure of the report; the plain model's own exception (not a causal LM)
+    propagates.
     """
     config: Any = plain.config
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -570,23 +585,33 @@ def compare_training(plain: nn.Module, fused: nn.Module, seed: int = 0, tokens: 
     try:  # once the plain model trained on these inputs, a fused model that cannot is a failure, not "not run"
         got_loss, _, got_grads = _training_step(fused, input_ids, labels, seed)
     except Exception as exc:
-        raise AssertionError(f"the fused model raised {type(exc).__name__} in the training step the plain model "
-                             f"ran: {exc}") from exc
-    loss_error = relative_error(expected_loss, got_loss)
-    if not loss_error <= tolerance:
-        raise AssertionError(f"training loss {float(got_loss):.6g}, plain {float(expected_loss):.6g} "
-                             f"(relative error {loss_error:.3g}, tolerance {tolerance:.3g})")
+        return TrainingReport(False, note=f"the fused model raised {type(exc).__name__} in the training step the "
+                                          f"plain model ran: {exc}")
+    report = TrainingReport(True, loss=relative_error(expected_loss, got_loss))
     names = [name for name, _ in fused.named_parameters()]
-    if sorted(names) != sorted(expected_grads) or sorted(got_grads) != sorted(expected_grads):
+    if report.loss is not None and not report.loss <= tolerance:
+        report.ok, report.note = False, (f"training loss {float(got_loss):.6g}, plain {float(expected_loss):.6g} "
+                                         f"(relative error {report.loss:.3g}, tolerance {tolerance:.3g})")
+    elif sorted(names) != sorted(expected_grads) or sorted(got_grads) != sorted(expected_grads):
         missing = sorted(set(expected_grads) - set(got_grads))
-        raise AssertionError(f"gradients differ in which parameters get one: missing {missing[:5]}, extra "
-                             f"{sorted(set(got_grads) - set(expected_grads))[:5]}")
-    worst = 0.0
-    for name, expected in expected_grads.items():
-        error = relative_l2(expected, got_grads[name])
-        if not error <= tolerance:
-            raise AssertionError(f"gradient of {name} differs by {error:.3g} relative L2 (tolerance {tolerance:.3g})")
-        worst = max(worst, error)
+        report.ok, report.note = False, (f"gradients differ in which parameters get one: missing {missing[:5]}, "
+                                         f"extra {sorted(set(got_grads) - set(expected_grads))[:5]}")
+    else:
+        errors = {name: relative_l2(expected, got_grads[name]) for name, expected in expected_grads.items()}
+        worst = max(errors, key=errors.__getitem__, default=None)
+        report.gradients = 0.0 if worst is None else errors[worst]
+        if worst is not None and not errors[worst] <= tolerance:
+            report.ok, report.note = False, (f"gradient of {worst} differs by {errors[worst]:.3g} relative L2 "
+                                             f"(tolerance {tolerance:.3g})")
+    if report.ok:
+        report.note = _same_logits_without_labels(plain, fused, input_ids, seed)
+        report.ok = not report.note
+    plain.eval(), fused.eval()
+    return report
+
+
+def _same_logits_without_labels(plain: nn.Module, fused: nn.Module, input_ids: torch.Tensor, seed: int) -> str:
+    """What differs when both models are called without labels, in eval and in training mode ("" when nothing)."""
     with torch.no_grad():
         for mode in ("eval", "train"):
             getattr(plain, mode)(), getattr(fused, mode)()
@@ -595,6 +620,5 @@ def compare_training(plain: nn.Module, fused: nn.Module, seed: int = 0, tokens: 
             torch.manual_seed(seed)
             got_logits = fused(input_ids=input_ids).logits
             if not torch.equal(expected_logits, got_logits):
-                raise AssertionError(f"without labels, in {mode} mode, the fused logits are not the plain ones")
-    plain.eval(), fused.eval()
-    return {"loss": loss_error, "gradients": worst}
+                return f"without labels, in {mode} mode, the fused logits are not the plain ones"
+    return ""

@@ -422,3 +422,22 @@ def test_check_fails_when_the_fused_training_step_raises(tmp_path, fusion_regist
     assert cli.main(["check", str(tmp_path / "qwen2"), "-f", "raising_loss", "--repeats", "1", "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert not report["training"]["ok"] and "RuntimeError in the training step" in report["training"]["note"]
+
+
+def test_the_training_comparison_returns_a_report_and_the_kit_asserts_it(fusion_registered):
+    """``compare_training`` reports what differs like the other comparisons (it does not raise);
+    ``kit.assert_training_loss`` fails with that note."""
+    import copy
+
+    from fusion_core.compare import compare_training
+    from fusion_core.testing import kit
+
+    plain = kit.build_model(kit.resolve_model("qwen2"))
+    fusion_registered(_ScaledLossFamily())
+    fused = fusion_core.fuse(copy.deepcopy(plain), {"scaled_loss": True})
+    report = compare_training(plain, fused)
+    assert not report.ok and "training loss" in report.note and report.loss is not None and report.loss > 1e-3
+    with pytest.raises(AssertionError, match="training loss"):
+        kit.assert_training_loss(plain, fused)
+    exact = kit.assert_training_loss(plain, copy.deepcopy(plain))
+    assert exact.ok and exact.loss == 0.0 and exact.gradients == 0.0 and exact.note == ""

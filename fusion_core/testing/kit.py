@@ -29,9 +29,10 @@ from torch import nn
 from fusion_core.compare import (
     TOLERANCES,
     Comparison,
+    TrainingReport,
     compare_checkpoints,
     compare_outputs,
-    compare_training as assert_training_loss,
+    compare_training,
     relative_error,
     relative_l2,
 )
@@ -52,6 +53,16 @@ __all__ = [
     "module_factory",
     "registered", "relative_error", "relative_l2", "resolve_model",
 ]
+
+def assert_training_loss(plain: nn.Module, fused: nn.Module, seed: int = 0, tokens: int = 12,
+                         label: str = "the fused model") -> TrainingReport:
+    """One training step with labels on both models (:func:`fusion_core.compare.compare_training`): fails with what
+    differs, else returns the report (the loss's and the worst gradient's relative errors)."""
+    report = compare_training(plain, fused, seed=seed, tokens=tokens)
+    if not report.ok:
+        raise AssertionError(f"{label}: {report.note}")
+    return report
+
 
 ModelSource = str | os.PathLike[str] | tuple[Any, Any]
 """A tiny-model name, a ``(model_class, config)`` pair, or a checkpoint directory."""
@@ -530,7 +541,7 @@ def assert_fused_load(
     comparison = compare_models(plain, fused, plan, specs={spec.name: spec}, seed=seed, repeats=1)
     comparison.round_trip = round_trip(fused, source)
     if spec_member(spec, "preserves") == "training_loss":
-        assert_training_loss(plain, fused, seed=seed)
+        assert_training_loss(plain, fused, seed=seed, label=f"family {spec.name!r} on {resolved.label}")
     if not comparison.ok:
         failures = [m.as_dict() for m in comparison.modules if not m.ok]
         raise AssertionError(
