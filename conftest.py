@@ -5,7 +5,7 @@ so it pins the merge policy to ``"always"`` instead of the default ``"measure"``
 a busy machine could go either way; subprocesses the tests start inherit it through the
 environment. The tests of the policy itself set the policy they need.
 
-Measured decisions time passes of 64 MiB (``FUSION_CORE_PASS_BYTES``), not of the machine's last-level cache.
+Measured decisions time passes of 64 KiB (``FUSION_CORE_PASS_BYTES``), not of the machine's last-level cache.
 Measured decisions are stored (``fusion_core.decisions``) in a directory of this session's, never in the
 user's cache: ``FUSION_CORE_CACHE_DIR`` points there, for the subprocesses the tests start too, and so does
 ``XDG_CACHE_HOME``, for those started as a user runs them, without any ``FUSION_CORE_*`` variable.
@@ -27,9 +27,9 @@ os.environ["FUSION_CORE_CACHE_DIR"] = os.environ["XDG_CACHE_HOME"] = tempfile.mk
 # without it, hub kernels must be off or a plain from_pretrained raises (see scripts/_env.sh).
 os.environ.setdefault("USE_HUB_KERNELS", "NO")
 # Decisions time a pass over copies of a weight larger than this machine's last-level cache (up to ~0.5 GB per kind
-# on some VMs): the suite's tiny models time 64 MiB passes, in its subprocesses too (tests/test_decisions.py covers
-# the default).
-os.environ["FUSION_CORE_PASS_BYTES"] = str(64 * 2**20)
+# on some VMs; at most 4096 copies): the suite's tiny models time 64 KiB passes (16 copies of a 4 KiB weight, as
+# before), in its subprocesses too; tests/test_decisions.py covers the default and 64 MiB passes.
+os.environ["FUSION_CORE_PASS_BYTES"] = str(2**16)
 
 from fusion_core.merge_policy import set_merge_policy
 

@@ -119,7 +119,8 @@ def test_the_timer_runs_interleaved_rounds_until_the_noise_is_beaten():
     assert calls == [3, 3]  # slow ways: two timed rounds, as half a second holds no more
 
 
-def test_a_pass_reads_distinct_weights_from_memory():
+def test_a_pass_reads_distinct_weights_from_memory(monkeypatch):
+    monkeypatch.setenv("FUSION_CORE_PASS_BYTES", str(64 * 2**20))  # the suite's own passes are 64 KiB (conftest.py)
     assert pass_size(4 * 2**20) == 16 and pass_size(16 * 2**20) == 4 and pass_size(2**30) == 1
     assert pass_size(1, available=3) == 3
     weight = torch.randn(1024, 1024).t()  # 4 MiB, transposed strides
@@ -131,7 +132,7 @@ def test_a_pass_reads_distinct_weights_from_memory():
 
 def test_a_pass_reads_more_than_the_last_level_cache_holds(monkeypatch):
     """By default a CPU pass is the last-level cache plus 64 MiB (a pass the cache holds times the cache);
-    ``FUSION_CORE_PASS_BYTES`` sets another size (the suite's 64 MiB); an accelerator's pass is 64 MiB."""
+    ``FUSION_CORE_PASS_BYTES`` sets another size (the suite's 64 KiB); an accelerator's pass is 64 MiB."""
     monkeypatch.delenv("FUSION_CORE_PASS_BYTES")
     monkeypatch.setattr(decisions, "last_level_cache", lambda: 480 * 2**20)
     assert decisions.pass_bytes() == 544 * 2**20 and pass_size(2**20) == 544
@@ -153,6 +154,7 @@ def test_the_last_level_cache_is_the_largest_size_sysfs_reports(tmp_path):
 
 def test_the_merge_decision_times_a_pass_over_distinct_weights(monkeypatch):
     """The merged GEMM is timed on copies of the weight, each read once per pass, not one weight again and again."""
+    monkeypatch.setenv("FUSION_CORE_PASS_BYTES", str(64 * 2**20))  # the suite's own passes are 64 KiB (conftest.py)
     read: list[int] = []
     linear = torch.nn.functional.linear
 
