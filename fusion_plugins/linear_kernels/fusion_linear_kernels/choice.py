@@ -117,6 +117,12 @@ def choose(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         return taken[_DECISIONS.fastest([_call(c, x, weights, bias) for c in taken], x.device)]
 
 
+def remember(input: torch.Tensor, weight: torch.Tensor, exact: bool, candidate: Candidate) -> None:
+    """Keep ``candidate`` as the decision for calls of ``input``'s kind on ``weight`` without a bias, where a caller
+    chose it as :func:`choose` does (packing does at decode), so that the first such call does not time it again."""
+    _DECISIONS.decide(kind_of(input, weight, None, exact), lambda: candidate)
+
+
 def _call(candidate: Candidate, x: torch.Tensor, weights: Sequence[torch.Tensor],
           bias: torch.Tensor | None) -> Callable[[], object]:
     return lambda: [candidate.run(x, weight, bias) for weight in weights]

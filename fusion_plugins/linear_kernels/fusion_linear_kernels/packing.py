@@ -136,6 +136,7 @@ def measure(weights: Sequence[torch.Tensor], exact: bool) -> tuple[bool, str]:
                                for rows in (DECODE_ROWS, PREFILL_ROWS))
             # A dense weight's decode runs what choice.py chooses (torch.mv on some shapes): packing must beat that.
             unpacked = choice.choose(decode, weight, None, exact, copies=weights)
+            choice.remember(decode, weight, exact, unpacked)  # a dense layer's first decode call times nothing
             times = {rows: [t / len(weights) for t in _DECISIONS.times(_dense_and_packed(x, kernel, weights, packed),
                                                                          x.device)]
                      for rows, x, kernel in ((DECODE_ROWS, decode, unpacked), (PREFILL_ROWS, prefill, LINEAR))}

@@ -27,7 +27,7 @@ import fusion_core
 from fusion_core import ModulePlan, SaveError
 from fusion_core.plugin import fuse_instance, same_bits
 from fusion_core.testing import kit
-from fusion_core.testing.decisions import original_slowest
+from fusion_core.testing.decisions import original_fastest, original_slowest
 from fusion_core.testing.tiny_models import TEXT_MODELS
 
 pytestmark = pytest.mark.skipif(not compat.available(), reason="this torch build has no oneDNN prepacked linear")
@@ -152,6 +152,22 @@ def test_packing_at_decode_must_beat_the_kernel_a_dense_weight_would_run(monkeyp
     assert packing.packs(torch.randn(64, 32).bfloat16(), exact=True)
     assert dense_ran_mv == [True, False]  # decode: the dense way is torch.mv; prefill (64 rows): F.linear
     assert "(mv)" in packing.pack_decisions()[((64, 32), torch.bfloat16, True)][1]
+
+
+def test_a_dense_layers_decode_kernel_is_the_one_packing_measured(fake_times):
+    """The kernel packing compared with at decode is kept as the dense layer's choice: its first decode call
+    times nothing (the choice was measured once, by the packing decision)."""
+    from fusion_linear_kernels import choice
+
+    timed = []
+    fake_times(choice, lambda ways: timed.append(ways) or original_slowest(ways))  # torch.mv beats F.linear
+    fake_times(packing, original_fastest)  # the dense weight stays dense
+    weight = torch.randn(64, 32).bfloat16()
+    assert not packing.packs(weight, exact=False) and len(timed) == 1
+    x = torch.randn(1, 1, 32).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(choice.linear(x, weight, None), torch.mv(weight, x.reshape(-1)).view(1, 1, 64))
+    assert len(timed) == 1 and choice.decisions()[choice.kind_of(x, weight, None, False)] == "mv"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
