@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         return
     chosen = Table("linear_kernels decisions (kind -> kernel)", ["dtype", "weight", "bias", "rows", "exact", "kernel"])
-    for (_, kind_dtype, shape, _, bias, rows, exact), kernel in sorted(decisions().items(), key=str):
+    for (_, kind_dtype, shape, _, bias, rows, exact, _), kernel in sorted(decisions().items(), key=str):
         chosen.rows.append([str(kind_dtype)[6:], "x".join(map(str, shape)), str(bias), str(rows), str(exact), kernel])
     log(chosen.text())
     from fusion_linear_kernels import pack_decisions

@@ -34,8 +34,9 @@ from fusion_linear_kernels.tolerance import admission_bound, admitted
 MAX_ROWS = 4
 """Inputs of at most this many rows (tokens times batch) choose a kernel: decode steps, small batches."""
 
-Kind = tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...], bool, int, bool]
-"""(device, dtype, weight shape, weight strides, has bias, rows, exact)."""
+Kind = tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...], bool, int, bool, str]
+"""(device, dtype, weight shape, weight strides, has bias, rows, exact, weight class): a quantizer's int8 weight
+and a dense one of the same shape and dtype are other kinds (their candidates differ)."""
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -74,8 +75,9 @@ def runs_original(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def kind_of(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, exact: bool) -> Kind:
     """The kind a call's decision is filed under."""
+    cls = "torch" if type(weight) in _PLAIN else f"{type(weight).__module__}.{type(weight).__qualname__}"
     return (device_key(input.device), input.dtype, tuple(weight.shape), tuple(weight.stride()), bias is not None,
-            rows_of(input), exact)
+            rows_of(input), exact, cls)
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, exact: bool = False) -> torch.Tensor:

@@ -86,7 +86,7 @@ def test_the_fastest_admitted_candidate_is_kept_per_kind(fake_times):
     x = torch.randn(1, 1, 64, generator=GEN)
     with torch.no_grad():
         got = choice.linear(x, weight, bias)
-    assert choice.decisions() == {("cpu", torch.float32, (96, 64), (64, 1), True, 1, False): "mv"}
+    assert choice.decisions() == {("cpu", torch.float32, (96, 64), (64, 1), True, 1, False, "torch"): "mv"}
     reference = F.linear(x, weight, bias)
     assert got.shape == reference.shape and admitted(got, reference, admission_bound(x, weight, reference), False)
     # a tie (within 2%) keeps F.linear
@@ -123,3 +123,17 @@ def test_a_training_step_measures_nothing(monkeypatch):
     expected = weight.detach().clone().requires_grad_()
     F.linear(x, expected, bias).sum().backward()
     assert torch.equal(weight.grad, expected.grad)
+
+
+def test_a_quantizers_weight_is_another_kind_than_a_dense_one():
+    """A tensor subclass (a quantizer's int8 weight) of the same shape, dtype and strides as a dense weight is filed
+    under another kind: a kernel chosen for the dense weight (torch.mv) is never run on it."""
+
+    class Quantized(torch.Tensor):
+        pass
+
+    weight = torch.randn(8, 4)
+    x = torch.randn(1, 1, 4)
+    dense, subclass = choice.kind_of(x, weight, None, False), choice.kind_of(x, weight.as_subclass(Quantized), None,
+                                                                               False)
+    assert dense[-1] == "torch" and dense != subclass and subclass[-1].endswith("Quantized")
