@@ -218,17 +218,19 @@ def main() -> int:
     parser.add_argument("pytest_args", nargs="*", help="extra arguments for every pytest run (after --)")
     args = parser.parse_args()
     start = time.monotonic()
-    work = Path(tempfile.mkdtemp(prefix="fusion-checks-"))
-    base = Stage("env _torch (shared torch)", ["bash", "-c", f"source {shlex.quote(str(ENV_SH))} && ensure_base"],
-                 blocking=True)
-    Runner([Chain([base], 0)], 1, work).run()
-    chains = plan(args.quick, args.pytest_args, work)
-    if base.returncode == 0:
-        Runner(chains, args.lanes, work).run()
-    stages = [base, *(stage for chain in chains for stage in chain.stages)]
-    print_table(stages, args.lanes, time.monotonic() - start)
-    reports = [str(stage.junit) for stage in stages if stage.junit is not None and stage.junit.exists()]
-    summary = subprocess.run([sys.executable, str(ROOT / "scripts" / "test_summary.py"), *reports])
+    # Stage logs (printed whole as each stage ends) and JUnit reports: read before the folder is removed.
+    with tempfile.TemporaryDirectory(prefix="fusion-checks-") as scratch:
+        work = Path(scratch)
+        base = Stage("env _torch (shared torch)", ["bash", "-c", f"source {shlex.quote(str(ENV_SH))} && ensure_base"],
+                     blocking=True)
+        Runner([Chain([base], 0)], 1, work).run()
+        chains = plan(args.quick, args.pytest_args, work)
+        if base.returncode == 0:
+            Runner(chains, args.lanes, work).run()
+        stages = [base, *(stage for chain in chains for stage in chain.stages)]
+        print_table(stages, args.lanes, time.monotonic() - start)
+        reports = [str(stage.junit) for stage in stages if stage.junit is not None and stage.junit.exists()]
+        summary = subprocess.run([sys.executable, str(ROOT / "scripts" / "test_summary.py"), *reports])
     failed = any(stage.returncode != 0 for stage in stages) or summary.returncode != 0
     return 1 if failed else 0
 

@@ -49,7 +49,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workdir", type=Path, help="keep the checkpoints here instead of a temp dir")
     args = parser.parse_args()
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fusion-demo-"))
+    if args.workdir is not None:
+        return run(args.workdir)
+    with tempfile.TemporaryDirectory(prefix="fusion-demo-") as scratch:  # nothing left behind in /tmp
+        return run(Path(scratch))
+
+
+def run(workdir: Path) -> int:
+    """Build, load fused, compare, save and reload under ``workdir``; 0 when every check passed."""
     source, saved = workdir / "source", workdir / "saved"
     shutil.rmtree(source, ignore_errors=True)
     transformers.logging.set_verbosity_error()

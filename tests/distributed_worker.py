@@ -9,7 +9,6 @@ processes (``torch.multiprocessing``), and each rank runs SCENARIO and writes ``
 from __future__ import annotations
 
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -373,10 +372,10 @@ def main(scenario: str, world: int, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    path = Path(tempfile.mkdtemp(prefix="fusion-dist-ckpt-"))
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "checkpoint"  # under the test's own temporary directory, which pytest removes
     AutoModelForCausalLM.from_config(text_config(world)).save_pretrained(path)
     port = free_port()
-    out.mkdir(parents=True, exist_ok=True)
     mp.spawn(run_rank, args=(world, scenario, str(path), str(out), port), nprocs=world)
 
 

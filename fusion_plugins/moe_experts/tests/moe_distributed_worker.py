@@ -22,7 +22,6 @@ repository's tests/distributed_worker.py.
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -171,14 +170,14 @@ def run_rank(rank: int, world: int, paths: dict[str, str], out: str, port: int) 
 def main(world: int, out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    root = Path(tempfile.mkdtemp(prefix="moe-dist-ckpt-"))
+    out.mkdir(parents=True, exist_ok=True)
+    root = out / "checkpoints"  # under the test's own temporary directory, which pytest removes
     paths = {}
     for name, config in configs().items():
         torch.manual_seed(0)
         paths[name] = str(root / name)
         AutoModelForCausalLM.from_config(config).save_pretrained(paths[name])
     port = free_port()
-    out.mkdir(parents=True, exist_ok=True)
     mp.spawn(run_rank, args=(world, paths, str(out), port), nprocs=world)
 
 
