@@ -28,8 +28,9 @@ The names, by what they serve:
 - **reading a forward's source** (:mod:`fusion_core.forward_source`), for an exact ``is_fusable``:
   :func:`forwards`, :func:`aliases`, :class:`Aliases`, :func:`alternatives`, :func:`calls`,
   :func:`self_call`, :func:`value_of`.
-- **tensors** (:mod:`fusion_core.wrapped`): :func:`concat` (merging parts, tensor subclasses
-  included), :func:`is_torch_tensor`, :func:`same_bits`.
+- **tensors** (:mod:`fusion_core.wrapped`, :mod:`fusion_core.streaming`): :func:`concat` (merging parts, tensor
+  subclasses included), :func:`is_torch_tensor`, :func:`same_bits`, :func:`process_memory_copies` (a loaded
+  weight's bytes read from its checkpoint file into memory the process owns, where transformers left it mapped).
 - **measured decisions** (:mod:`fusion_core.decisions`), for a choice of the faster way per kind of call:
   :class:`Decisions` (one topic's table: measured once per kind, stored per machine and software, forgotten
   by ``reset_state``), :func:`best_times` (the timer), :func:`faster` (the one tie rule), :func:`device_key`
@@ -96,6 +97,7 @@ _EXPORTS: dict[str, str] = {
     "concat": "fusion_core.wrapped",
     "is_torch_tensor": "fusion_core.wrapped",
     "same_bits": "fusion_core.wrapped",
+    "process_memory_copies": "fusion_core.streaming",
     "Decisions": "fusion_core.decisions",
     "best_times": "fusion_core.decisions",
     "device_key": "fusion_core.decisions",
@@ -202,6 +204,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         fused_subclass as fused_subclass,
         spec_member as spec_member,
     )
+    from fusion_core.streaming import process_memory_copies as process_memory_copies
     from fusion_core.transforms import (
         BoundTransform as BoundTransform,
         FusionPlan as FusionPlan,

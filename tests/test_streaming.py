@@ -248,3 +248,22 @@ def test_a_forked_child_reads_with_threads_of_its_own(llama_bf16: Path, monkeypa
     monkeypatch.setattr(sys.modules[__name__], "_FORKED_EXPECTED", [expected])
     with multiprocessing.get_context("fork").Pool(1) as pool:
         assert pool.apply_async(_merge_in_forked_child).get(timeout=60)
+
+
+def test_process_memory_copies_reads_mapped_tensors_from_the_file_and_declines_the_rest(
+        llama_bf16: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reads: list[int] = []
+    real_read = streaming._read
+    monkeypatch.setattr(streaming, "_read", lambda fd, offset, address, length: (
+        reads.append(length), real_read(fd, offset, address, length))[1])
+    layer = _plain(llama_bf16).model.layers[0]
+    mapped, written = layer.mlp.down_proj.weight.detach(), layer.self_attn.o_proj.weight.detach()
+    with torch.no_grad():
+        written[0, 0] = 3.0  # its first page is a private copy now: the file no longer holds its bytes
+    anonymous = mapped.clone()
+    files = MappedFiles.snapshot()
+    assert files.file_extent(mapped) is not None and files.file_extent(anonymous) is None
+    copy, *declined = streaming.process_memory_copies([mapped, anonymous, written])
+    assert declined == [None, None]
+    assert copy is not None and same_bits(copy, mapped) and MappedFiles.snapshot().file_extent(copy) is None
+    assert sum(reads) == mapped.numel() * mapped.element_size()  # read from the file, not through the mapping

@@ -52,6 +52,7 @@ from fusion_linear_kernels.family import (
     packing_plan,
 )
 from fusion_linear_kernels.packed_experts import stacks
+from fusion_linear_kernels.residence import move_into_process_memory
 
 
 @hookimpl
@@ -79,7 +80,16 @@ def fusion_convert_loaded(
             if merged is not None:
                 merged.kernel = chosen
                 pack_merged(module, plan, merged, exact, shared, verified)
+    move_into_process_memory(model, decode_weights(built))
     return result
+
+
+def decode_weights(built: MutableSequence[tuple[nn.Module, ModulePlan]]) -> list[nn.Parameter]:
+    """The parameters the layers this family fused, and the merged projections it set a kernel on, read at decode
+    (a packed one is skipped later: it has no storage to move)."""
+    layers = [module for module, _ in built if isinstance(module, PackedParametersMixin)]
+    layers += [merged.owner for module, _ in built if (merged := merged_projection(module)) is not None]
+    return [p for layer in layers for p in layer.parameters(recurse=False)]
 
 
 def pack_merged(parent: nn.Module, plan: ModulePlan, merged: MergedLinear, exact: bool, shared: set[int],
