@@ -78,25 +78,17 @@ def merge(
         return in_place
     merged = torch.empty(shape, dtype=dtype, device=first.device)
     flat = merged.view(-1)
-    descriptors: dict[tuple[str, int], int | None] = {}
     jobs: list[Callable[[], None]] = []  # each fills one chunk of the merged tensor
-    try:
+    with _descriptors() as descriptors:
         for tensor, offset in zip(tensors, offsets, strict=True):
             target = flat.narrow(0, offset, tensor.numel())
             extent = files.file_extent(tensor) if files is not None and tensor.dtype == dtype else None
             fd = _descriptor(extent, descriptors) if extent is not None and clean(tensor) else None
             if extent is None or fd is None:
                 jobs.extend(_copies(target, tensor.reshape(-1)))
-                continue
-            address = target.data_ptr()
-            for start in range(0, extent.length, _CHUNK):
-                jobs.append(functools.partial(_read, fd, extent.offset + start, address + start,
-                                              min(_CHUNK, extent.length - start)))
+            else:
+                jobs.extend(_reads(fd, extent, target.data_ptr()))
         _run(jobs)
-    finally:
-        for fd in descriptors.values():
-            if fd is not None:
-                os.close(fd)
     return merged
 
 
@@ -113,10 +105,9 @@ def process_memory_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor 
     if in_process_group():
         return [None] * len(tensors)
     files = MappedFiles.snapshot()
-    descriptors: dict[tuple[str, int], int | None] = {}
     copies: list[torch.Tensor | None] = []
     jobs: list[Callable[[], None]] = []
-    try:
+    with _descriptors() as descriptors:
         for tensor in tensors:
             plain = type(tensor) in _PLAIN and tensor.device.type == "cpu"
             extent = files.file_extent(tensor) if plain else None
@@ -125,16 +116,9 @@ def process_memory_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor 
                 copies.append(None)
                 continue
             copy = torch.empty(tensor.shape, dtype=tensor.dtype)
-            address = copy.data_ptr()
-            jobs.extend(functools.partial(_read, fd, extent.offset + start, address + start,
-                                          min(_CHUNK, extent.length - start))
-                        for start in range(0, extent.length, _CHUNK))
+            jobs.extend(_reads(fd, extent, copy.data_ptr()))
             copies.append(copy)
         _run(jobs)
-    finally:
-        for fd in descriptors.values():
-            if fd is not None:
-                os.close(fd)
     return copies
 
 
@@ -169,6 +153,24 @@ def _reading_threads(jobs: int) -> Iterator[ThreadPoolExecutor]:
         return
     with ThreadPoolExecutor(min(_WORKERS, jobs), thread_name_prefix="fusion-core-merge") as own:
         yield own
+
+
+@contextmanager
+def _descriptors() -> Iterator[dict[tuple[str, int], int | None]]:
+    """The files one merge or copy opens (:func:`_descriptor`), closed when it ends."""
+    opened: dict[tuple[str, int], int | None] = {}
+    try:
+        yield opened
+    finally:
+        for fd in opened.values():
+            if fd is not None:
+                os.close(fd)
+
+
+def _reads(fd: int, extent: FileExtent, address: int) -> list[Callable[[], None]]:
+    """Jobs reading the extent's bytes from ``fd`` into memory at ``address``, a chunk each."""
+    return [functools.partial(_read, fd, extent.offset + start, address + start, min(_CHUNK, extent.length - start))
+            for start in range(0, extent.length, _CHUNK)]
 
 
 def _descriptor(extent: FileExtent, opened: dict[tuple[str, int], int | None]) -> int | None:
