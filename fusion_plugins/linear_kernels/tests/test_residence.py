@@ -78,6 +78,16 @@ def test_the_weights_decode_runs_leave_the_file_mapping_and_nothing_else_does(ch
     assert all(torch.equal(t, reference[k]) for k, t in fused.state_dict().items())
 
 
+def test_fusing_a_plain_loaded_model_in_place_moves_its_decode_weights_too(checkpoints: dict[str, Path]) -> None:
+    model: Any = AutoModelForCausalLM.from_pretrained(checkpoints["qwen2"], dtype="auto")
+    head = model.lm_head.weight
+    assert _file_mapped(head)
+    fusion_core.fuse(model, {"linear_kernels": True})
+    layers = _decode_layers(model)
+    assert layers and not [path for path, m in layers.items() if _file_mapped(m.weight)]
+    assert model.lm_head.weight is head is model.model.embed_tokens.weight  # moved in place: still one, still tied
+
+
 def _mapped_file(tmp_path: Path, numel: int) -> torch.Tensor:
     """A float32 tensor over a private mapping of a file of its own (as transformers maps a shard)."""
     file = tmp_path / "weights.bin"
