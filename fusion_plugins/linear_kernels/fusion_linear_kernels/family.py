@@ -19,6 +19,10 @@ numerical bound of ``F.linear`` (:mod:`fusion_linear_kernels.tolerance`), or bit
   per kind of call on the real input at few rows; prefill, training, other devices and quantized
   weights run ``F.linear``; under ``torch.compile`` the forward is ``F.linear`` itself.
 
+Where a load left a weight these run as a view of the checkpoint's file mapping (transformers does, for a
+checkpoint loaded in its stored dtype), the plugin reads it into the process's own memory after the conversion:
+GEMVs read it faster there (:mod:`fusion_linear_kernels.residence`).
+
 The merged projections of ``qkv`` and ``gate_up`` (:class:`fusion_core.plugin.MergedLinear`) get the
 same two mechanisms, set by this plugin's ``fusion_convert_loaded`` hook when both families are enabled
 (:mod:`fusion_linear_kernels.plugin`): where the merged weight packs, its container (``qkv_proj``, a

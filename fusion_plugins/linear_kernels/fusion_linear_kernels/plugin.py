@@ -18,6 +18,9 @@ Besides the family, one lifecycle hook, a wrapper around the conversion of a loa
   (:func:`pack_merged`), and runs the merged GEMM packed; the others get the kernel choice through
   their ``kernel`` extension point.
 
+Last, the dense weights all of these run that lie in the checkpoint's file mapping are read into the process's own
+memory (:mod:`fusion_linear_kernels.residence`).
+
 Without ``linear_kernels`` in the load nothing is touched. Two more hooks: ``fusion_module_fused`` records in
 each fused layer whether its weight is packed (traced code reads that flag: a fake tensor shows no layout), and
 ``fusion_module_unfused`` drops it and puts an unfused layer's parameters back in their original order
