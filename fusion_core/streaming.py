@@ -99,9 +99,9 @@ def process_memory_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor 
     another device, a page written since it was mapped, another OS), and for all of them inside a torch.distributed
     process group (see the module docs).
 
-    Why a family wants this: a GEMV reads a weight in a file mapping more slowly than the same bytes in anonymous
-    memory (``fusion_linear_kernels.residence`` measured 20 vs 24.5 GB/s), and a merge that found its parts back to
-    back in the file leaves the merged tensor a view of the mapping."""
+    Why a family wants this: a kernel may read a weight in a file mapping more slowly than the same bytes in
+    anonymous memory (``torch.mv`` does, by about a fifth, on the development VM), and a merge that found its parts
+    back to back in the file leaves the merged tensor a view of the mapping."""
     if in_process_group():
         return [None] * len(tensors)
     files = MappedFiles.snapshot()

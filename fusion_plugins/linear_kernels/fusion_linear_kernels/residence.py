@@ -6,17 +6,21 @@ by page-cache pages; and a merge that finds its parts back to back in the file (
 the merged weight a view of such a mapping too. A GEMV reads a weight there more slowly than the same bytes in
 anonymous memory. Measured on the development VM (2-core Xeon, torch 2.13.0, bf16, ``torch.mv`` over Qwen2-0.5B's 48
 gate/up weights, 418 MB, best of 5 passes): **20.1-20.4 GB/s mapped, 24.3-24.6 GB/s** for copies of the same
-weights. (Copies on transparent huge pages read at 24.7-25.2 GB/s but took 7x longer to make: not taken.)
+weights (a throwaway probe). ``benchmarks/bench_decode.py`` shows the same in its floor note, ``mv over the
+weights``, which reads plain's weights: as loaded (``--as-loaded``) 19.5 GB/s at Qwen2-0.5B and 23.8 GB/s at
+Llama-3.2-1B, copied (the default) 22.5 and 28.0 GB/s. (Copies on transparent huge pages read at 24.7-25.2 GB/s in
+the probe but took 7x longer to make: not taken.)
 
 So after a load converts, each dense weight a ``linear_kernels`` layer runs (the tied LM head included: the table is
 one parameter object, moved once, and stays tied) that is a clean view of a privately mapped file is read from the
 file into memory the process owns (:func:`fusion_core.plugin.process_memory_copies`: ``pread``, the mapping's pages
 never become resident), and the parameter takes the copy (``param.data``: the same parameter object, the same bits).
-Memory stays the plain model's: plain holds those pages resident in the mapping once its first forward reads them,
-the fused model holds the copy instead. Nothing else moves: a weight whose bytes another parameter or buffer also
-covers (moving one would untie them), packed weights (oneDNN made its copy already), a quantizer's tensors, other
-devices, and anything :func:`~fusion_core.plugin.process_memory_copies` declines (no ``/proc``, a written page, a
-process group).
+Memory stays near the plain model's: plain holds those pages resident in the mapping once its first forward reads
+them, the fused model holds the copy instead (a throwaway probe: peak RSS after a load and a 32-token generate,
+Qwen2-0.5B, 1366 MB fused against 1317 MB plain). Nothing else moves: a weight whose bytes another parameter or
+buffer also covers (moving one would untie them), packed weights (oneDNN made its copy already), a quantizer's
+tensors, other devices, and anything :func:`~fusion_core.plugin.process_memory_copies` declines (no ``/proc``, a
+written page, a process group).
 """
 
 from __future__ import annotations
