@@ -179,13 +179,23 @@ class Decisions(dict[K, T], Generic[K, T]):
 
     A decision is stored as JSON: ``save`` turns it into a JSON value (default: as it is; tuples become lists) and
     ``load`` back (default: lists become tuples); a stored value ``load`` maps to None is measured again.
+
+    ``generation`` counts the times the table was cleared (:meth:`forget`, :func:`reset`): a caller that keeps a
+    decision of its own to skip the lookup on a hot path (``linear_kernels``' layers) keeps it only while the
+    generation it read it in lasts.
     """
 
     def __init__(self, topic: str, save: Callable[[T], Any] | None = None,
                  load: Callable[[Any], T | None] | None = None) -> None:
         super().__init__()
         self.topic, self._save, self._load = topic, save, load
+        self.generation = 0
         _TABLES[id(self)] = self
+
+    def clear(self) -> None:
+        """Forget this process's decisions (not the store's) and start a new :attr:`generation`."""
+        super().clear()
+        self.generation += 1
 
     def decide(self, kind: K, measure: Callable[[], T]) -> T:
         """The decision for ``kind``: this process's, else the store's (nothing timed), else ``measure()``'s (kept,

@@ -314,6 +314,18 @@ def test_forgetting_a_topic_measures_it_again_and_keeps_the_others(store, clock)
     assert clock.timed == ["test.first", "test.second", "test.first"]
 
 
+def test_clearing_a_table_starts_a_new_generation(store, clock):
+    """What a hot path remembers of a decision outside the table (a layer's last kernel) lasts one generation."""
+    table: Decisions[Any, int] = Decisions("test.generation")
+    _decide(table, "k")
+    assert table.generation == 0
+    table.forget()
+    assert table.generation == 1
+    _decide(table, "k")
+    decisions.reset()
+    assert table.generation == 2 and table == {}
+
+
 def test_off_uses_and_writes_no_store(store, clock, monkeypatch):
     table: Decisions[Any, int] = Decisions("test.off")
     _decide(table, "stored")

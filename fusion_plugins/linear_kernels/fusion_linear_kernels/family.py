@@ -53,7 +53,7 @@ from fusion_core.plugin import (
     is_plain_linear,
 )
 from fusion_linear_kernels import data_parallel, experts, packed_experts, packing
-from fusion_linear_kernels.choice import linear, linear_exact, linear_within_bound
+from fusion_linear_kernels.choice import Caller
 from fusion_linear_kernels.packed_experts import PrepackExperts, is_packed_experts
 from fusion_linear_kernels.packing import PrepackLinearWeight, ineligible, is_packed, packs, unpack
 
@@ -63,6 +63,8 @@ _PACKED_STATE = "_fusion_linear_kernels_packed"
 PACKED_FLAG = "_fusion_linear_kernels_weight_packed"
 #: In a packed experts module's ``__dict__``: the key its traced operator finds it by (see ``ExpertsKernelsMixin``).
 OPERATOR_KEY = "_fusion_linear_kernels_operator_key"
+#: Set on a layer whose weight is dense: its :class:`~fusion_linear_kernels.choice.Caller` (made at its first call).
+CALLER_KEY = "_fusion_linear_kernels_caller"
 
 
 class LinearKernelsOptions(FamilyOptions):
@@ -172,7 +174,10 @@ class LinearKernelsMixin(PackedParametersMixin):
             return F.linear(input, weight, self.bias)
         if is_packed(weight):
             return packing.linear(input, weight, self.bias, self.fusion_path)
-        return linear(input, weight, self.bias, self.exact)
+        caller = self.__dict__.get(CALLER_KEY)
+        if caller is None:
+            caller = self.__dict__[CALLER_KEY] = Caller(self.exact)
+        return caller(input, weight, self.bias)
 
     @property
     def packed(self) -> bool:
@@ -291,8 +296,9 @@ class ExactExpertsKernelsMixin(ExpertsKernelsMixin):
 
 
 def kernel(exact: bool) -> LinearKernel:
-    """The picklable ``kernel(input, weight, bias)`` of a mode, for :attr:`fusion_core.plugin.MergedLinear.kernel`."""
-    return linear_exact if exact else linear_within_bound
+    """A picklable ``kernel(input, weight, bias)`` of a mode, for one :attr:`fusion_core.plugin.MergedLinear.kernel`
+    (each merged projection its own: a :class:`~fusion_linear_kernels.choice.Caller` remembers its last call)."""
+    return Caller(exact)
 
 
 def refusal(module: nn.Module) -> str | None:

@@ -44,6 +44,7 @@ from fusion_core.plugin import MergedLinear, fuse_instance, merged_projection, p
 from fusion_linear_kernels.direct_reads import read_directly
 from fusion_linear_kernels.experts import is_experts
 from fusion_linear_kernels.family import (
+    CALLER_KEY,
     OPERATOR_KEY,
     PACKED_FLAG,
     LinearKernelsFamily,
@@ -75,13 +76,12 @@ def fusion_convert_loaded(
     modes = {module.exact for module, _ in built if isinstance(module, LinearKernelsMixin)}
     if len(modes) == 1:
         exact = modes.pop()
-        chosen = kernel(exact)
         shared = _shared_parameters(model)
         verified: set[tuple[object, ...]] = set()
         for module, plan in built:
             merged = merged_projection(module)
             if merged is not None:
-                merged.kernel = chosen
+                merged.kernel = kernel(exact)
                 pack_merged(module, plan, merged, exact, shared, verified)
     move_into_process_memory(model, decode_weights(built))
     return result
@@ -141,7 +141,7 @@ def fusion_module_fused(module: nn.Module, plan: ModulePlan) -> None:
 def fusion_module_unfused(module: nn.Module, plan: ModulePlan) -> None:
     if plan.family != LinearKernelsFamily.name:
         return
-    for derived in (PACKED_FLAG, OPERATOR_KEY):
+    for derived in (PACKED_FLAG, OPERATOR_KEY, CALLER_KEY):
         module.__dict__.pop(derived, None)
     order = {name: index for index, name in enumerate(plan.original_leaves)}
     parameters = module._parameters

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import gc
+import pickle
+import weakref
+
 import pytest
 import torch
 from fusion_linear_kernels import choice, kernels
@@ -137,3 +142,80 @@ def test_a_quantizers_weight_is_another_kind_than_a_dense_one():
     dense, subclass = choice.kind_of(x, weight, None, False), choice.kind_of(x, weight.as_subclass(Quantized), None,
                                                                                False)
     assert dense[-1] == "torch" and dense != subclass and subclass[-1].endswith("Quantized")
+
+
+def _counting_kinds(monkeypatch) -> list[object]:
+    """Record every kind worked out from here on."""
+    kinds: list[object] = []
+    real = choice.kind_of
+    monkeypatch.setattr(choice, "kind_of", lambda *args: kinds.append(real(*args)) or kinds[-1])
+    return kinds
+
+
+def test_a_caller_runs_its_last_kind_again_without_working_it_out(fake_times, monkeypatch):
+    fake_times(choice, original_slowest)
+    kinds = _counting_kinds(monkeypatch)
+    caller = choice.Caller()
+    weight, bias = _layer(96, 64, torch.float32)
+    x = torch.randn(1, 1, 64, generator=GEN)
+    with torch.no_grad():
+        outputs = [caller(x, weight, bias) for _ in range(3)]
+    assert len(kinds) == 1 and choice.decisions() == {kinds[0]: "mv"}
+    expected = kernels.CANDIDATES[1].run(x, weight, bias)
+    assert all(torch.equal(out, expected) for out in outputs)
+
+
+def test_a_caller_works_the_kind_out_again_when_anything_it_reads_changes(fake_times, monkeypatch):
+    fake_times(choice, original_slowest)
+    kinds = _counting_kinds(monkeypatch)
+    caller = choice.Caller()
+    weight, bias = _layer(96, 64, torch.float32)
+    x = torch.randn(1, 1, 64, generator=GEN)
+    with torch.no_grad():
+        caller(x, weight, bias)
+        calls = [
+            lambda: caller(torch.randn(1, 2, 64), weight, bias),  # another row count
+            lambda: caller(x, weight, None),  # another bias
+            lambda: caller(x, weight.clone(), bias),  # another weight object
+        ]
+        for call in calls:
+            before = len(kinds)
+            call()
+            assert len(kinds) == before + 1
+        # the same weight object, its data replaced (``param.data = ...``, what module.to(dtype) does)
+        weight.data = weight.data.t().contiguous().t()  # other strides
+        caller(x, weight, bias)
+        assert kinds[-1][3] == (1, 96)
+        weight.data = weight.data.double()
+        before = len(kinds)
+        with pytest.raises(RuntimeError):  # what F.linear raises for the dtype mix: no kernel runs on it
+            caller(x, weight, bias)
+        assert len(kinds) == before
+    choice.clear_decisions()  # forgetting the decisions forgets what the caller remembers
+    weight, bias = _layer(96, 64, torch.float32)
+    with torch.no_grad():
+        caller(x, weight, bias)
+        before = len(kinds)
+        choice.clear_decisions()
+        caller(x, weight, bias)
+    assert len(kinds) == before + 1 and choice.decisions()
+
+
+def test_a_caller_under_autograd_runs_the_original_and_keeps_no_weight_alive(fake_times):
+    fake_times(choice, original_slowest)
+    caller = choice.Caller()
+    weight, bias = _layer(96, 64, torch.float32)
+    x = torch.randn(1, 1, 64, generator=GEN)
+    with torch.no_grad():
+        caller(x, weight, bias)
+    trained = weight.requires_grad_()
+    caller(x, trained, bias).sum().backward()  # the same weight, now trained: F.linear with autograd
+    expected = weight.detach().clone().requires_grad_()
+    F.linear(x, expected, bias).sum().backward()
+    assert torch.equal(trained.grad, expected.grad)
+    held = weakref.ref(weight)
+    del weight, trained
+    gc.collect()
+    assert held() is None
+    copied = copy.deepcopy(caller), pickle.loads(pickle.dumps(caller))
+    assert all(c._last is None and c.exact is caller.exact for c in copied)
