@@ -68,7 +68,7 @@ def decode_split(model: torch.nn.Module, prompt: torch.Tensor, tokens: int) -> d
     def generate(new: int) -> Callable[[], Any]:
         def call() -> Any:
             with torch.inference_mode():
-                return model.generate(prompt, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                return model.generate(prompt, attention_mask=mask, max_new_tokens=new, eos_token_id=None,
                                       do_sample=False, pad_token_id=0)
         return call
 
