@@ -140,9 +140,15 @@ def routed(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Te
 def _gemv(rows: torch.Tensor, stack: torch.Tensor, bias: torch.Tensor | None, expert: int,
           transposed: bool) -> torch.Tensor:
     """One BLAS matrix-vector product per row (``mv``; a vector-matrix product for a transposed stack), the bias
-    added after."""
+    added after. A single row (a decode step) takes its one product as it is, not stacked: a decode step calls this
+    for each projection of each routed expert (16 calls a layer at a top-8 routing), and a stack of one costs an
+    operator each time."""
     weight = stack[expert]
-    out = torch.stack([torch.matmul(row, weight) if transposed else torch.mv(weight, row) for row in rows])
+    if rows.shape[0] == 1:
+        row = rows[0]
+        out = (torch.matmul(row, weight) if transposed else torch.mv(weight, row)).unsqueeze(0)
+    else:
+        out = torch.stack([torch.matmul(row, weight) if transposed else torch.mv(weight, row) for row in rows])
     return out if bias is None else out + bias[expert]
 
 
