@@ -45,7 +45,6 @@ from torch.nn import functional as F
 from fusion_core import FamilyOptions, FusedModule, FusionFamily, ModulePlan, WeightTransform
 from fusion_core.plugin import (
     BoundTransform,
-    LinearKernel,
     MergedProjection,
     attached_plan,
     bind_transforms,
@@ -293,12 +292,6 @@ class ExactExpertsKernelsMixin(ExpertsKernelsMixin):
     """:class:`ExpertsKernelsMixin` taking only implementations bit-identical to the configured one."""
 
     exact: ClassVar[bool] = True
-
-
-def kernel(exact: bool) -> LinearKernel:
-    """A picklable ``kernel(input, weight, bias)`` of a mode, for one :attr:`fusion_core.plugin.MergedLinear.kernel`
-    (each merged projection its own: a :class:`~fusion_linear_kernels.choice.Caller` remembers its last call)."""
-    return Caller(exact)
 
 
 def refusal(module: nn.Module) -> str | None:

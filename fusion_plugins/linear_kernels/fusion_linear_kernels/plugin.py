@@ -16,7 +16,7 @@ Besides the family, one lifecycle hook, a wrapper around the conversion of a loa
   ``linear_kernels`` modules of that load were fused with: a merged container whose weight packs is
   fused as a ``linear_kernels`` layer of its own, nested in the merging family's module
   (:func:`pack_merged`), and runs the merged GEMM packed; the others get the kernel choice through
-  their ``kernel`` extension point.
+  their ``kernel`` extension point (a :class:`~fusion_linear_kernels.choice.Caller` each).
 
 Last, the dense weights all of these run that lie in the checkpoint's file mapping are read into the process's own
 memory (:mod:`fusion_linear_kernels.residence`).
@@ -41,6 +41,7 @@ from torch import nn
 
 from fusion_core import ModulePlan, SaveError, hookimpl
 from fusion_core.plugin import MergedLinear, fuse_instance, merged_projection, presenting_fused
+from fusion_linear_kernels.choice import Caller
 from fusion_linear_kernels.direct_reads import read_directly
 from fusion_linear_kernels.experts import is_experts
 from fusion_linear_kernels.family import (
@@ -51,7 +52,6 @@ from fusion_linear_kernels.family import (
     LinearKernelsMixin,
     PackedParametersMixin,
     experts_packing_plan,
-    kernel,
     merged_packing_plan,
     packing_plan,
 )
@@ -81,7 +81,7 @@ def fusion_convert_loaded(
         for module, plan in built:
             merged = merged_projection(module)
             if merged is not None:
-                merged.kernel = kernel(exact)
+                merged.kernel = Caller(exact)  # each its own: a Caller remembers its last call
                 pack_merged(module, plan, merged, exact, shared, verified)
     move_into_process_memory(model, decode_weights(built))
     return result
