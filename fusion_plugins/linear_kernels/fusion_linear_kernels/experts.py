@@ -144,11 +144,11 @@ def _gemv(rows: torch.Tensor, stack: torch.Tensor, bias: torch.Tensor | None, ex
     for each projection of each routed expert (16 calls a layer at a top-8 routing), and a stack of one costs an
     operator each time."""
     weight = stack[expert]
-    if rows.shape[0] == 1:
-        row = rows[0]
-        out = (torch.matmul(row, weight) if transposed else torch.mv(weight, row)).unsqueeze(0)
-    else:
-        out = torch.stack([torch.matmul(row, weight) if transposed else torch.mv(weight, row) for row in rows])
+
+    def product(row: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(row, weight) if transposed else torch.mv(weight, row)
+
+    out = product(rows[0]).unsqueeze(0) if rows.shape[0] == 1 else torch.stack([product(row) for row in rows])
     return out if bias is None else out + bias[expert]
 
 
