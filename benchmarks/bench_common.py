@@ -17,6 +17,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+FIXED_LENGTH_GREEDY: dict[str, Any] = {"eos_token_id": None, "do_sample": False, "pad_token_id": 0}
+"""``generate`` keyword arguments (with ``max_new_tokens=n``) for a greedy call that makes exactly ``n`` tokens: the
+end-of-sequence token turned off, not ``min_new_tokens``, which adds logits processors a plain ``generate`` does
+not run (an ``arange`` over the vocabulary, ``isin``, two ``where``: about 2 ms a token at a 150k vocabulary on a
+2-core CPU), paid by every contender and not by the floor."""
+
 
 def quantile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated quantile (0 <= q <= 1) of a non-empty sequence."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from bench_common import Budget, Summary, Table
+from bench_common import FIXED_LENGTH_GREEDY, Budget, Summary, Table
 from bench_models import QWEN2_05B_LAYERS, QWEN2_VL_TOWER_DEPTH, build_checkpoint, text_config, tower_config
 from bench_profile import count_ops, enable_kernel_events, per_call_difference
 from torch import nn
@@ -250,12 +250,8 @@ class _TokenClock:
 
 def generate_call(model: nn.Module, ids: torch.Tensor, new_tokens: int, device: str
                   ) -> tuple[Callable[[], dict[str, float]], list[Any]]:
-    """A timed greedy ``generate``; the second value collects the new tokens of each call.
-
-    Every call makes exactly ``new_tokens`` with the end-of-sequence token turned off (``eos_token_id=None``), not
-    with ``min_new_tokens``: that adds logits processors a plain ``generate`` does not run (an ``arange`` over the
-    vocabulary, ``isin``, two ``where``: about 2 ms a token at a 150k vocabulary on a 2-core CPU), which every
-    contender paid and the floor did not."""
+    """A timed greedy ``generate`` of exactly ``new_tokens`` (:data:`bench_common.FIXED_LENGTH_GREEDY`); the second
+    value collects the new tokens of each call."""
     outputs: list[Any] = []
     mask = torch.ones_like(ids)
 
@@ -264,8 +260,8 @@ def generate_call(model: nn.Module, ids: torch.Tensor, new_tokens: int, device: 
         sync(device)
         start = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=None,
-                                 do_sample=False, streamer=clock, pad_token_id=0)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, streamer=clock,
+                                 **FIXED_LENGTH_GREEDY)
         sync(device)
         end = time.perf_counter()
         outputs[:] = [out[0, ids.shape[1]:].tolist()]
@@ -438,8 +434,7 @@ def _count_decode(model: nn.Module, prompt: torch.Tensor, device: str) -> dict[s
     mask = torch.ones_like(prompt)
 
     def generate(n: int) -> Callable[[], Any]:
-        return lambda: model.generate(prompt, attention_mask=mask, max_new_tokens=n, eos_token_id=None,
-                                      do_sample=False, pad_token_id=0)
+        return lambda: model.generate(prompt, attention_mask=mask, max_new_tokens=n, **FIXED_LENGTH_GREEDY)
 
     return per_call_difference(count_ops(generate(2), device), count_ops(generate(6), device), 4)
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from bench_common import FIXED_LENGTH_GREEDY
 
 #: Operators that read a weight matrix: (name, index of the weight among the input shapes, transposed).
 GEMM_WEIGHTS: dict[str, tuple[int, bool]] = {
@@ -68,8 +69,7 @@ def decode_split(model: torch.nn.Module, prompt: torch.Tensor, tokens: int) -> d
     def generate(new: int) -> Callable[[], Any]:
         def call() -> Any:
             with torch.inference_mode():
-                return model.generate(prompt, attention_mask=mask, max_new_tokens=new, eos_token_id=None,
-                                      do_sample=False, pad_token_id=0)
+                return model.generate(prompt, attention_mask=mask, max_new_tokens=new, **FIXED_LENGTH_GREEDY)
         return call
 
     generate(2)()  # warm

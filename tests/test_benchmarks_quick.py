@@ -207,3 +207,23 @@ def test_the_decode_split_finds_every_weight_kind_a_step_reads(llama: Path, fami
     assert packed == (families is not None)  # the fused step runs oneDNN's packed kernel
     assert kinds <= set(split), sorted(split)
     assert {"other operators", "outside operators"} <= set(split) and all(s >= 0 for s in split.values())
+
+
+def test_a_timed_generate_makes_every_token_though_the_model_ends_its_text_at_once() -> None:
+    """``bench_e2e.generate_call`` times exactly the tokens it asks for, as the decode rows assume, without
+    ``min_new_tokens`` (its logits processors are no part of a plain ``generate``): here the head makes the
+    end-of-sequence token the likeliest at every step."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_e2e import generate_call
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=64, eos_token_id=5, bos_token_id=1)
+    model = LlamaForCausalLM(config).eval()
+    model.lm_head.register_forward_hook(lambda module, args, out: out + 100.0 * (torch.arange(64) == 5))
+    call, outputs = generate_call(model, torch.tensor([[1, 2, 3]]), 6, "cpu")
+    times = call()
+    assert outputs == [[5] * 6], outputs
+    assert times["decode"] >= 0 and times["total"] >= times["prefill"]
