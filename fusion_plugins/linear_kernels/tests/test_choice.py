@@ -178,14 +178,19 @@ def test_a_caller_works_the_kind_out_again_when_anything_it_reads_changes(fake_t
             call()
             assert len(kinds) == before + 1
         # the same weight object, its data replaced (``param.data = ...``, what module.to(dtype) does)
-        weight.data = weight.data.t().contiguous().t()  # other strides
+        caller(x, weight, bias)  # remembered: this weight, torch.mv
+        weight.data = weight.data.double()
+        before, mv, vectors = len(kinds), torch.mv, []
+        monkeypatch.setattr(torch, "mv", lambda *args: vectors.append(args) or mv(*args))
+        with pytest.raises(RuntimeError) as got:  # the dtype mix: F.linear raises, as it would for plain
+            caller(x, weight, bias)
+        with pytest.raises(RuntimeError) as want:
+            F.linear(x, weight, bias)
+        assert str(got.value) == str(want.value) and not vectors and len(kinds) == before
+        monkeypatch.setattr(torch, "mv", mv)
+        weight.data = weight.data.float().t().contiguous().t()  # other strides
         caller(x, weight, bias)
         assert kinds[-1][3] == (1, 96)
-        weight.data = weight.data.double()
-        before = len(kinds)
-        with pytest.raises(RuntimeError):  # what F.linear raises for the dtype mix: no kernel runs on it
-            caller(x, weight, bias)
-        assert len(kinds) == before
     choice.clear_decisions()  # forgetting the decisions forgets what the caller remembers
     weight, bias = _layer(96, 64, torch.float32)
     with torch.no_grad():
