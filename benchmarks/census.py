@@ -84,6 +84,8 @@ SHRINK: dict[str, int] = {
     "rotary_dim": 8,
 }
 LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers")
+#: The most parameters a tiny model may have (the largest shrunk ones have a few million).
+MAX_PARAMETERS = 50_000_000
 #: Attributes only shrunk when the default is an int (None means "feature off": keep it off).
 ONLY_IF_SET = ("q_lora_rank", "n_inner", "num_kv_heads", "head_dim")
 #: Families the census asks for when installed, each with ``required=False``.
@@ -157,15 +159,22 @@ def _move_token_ids(config: Any, vocab: int) -> None:
             setattr(config, name, [next(spare) if isinstance(v, int) and v >= vocab else v for v in value])
 
 
+def _tiny_kwargs(config: Any) -> dict[str, Any]:
+    """The shrunk values of ``config`` and, as dicts, of its sub-configs at any depth (a vision tower's own encoder
+    config inside its vision config: DeepSeek-OCR 2), for its ``__init__``."""
+    kwargs = _shrink_values(config)
+    for name, sub in _sub_configs(config):
+        kwargs[name] = {**sub.to_dict(), **_tiny_kwargs(sub)}
+    return kwargs
+
+
 def tiny_config(model_type: str) -> Any:
     """The config class's defaults, shrunk: first through its ``__init__`` (so derived values follow)."""
     from transformers import CONFIG_MAPPING
 
     config_cls = CONFIG_MAPPING[model_type]
     defaults = config_cls()
-    kwargs = _shrink_values(defaults)
-    for name, sub in _sub_configs(defaults):
-        kwargs[name] = {**sub.to_dict(), **_shrink_values(sub)}
+    kwargs = _tiny_kwargs(defaults)
     try:
         config, constructed = config_cls(**kwargs), True
     except Exception:  # an __init__ that rejects some combination: shrink the defaults in place
@@ -175,9 +184,25 @@ def tiny_config(model_type: str) -> Any:
 
 
 def build_checkpoint(auto_cls: Any, model_type: str, target: Path, dtype: torch.dtype | None = None) -> None:
+    config = tiny_config(model_type)
+    refuse_large(auto_cls, config)
     torch.manual_seed(0)
-    model = auto_cls.from_config(tiny_config(model_type))
+    model = auto_cls.from_config(config)
     (model if dtype is None else model.to(dtype)).save_pretrained(target)
+
+
+def refuse_large(auto_cls: Any, config: Any) -> None:
+    """Raise ValueError when the model ``config`` makes has more than :data:`MAX_PARAMETERS` parameters, counted on
+    the meta device: a part the shrinking did not reach (a new kind of sub-config) would otherwise be built at full
+    size, and one model's gigabytes end the whole census. A model that cannot be built on meta is let through."""
+    try:
+        with torch.device("meta"):
+            count = sum(p.numel() for p in auto_cls.from_config(config).parameters())
+    except Exception:
+        return
+    if count > MAX_PARAMETERS:
+        raise ValueError(f"the tiny model would have {count / 1e6:.0f}M parameters (the census builds at most "
+                         f"{MAX_PARAMETERS / 1e6:.0f}M): a part of the config the census does not shrink")
 
 
 # -- one model ---------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -227,3 +228,49 @@ def test_a_timed_generate_makes_every_token_though_the_model_ends_its_text_at_on
     times = call()
     assert outputs == [[5] * 6], outputs
     assert times["decode"] >= 0 and times["total"] >= times["prefill"]
+
+
+def _census() -> Any:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import census
+
+    return census
+
+
+def test_the_census_shrinks_configs_nested_in_sub_configs() -> None:
+    """A sub-config's own sub-configs (PaliGemma's text and vision configs inside ColPali's ``vlm_config``, an
+    OCR model's vision encoder inside its vision config) are shrunk too: left at their defaults, one tiny model of
+    the census took 18 GB and the whole run was killed for memory."""
+    from transformers import PretrainedConfig
+
+    census = _census()
+
+    def nested(config: Any, depth: int) -> Iterator[tuple[int, Any]]:
+        yield depth, config
+        for value in vars(config).items():
+            if isinstance(value[1], PretrainedConfig):
+                yield from nested(value[1], depth + 1)
+
+    checked = 0
+    for model_type in ("colpali", "qwen2_5_omni"):  # on every line CI runs; each nests configs two deep
+        for depth, config in nested(census.tiny_config(model_type), 0):
+            for name in ("hidden_size", "num_hidden_layers"):
+                value = vars(config).get(name)
+                if depth >= 2 and isinstance(value, int):
+                    assert value <= census.SHRINK[name], (model_type, type(config).__name__, name, value)
+                    checked += 1
+    assert checked >= 4
+
+
+def test_the_census_refuses_to_build_a_tiny_model_that_is_not_tiny() -> None:
+    """A config part the census does not shrink is reported for that model type, before any weight is allocated."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    census = _census()
+    small = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=256)
+    census.refuse_large(AutoModelForCausalLM, small)
+    large = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+                        num_key_value_heads=8, vocab_size=256)
+    with pytest.raises(ValueError, match=r"would have 4\d\dM parameters .* does not shrink"):
+        census.refuse_large(AutoModelForCausalLM, large)
