@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fusion_core import FusedModule
 from fusion_core.plugin import Decisions, apply_gate, experts_implementation, is_expert_parallel, pass_size
 from fusion_linear_kernels.choice import MAX_ROWS
 from fusion_linear_kernels.tolerance import admitted
@@ -67,14 +68,20 @@ def _interface() -> Any:
 @functools.cache
 def original_forward(cls: type) -> ExpertsForward | None:
     """The experts class's own forward (the ``"eager"`` implementation) under transformers'
-    ``use_experts_implementation`` dispatcher; None for a class without that dispatcher (cached by class: it is
-    read at every decode call that runs another implementation)."""
-    for klass in cls.__mro__:  # past a fused subclass's own forward
+    ``use_experts_implementation`` dispatcher; None for a class without that dispatcher, or whose forward is not the
+    dispatcher itself: a subclass whose own forward calls the dispatcher and does more (Ergo's experts give each
+    route a row and a learned norm around it), which an implementation chosen here would skip."""
+    for klass in cls.__mro__:
+        if issubclass(klass, FusedModule):  # a fused subclass and the family's mixin: the original class is below
+            continue
         forward = klass.__dict__.get("forward")
+        if forward is None:
+            continue
         # The dispatcher copies the wrapped forward's names (functools.wraps), not its code object's.
         if "use_experts_implementation" in getattr(getattr(forward, "__code__", None), "co_qualname", ""):
             wrapped: ExpertsForward | None = getattr(forward, "__wrapped__", None)
             return wrapped
+        return None
     return None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,34 @@ def test_every_candidate_computes_the_configured_output(checkpoints, name, dtype
                 got = experts.implementation(module, candidate)(module, hidden, index, weights)
                 assert got.shape == reference.shape and got.dtype == reference.dtype, candidate
                 assert float((got.float() - reference.float()).abs().max()) <= bound, (candidate, rows)
+
+
+def test_experts_whose_class_does_more_around_the_dispatcher_are_left_to_their_own_forward(checkpoints, monkeypatch):
+    """A subclass of a dispatching experts class with a forward of its own (transformers 5.25's Ergo: one row per
+    route and a learned norm after each) is not the dispatcher: an implementation chosen for it would skip what its
+    forward adds, so the family leaves it alone; the dispatching class itself is still fused, also once fused."""
+    dispatching = _load(checkpoints["olmoe"], {"linear_kernels": True})
+    fused_experts = [m for m in dispatching.modules() if isinstance(m, ExpertsKernelsMixin)]
+    assert fused_experts and all(experts.is_experts(m) for m in fused_experts)
+    experts_class = type(next(m for m in _load(checkpoints["olmoe"], None).modules() if experts.is_experts(m)))
+
+    class ScaledExperts(experts_class):  # type: ignore[misc, valid-type]
+        def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+            return super().forward(hidden_states, top_k_index, top_k_weights) * 2
+
+    monkeypatch.setattr(sys.modules[experts_class.__module__], experts_class.__name__, ScaledExperts)
+    fusion_core.reset_state()  # the model class is unchanged: its cached plan holds the dispatching experts
+    try:
+        plain, fused = _load(checkpoints["olmoe"], None), _load(checkpoints["olmoe"], {"linear_kernels": True})
+        assert any(type(m) is ScaledExperts for m in plain.modules())
+        assert not any(experts.is_experts(m) or isinstance(m, ExpertsKernelsMixin) for m in fused.modules())
+        tokens, logits = _decode(fused)  # the configured implementation measures slowest: any other would be taken
+        expected_tokens, expected_logits = _decode(plain)
+    finally:
+        fusion_core.reset_state()
+    assert torch.equal(tokens, expected_tokens)
+    _close(logits, expected_logits)
 
 
 # -- expert weights held prepacked (fusion_linear_kernels.packed_experts) -----------------------------------------
