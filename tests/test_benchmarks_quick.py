@@ -274,3 +274,22 @@ def test_the_census_refuses_to_build_a_tiny_model_that_is_not_tiny() -> None:
                         num_key_value_heads=8, vocab_size=256)
     with pytest.raises(ValueError, match=r"would have 4\d\dM parameters .* does not shrink"):
         census.refuse_large(AutoModelForCausalLM, large)
+
+
+def test_the_census_counts_a_model_plain_transformers_reloads_with_weights_missing_as_plain_failing(
+        tmp_path: Path) -> None:
+    """Plain transformers initialises a missing weight anew, so a fused load that refuses it by name is not a row
+    against fusion-core: the census says plain fails, naming the weights."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    census = _census()
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    assert census.load_plain(AutoModelForCausalLM, tmp_path) is not None
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"with 1 weights missing, e.g. \['model.layers.1.mlp.up_proj.weight'\]"):
+        census.load_plain(AutoModelForCausalLM, tmp_path)
