@@ -219,7 +219,10 @@ def load_plain(auto_cls: Any, source: Path, **kwargs: Any) -> Any:
 
 
 def _run(model: Any, inputs: dict[str, torch.Tensor]) -> Any:
+    """The model's eval-mode forward, with the random generator seeded: some forwards draw noise even in eval mode
+    (ViT-MAE's patch masking, VITS's durations), and each run must draw the same."""
     extra = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    torch.manual_seed(0)
     with torch.no_grad():
         return model.eval()(**inputs, **extra)
 

@@ -293,3 +293,20 @@ def test_the_census_counts_a_model_plain_transformers_reloads_with_weights_missi
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"with 1 weights missing, e.g. \['model.layers.1.mlp.up_proj.weight'\]"):
         census.load_plain(AutoModelForCausalLM, tmp_path)
+
+
+def test_the_census_runs_a_forward_that_draws_noise_the_same_way_each_time() -> None:
+    """ViT-MAE masks random patches and VITS draws its durations even in eval mode: plain and fused runs must draw
+    the same noise, or the census reports a silent difference fusion-core did not make."""
+    import torch
+
+    census = _census()
+
+    class Noisy(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return input_ids + torch.rand(input_ids.shape)
+
+    inputs = {"input_ids": torch.zeros(2, 3)}
+    first = census._run(Noisy(), inputs)
+    torch.rand(5)  # whatever ran in between
+    assert torch.equal(census._run(Noisy(), inputs), first)
