@@ -70,7 +70,8 @@ def original_forward(cls: type) -> ExpertsForward | None:
     """The experts class's own forward (the ``"eager"`` implementation) under transformers'
     ``use_experts_implementation`` dispatcher; None for a class without that dispatcher, or whose forward is not the
     dispatcher itself: a subclass whose own forward calls the dispatcher and does more (Ergo's experts give each
-    route a row and a learned norm around it), which an implementation chosen here would skip."""
+    route a row and a learned norm around it), which an implementation chosen here would skip. Cached by class: it
+    is read at every decode call that runs another implementation."""
     for klass in cls.__mro__:
         if issubclass(klass, FusedModule):  # a fused subclass and the family's mixin: the original class is below
             continue
