@@ -15,6 +15,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _on_benchmark_path() -> None:
+    """The benchmark scripts import each other as top-level modules (each runs as a script from benchmarks/)."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
 @pytest.mark.slow
 @pytest.mark.once
 def test_quick_benchmark_runs_and_prints_its_tables(tmp_path: Path) -> None:
@@ -78,7 +84,7 @@ def _check_end_to_end(e2e: dict, explain: dict) -> None:
 
 def test_end_to_end_rows_pair_each_round_and_rotate_the_order() -> None:
     """A row's speed is the median of per-round ratios (not a ratio of medians); who runs first rotates."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    _on_benchmark_path()
     import bench_e2e
 
     order: list[str] = []
@@ -124,7 +130,7 @@ def test_the_step_timers_of_bench_scale_time_every_step_of_a_fused_load(tmp_path
     proc = subprocess.run([sys.executable, "-c", _STEPS_PROBE, str(ROOT / "benchmarks"), str(tmp_path / "tiny")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    _on_benchmark_path()
     import bench_scale
 
     steps = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -183,7 +189,7 @@ def test_the_decode_split_finds_every_weight_kind_a_step_reads(llama: Path, fami
     import fusion_core
     from fusion_core.plugin import Decisions
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    _on_benchmark_path()
     from decode_split import decode_split
 
     clock = Decisions.times
@@ -217,7 +223,7 @@ def test_a_timed_generate_makes_every_token_though_the_model_ends_its_text_at_on
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    _on_benchmark_path()
     from bench_e2e import generate_call
 
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -231,7 +237,7 @@ def test_a_timed_generate_makes_every_token_though_the_model_ends_its_text_at_on
 
 
 def _census() -> Any:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    _on_benchmark_path()
     import census
 
     return census
@@ -241,15 +247,12 @@ def test_the_census_shrinks_configs_nested_in_sub_configs() -> None:
     """A sub-config's own sub-configs (PaliGemma's text and vision configs inside ColPali's ``vlm_config``, an
     OCR model's vision encoder inside its vision config) are shrunk too: left at their defaults, one tiny model of
     the census took 18 GB and the whole run was killed for memory."""
-    from transformers import PretrainedConfig
-
     census = _census()
 
     def nested(config: Any, depth: int) -> Iterator[tuple[int, Any]]:
         yield depth, config
-        for value in vars(config).items():
-            if isinstance(value[1], PretrainedConfig):
-                yield from nested(value[1], depth + 1)
+        for _, sub in census._sub_configs(config):
+            yield from nested(sub, depth + 1)
 
     checked = 0
     for model_type in ("colpali", "qwen2_5_omni"):  # on every line CI runs; each nests configs two deep
@@ -262,37 +265,36 @@ def test_the_census_shrinks_configs_nested_in_sub_configs() -> None:
     assert checked >= 4
 
 
-def test_the_census_refuses_to_build_a_tiny_model_that_is_not_tiny() -> None:
+def test_the_census_refuses_to_build_a_tiny_model_that_is_not_tiny(llama: Path) -> None:
     """A config part the census does not shrink is reported for that model type, before any weight is allocated."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     census = _census()
-    small = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, vocab_size=256)
+    small = AutoConfig.from_pretrained(llama)
     census.refuse_large(AutoModelForCausalLM, small)
-    large = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
-                        num_key_value_heads=8, vocab_size=256)
-    with pytest.raises(ValueError, match=r"would have 4\d\dM parameters .* does not shrink"):
+    large = AutoConfig.from_pretrained(llama, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                                       num_key_value_heads=8, head_dim=128)
+    with pytest.raises(ValueError, match=r"would have \d+M parameters .* does not shrink"):
         census.refuse_large(AutoModelForCausalLM, large)
 
 
 def test_the_census_counts_a_model_plain_transformers_reloads_with_weights_missing_as_plain_failing(
-        tmp_path: Path) -> None:
+        llama: Path, tmp_path: Path) -> None:
     """Plain transformers initialises a missing weight anew, so a fused load that refuses it by name is not a row
     against fusion-core: the census says plain fails, naming the weights."""
+    import shutil
+
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     census = _census()
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256)
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
-    assert census.load_plain(AutoModelForCausalLM, tmp_path) is not None
-    tensors = load_file(tmp_path / "model.safetensors")
+    assert census.load_plain(AutoModelForCausalLM, llama) is not None
+    checkpoint = shutil.copytree(llama, tmp_path / "llama")
+    tensors = load_file(checkpoint / "model.safetensors")
     del tensors["model.layers.1.mlp.up_proj.weight"]
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    save_file(tensors, checkpoint / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"with 1 weights missing, e.g. \['model.layers.1.mlp.up_proj.weight'\]"):
-        census.load_plain(AutoModelForCausalLM, tmp_path)
+        census.load_plain(AutoModelForCausalLM, checkpoint)
 
 
 def test_the_census_runs_a_forward_that_draws_noise_the_same_way_each_time() -> None:
