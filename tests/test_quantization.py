@@ -773,6 +773,47 @@ def test_a_skip_list_that_leaves_whole_merged_projections_alone_loads_them_plain
         assert relative_error(plain(_ids()).logits, fused(_ids()).logits) <= INT8_TOLERANCE
 
 
+def _layer_replacing_configs() -> dict[str, Any]:
+    """Quantizing loads that swap the ``nn.Linear`` layers they quantize for layers of their own."""
+    from transformers import BitsAndBytesConfig, QuantoConfig
+
+    return {"bnb-int8": BitsAndBytesConfig(load_in_8bit=True), "quanto-int8": QuantoConfig(weights="int8")}
+
+
+@pytest.mark.parametrize("case", ["bnb-int8", "quanto-int8"])
+def test_layers_fused_by_class_that_the_quantizer_would_replace_are_refused_before_any_weight_is_read(
+        llama: Path, tmp_path: Path, case: str) -> None:
+    """``linear_kernels`` fuses each ``nn.Linear`` by class as the model is built. Without the refusal, transformers
+    5.x's bitsandbytes (``type(module) is nn.Linear``) passes over the fused layers and the model loads unquantized
+    with no word; 4.57's bitsandbytes and quanto replace them and the load fails after reading every weight."""
+    broken = _broken_copy(llama, tmp_path / "broken")
+    with pytest.raises(fusion_core.FusionLoadError, match=r"quantizes with .*family 'linear_kernels' fuses 15 "
+                       r"nn\.Linear layer\(s\) by class, module 'model\.layers\.0\.self_attn\.q_proj' first.*"
+                       r"fusion_config=\{'linear_kernels': False\}"):
+        fusion_core.from_pretrained(AutoModelForCausalLM, broken, fusion_config={"linear_kernels": True},
+                                    quantization_config=_layer_replacing_configs()[case])
+
+
+def test_a_layer_the_quantizer_skips_is_fused_by_class_and_the_rest_quantized(llama: Path) -> None:
+    """The way out the refusal names: the head, in the quantizer's skip list, is the family's; q/k/v are merged
+    quantized (``qkv``), every other layer quantized as in the unfused load."""
+    import bitsandbytes as bnb
+    from transformers import BitsAndBytesConfig
+
+    def config() -> Any:
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=["lm_head"])
+
+    fusion_config = {"qkv": True, "linear_kernels": {"target_modules": [r"^lm_head$"]}}
+    plain = AutoModelForCausalLM.from_pretrained(llama, quantization_config=config())
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=fusion_config,
+                                        quantization_config=config())
+    assert isinstance(fused.lm_head, FusedModule) and type(fused.lm_head.weight) is not bnb.nn.Int8Params
+    assert isinstance(fused.model.layers[0].self_attn.qkv_proj, bnb.nn.Linear8bitLt)
+    assert isinstance(fused.model.layers[0].mlp.down_proj, bnb.nn.Linear8bitLt)
+    with torch.no_grad():
+        assert relative_error(plain(_ids()).logits, fused(_ids()).logits) <= INT8_TOLERANCE
+
+
 def test_parts_are_matched_against_a_configs_patterns_in_linear_time() -> None:
     """Skip lists and torchao's ``re:`` keys come from a downloaded config: ``(.*.*)*X`` backtracks for minutes in
     Python's re on a module path. The planning runs in a subprocess under a timeout (a bound, not a measurement)."""

@@ -50,7 +50,7 @@ from fusion_quantization.quanto_split import (
     save_refusal as quanto_save_refusal,
 )
 from fusion_quantization.replaced import quantized_parts, weight_rows
-from fusion_quantization.schemes import config_field, part_schemes
+from fusion_quantization.schemes import SKIPPED, config_field, part_schemes
 
 INTEGRATION = Integration(
     "quantization",
@@ -66,8 +66,21 @@ def register_fusion_integrations(register: Callable[[Integration], None]) -> Non
 @hookimpl
 def fusion_load_planned(plan: FusionPlan, config: Any, load_kwargs: Mapping[str, Any]) -> None:
     quantization = load_quantization(load_kwargs, config)
+    if quantization is None:
+        return
+    by_class = [p for p in plan.modules if replaced_under(p, quantization)]
+    if by_class:
+        first = by_class[0]
+        raise FusionLoadError(
+            f"the load quantizes with {quantization_method(quantization)}, which replaces each nn.Linear it quantizes "
+            "with a layer of its own (and, on some transformers releases, passes over a subclass of nn.Linear); "
+            f"family {first.family!r} fuses {len(by_class)} nn.Linear layer(s) by class, module {first.path!r} "
+            "first, and each would be replaced under the family or left unquantized: leave the family out "
+            f"(fusion_config={{{first.family!r}: False}}), or keep those layers out of the family (its "
+            "exclude_modules) or out of the quantizer (its skip list)"
+        )
     planned = [p for p in plan.modules if p.moved_linears]
-    if quantization is None or not planned:
+    if not planned:
         return
 
     def refuse(modules: Sequence[ModulePlan], reason: str) -> NoReturn:
@@ -89,6 +102,24 @@ def fusion_load_planned(plan: FusionPlan, config: Any, load_kwargs: Mapping[str,
     if partial:
         refuse(partial, f"fused, and a part does not fill whole 4-bit blocks of {BLOCKSIZE} elements, so the merged "
                         "layer's blocks would span parts")
+
+
+def replaced_under(plan: ModulePlan, quantization: Any) -> bool:
+    """Whether ``plan`` fuses an ``nn.Linear`` by class alone (it moves no tensor: ``linear_kernels``' layers) that
+    this load's quantizer would replace with a layer of its own.
+
+    transformers builds the model with the fused class already in place, then the quantizer swaps the layers it
+    quantizes: bitsandbytes, quanto and HQQ by ``isinstance`` (the fused layer is then gone), transformers 5.x's
+    bitsandbytes only where ``type(module) is nn.Linear`` (the fused layer then stays in float, unquantized, with
+    no word). torchao keeps the module and quantizes its weight in place, which the fused layer runs with the
+    quantizer's kernel; a layer the load leaves unquantized (a skip list) is the family's as in any load.
+    """
+    if plan.transforms or not issubclass(plan.original_class, nn.Linear):
+        return False
+    method = config_field(quantization, "quant_method")
+    if getattr(method, "value", method) == "torchao":
+        return False
+    return part_schemes(quantization, [plan.path]) != [SKIPPED]
 
 
 def at_load_refusal(quantization: Any) -> str | None:
