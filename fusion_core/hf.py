@@ -40,6 +40,7 @@ from fusion_core.aliases import in_process_group
 from fusion_core.casting import Casts, cast_back, hold_stored_dtypes, stored_dtypes
 from fusion_core.checkpoint import check_checkpoint, planned_tensors, read_checkpoint_index
 from fusion_core.compat import transformers as compat
+from fusion_core.compat.accelerate import onloaded_state_dict, rebind_hooked_forward
 from fusion_core.config import parse_fusion_config
 from fusion_core.discovery import Discovery, discover
 from fusion_core.errors import CheckpointError, FusionError, FusionLoadError, SaveError
@@ -158,6 +159,7 @@ def from_pretrained(
         model = model_cls.from_pretrained(name_or_path, config=config, **kwargs)
     info = _report_of(model, reports)
     built, plan = _reconcile_build(model, scope, discovery, fused_dir, casts)
+    built, plan = _leave_offloaded_unfused(model, built, plan, discovery, fused_dir, casts)
     _verify_loading_info(info, plan, fused_dir)
     for need in loaded_needs(model):
         registry.require_integration(need.integration, need.workflow)
@@ -400,6 +402,48 @@ def _reconcile_build(
     return built, replace(discovery.plan, modules=kept, skipped=discovery.plan.skipped + gone)
 
 
+def _leave_offloaded_unfused(
+    model: nn.Module, built: list[tuple[nn.Module, ModulePlan]], plan: FusionPlan, discovery: Discovery,
+    fused_dir: bool, casts: dict[int, Casts],
+) -> tuple[list[tuple[nn.Module, ModulePlan]], FusionPlan]:
+    """Leave each module that the ``device_map`` offloaded in its original class and layout, as plain loaded it.
+
+    accelerate keeps an offloaded module's tensors on the meta device and brings them from the offload
+    folder (or CPU memory) for each forward, by their original names: there is nothing to fuse, and the
+    original forward is what those hooks serve. Only a class switch happened to such a module, so
+    switching it back (and casting back what a merge would have cast) leaves exactly what plain
+    transformers loaded; the rest of the model is fused. A family left with nothing fused while
+    ``required`` raises, and so does an offloaded module of a fused-layout checkpoint (its tensors
+    exist only fused).
+    """
+    offloaded = [(m, p) for m, p in built if getattr(model, "hf_device_map", None) and _meta_tensors(m)]
+    if not offloaded:
+        return built, plan
+    if fused_dir:
+        _, stored = offloaded[0]
+        raise FusionLoadError(f"family {stored.family!r}, module {stored.path!r}: the device_map offloaded it, and a "
+                              "fused-layout checkpoint cannot leave it unfused; load onto a real device")
+    for module, offloaded_plan in offloaded:
+        module.__class__ = offloaded_plan.original_class
+        rebind_hooked_forward(module)
+        cast_back(module, casts.pop(id(module), {}))
+    left_ids = {id(m) for m, _ in offloaded}
+    kept = [(m, p) for m, p in built if id(m) not in left_ids]
+    left = {p.family: [q.path for _, q in offloaded if q.family == p.family] for _, p in offloaded}
+    for family, paths in left.items():
+        first = repr(paths[0]) if paths[0] else "the model's root"
+        if discovery.required(family) and not any(p.family == family for _, p in kept):
+            raise FusionLoadError(
+                f"family {family!r}: the device_map offloaded every module it would fuse ({first} first, "
+                f"{len(paths)} in all), and an offloaded module stays unfused; load the family with "
+                "required=False, or keep some of its modules on a real device"
+            )
+        logger.warning("fusion family %r: %d module(s) the device_map offloaded are left unfused, as plain "
+                       "transformers loaded them (%s first)", family, len(paths), first)
+    gone = tuple(name for name in left if not any(p.family == name for _, p in kept))
+    return kept, replace(plan, modules=tuple(p for _, p in kept), skipped=plan.skipped + gone)
+
+
 def _meta_tensors(module: nn.Module) -> list[str]:
     """Names of the module's parameters and buffers that hold no data (meta device)."""
     return [name for name, t in itertools.chain(module.named_parameters(), module.named_buffers()) if t.is_meta]
@@ -453,6 +497,8 @@ def save_pretrained(
     with rank_zero_directory(target) as staging:
         with nullcontext() if save_original_format else fused_layout():
             save_kwargs = dict(gathered_save_kwargs(model, transformers_kwargs))
+            if "state_dict" not in save_kwargs and (onloaded := onloaded_state_dict(model)) is not None:
+                save_kwargs["state_dict"] = onloaded
             get_registry().ensure(*families).hook.fusion_save_kwargs(model=model, save_kwargs=save_kwargs)
             model.save_pretrained(staging, **save_kwargs)  # type: ignore[operator]
         if not save_original_format and is_writer():  # other ranks of a process group wrote no config

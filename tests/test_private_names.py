@@ -37,6 +37,8 @@ KNOWN_PRIVATE = {
     "_keys_to_ignore_on_load_missing", "_keys_to_ignore_on_load_unexpected", "_keys_to_ignore_on_save",
     "_tied_weights_keys", "_checkpoint_conversion_mapping", "_can_record_outputs", "_is_hf_initialized",
     "_BaseAutoModelClass", "_get_parameter_tp_plan", "_get_parameter_plan", "_hf_hook",
+    # accelerate
+    "_old_forward",
     # torch
     "_state_dict_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks", "_forward_hooks",
     "_forward_pre_hooks", "_backward_hooks", "_state_dict_pre_hooks", "_non_persistent_buffers_set",

@@ -184,6 +184,51 @@ def test_device_map_auto(text_checkpoint):
     _close(_logits(reference, input_ids=_ids()), _logits(model, input_ids=_ids()).cpu(), torch.float32)
 
 
+def _offloading_map(layers: int, on_disk: int) -> dict[str, str]:
+    """The first ``on_disk`` layers on disk, the rest of the model on the CPU."""
+    placed = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    return {**placed, **{f"model.layers.{i}": "disk" if i < on_disk else "cpu" for i in range(layers)}}
+
+
+def test_modules_the_device_map_offloads_stay_unfused_and_the_rest_fuse(text_checkpoint, tmp_path, caplog):
+    """accelerate serves an offloaded module's original tensors by name for each forward: it stays as plain loaded
+    it (before: every such load was refused after reading every weight); the save is plain's, byte for byte."""
+    directory, _ = text_checkpoint("qwen2")
+    layers = transformers.AutoConfig.from_pretrained(directory).num_hidden_layers
+
+    def load(fused: bool) -> Any:
+        kwargs = {"device_map": _offloading_map(layers, 1), "offload_folder": str(tmp_path / f"offload-{fused}")}
+        if not fused:
+            return transformers.AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+        return fusion_core.from_pretrained(transformers.AutoModelForCausalLM, directory,
+                                           fusion_config={**BOTH, "linear_kernels": True}, **kwargs)
+
+    plain = load(False)
+    with caplog.at_level("WARNING", logger="fusion_core"):
+        model = load(True)
+    assert "fusion family 'qkv': 1 module(s) the device_map offloaded are left unfused" in caplog.text
+    offloaded, placed = model.model.layers[0], model.model.layers[1]
+    assert type(offloaded.self_attn) is type(plain.model.layers[0].self_attn)
+    assert type(offloaded.self_attn.o_proj) is torch.nn.Linear and offloaded.self_attn.q_proj.weight.is_meta
+    assert _fused(model, QkvMixin) == [f"model.layers.{i}.self_attn" for i in range(1, layers)]
+    assert isinstance(placed.self_attn.o_proj, fusion_core.FusedModule)
+    assert torch.equal(_logits(plain, input_ids=_ids()), _logits(model, input_ids=_ids()))
+    plain.save_pretrained(tmp_path / "plain")
+    fusion_core.save_pretrained(model, tmp_path / "fused")
+    saved, expected = checkpoint_tensors(tmp_path / "fused"), checkpoint_tensors(tmp_path / "plain")
+    assert list(saved) == list(expected) and all(torch.equal(saved[k], expected[k]) for k in expected)
+
+
+def test_a_required_family_the_device_map_offloads_entirely_is_refused_by_name(text_checkpoint, tmp_path):
+    directory, _ = text_checkpoint("qwen2")
+    layers = transformers.AutoConfig.from_pretrained(directory).num_hidden_layers
+    with pytest.raises(fusion_core.FusionLoadError, match=r"family 'qkv': the device_map offloaded every module it "
+                       r"would fuse \('model\.layers\.0\.self_attn' first, 2 in all\).*required=False"):
+        fusion_core.from_pretrained(transformers.AutoModelForCausalLM, directory, fusion_config={"qkv": True},
+                                    device_map=_offloading_map(layers, layers),
+                                    offload_folder=str(tmp_path / "offload"))
+
+
 # -- composition on a vision-language model ---------------------------------------------------
 
 
