@@ -10,7 +10,8 @@ it and installing the quantizer's module over the merged state after it
 (:mod:`fusion_quantization.bnb_int8`, :mod:`~fusion_quantization.bnb_4bit`,
 :mod:`~fusion_quantization.quanto_bytes`). What cannot be quantized exactly is refused by name,
 never left unquantized without a word: any other quantizing load, before any weight is read
-(:func:`at_load_refusal` says why); ``fusion_core.fuse`` of a model that is quantized already; a
+(:func:`at_load_refusal` says why), and one whose quantizer would replace an ``nn.Linear`` a family fuses by class
+(:func:`replaced_under`); ``fusion_core.fuse`` of a model that is quantized already; a
 fused tensor a quantizer left alone while it quantized the rest of the model because it could not
 see them (:mod:`fusion_quantization.guard`), on the first forward and on save; ``unfuse`` of a
 container a quantizer replaced by its own module. quanto's ``QLinear`` over a merged container saves the
