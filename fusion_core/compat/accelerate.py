@@ -36,10 +36,11 @@ def onloaded_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     """
     from fusion_core.compat.transformers import release
 
-    if release() >= (5, 0):
+    placed = set((getattr(model, "hf_device_map", None) or {}).values())
+    if release() >= (5, 0) or not placed & {"cpu", "disk"} or len(placed) < 2:  # 4.57's condition for that path
         return None
-    state = model.state_dict()
-    if not any(tensor.is_meta for tensor in state.values()):
+    state = model.state_dict()  # may hold non-tensors (torch.ao's packed parameters keep a dtype)
+    if not any(isinstance(value, torch.Tensor) and value.is_meta for value in state.values()):
         return None
     from accelerate.utils.modeling import get_state_dict_from_offload
 
