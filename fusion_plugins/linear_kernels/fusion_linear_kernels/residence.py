@@ -19,8 +19,10 @@ Memory stays near the plain model's: plain holds those pages resident in the map
 them, the fused model holds the copy instead (a throwaway probe: peak RSS after a load and a 32-token generate,
 Qwen2-0.5B, 1366 MB fused against 1317 MB plain). Nothing else moves: a weight whose bytes another parameter or
 buffer also covers (moving one would untie them), packed weights (oneDNN made its copy already), a quantizer's
-tensors, other devices, and anything :func:`~fusion_core.plugin.process_memory_copies` declines (no ``/proc``, a
-written page, a process group).
+tensors, other devices, anything :func:`~fusion_core.plugin.process_memory_copies` declines (no ``/proc``, a
+written page, a process group), and nothing at all in exact mode: a GEMM's bits can depend on the weight's address
+(on an AMD EPYC, ``F.linear`` of a float32 weight 24 bytes past a 64-byte boundary, as the file view lay, differed
+from the same weight in an aligned copy), and exact mode promises plain's bits.
 """
 
 from __future__ import annotations
