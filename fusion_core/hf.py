@@ -164,26 +164,37 @@ def from_pretrained(
     for need in loaded_needs(model):
         registry.require_integration(need.integration, need.workflow)
 
-    convert_with_hooks(model, built, discovery, lambda: _convert_built(built, fused_dir, discovery.sources(), casts))
+    convert = functools.partial(_convert_built, built, fused_dir, discovery.sources(), casts)
+    plan = convert_with_hooks(model, built, discovery, convert, plan, casts)
     mark_fused(model, discovery, plan)
     return (model, info) if want_info else model
 
 
 def convert_with_hooks(
-    model: nn.Module, built: list[tuple[nn.Module, ModulePlan]], discovery: Discovery, convert: Callable[[], None]
-) -> None:
+    model: nn.Module, built: list[tuple[nn.Module, ModulePlan]], discovery: Discovery, convert: Callable[[], None],
+    plan: FusionPlan, casts: dict[int, Casts] | None = None,
+) -> FusionPlan:
     """Run ``convert`` (fusing ``built``) as the innermost call of ``fusion_convert_loaded``: wrappers run around it.
+    Returns ``plan`` without the modules a wrapper took out of ``built`` (left unfused: :func:`_leave_unfused`).
 
     The one way a load and ``fusion_core.fuse`` convert, under the load lock: while another load
     runs, 4.57's init_empty_weights sends every parameter registered in *any* thread to the meta
     device, the fused ones created here included.
     """
     registry = get_registry()
+    planned = list(built)
     with LOAD_LOCK:
         registry.hook.fusion_convert_loaded.call_extra(
             [convert], {"model": model, "built": built, "families": discovery.specs()}
         )
     warn_unserved_libraries({entry.name for entry in registry.integrations()})
+    converted = {id(module) for module, _ in built}
+    removed = [(m, p) for m, p in planned if id(m) not in converted]
+    if not removed:
+        return plan
+    _, plan = _leave_unfused(planned, plan, removed, discovery, casts if casts is not None else {},
+                             "a plugin's fusion_convert_loaded left them out of the conversion")
+    return plan
 
 
 def _merges_may_cast(load_kwargs: dict[str, Any]) -> bool:
@@ -410,11 +421,8 @@ def _leave_offloaded_unfused(
 
     accelerate keeps an offloaded module's tensors on the meta device and brings them from the offload
     folder (or CPU memory) for each forward, by their original names: there is nothing to fuse, and the
-    original forward is what those hooks serve. Only a class switch happened to such a module, so
-    switching it back (and casting back what a merge would have cast) leaves exactly what plain
-    transformers loaded; the rest of the model is fused. A family left with nothing fused while
-    ``required`` raises, and so does an offloaded module of a fused-layout checkpoint (its tensors
-    exist only fused).
+    original forward is what those hooks serve (see :func:`_leave_unfused`). An offloaded module of a
+    fused-layout checkpoint (its tensors exist only fused) is refused.
     """
     offloaded = [(m, p) for m, p in built if getattr(model, "hf_device_map", None) and _meta_tensors(m)]
     if not offloaded:
@@ -423,24 +431,40 @@ def _leave_offloaded_unfused(
         _, stored = offloaded[0]
         raise FusionLoadError(f"family {stored.family!r}, module {stored.path!r}: the device_map offloaded it, and a "
                               "fused-layout checkpoint cannot leave it unfused; load onto a real device")
-    for module, offloaded_plan in offloaded:
-        module.__class__ = offloaded_plan.original_class
+    return _leave_unfused(built, plan, offloaded, discovery, casts, "the device_map offloaded them")
+
+
+def _leave_unfused(
+    built: list[tuple[nn.Module, ModulePlan]], plan: FusionPlan, left: list[tuple[nn.Module, ModulePlan]],
+    discovery: Discovery, casts: dict[int, Casts], why: str,
+) -> tuple[list[tuple[nn.Module, ModulePlan]], FusionPlan]:
+    """Put each module of ``left`` (not yet converted) back in its original class; the rest of ``built``, and
+    ``plan`` without them.
+
+    Only a class switch happened to such a module before the conversion, so switching it back (and casting
+    back what a merge would have cast) leaves exactly what plain transformers loaded. A family left with
+    nothing fused while ``required`` raises; otherwise a warning per family names the first module and ``why``.
+    """
+    for module, own in left:
+        module.__class__ = own.original_class
         rebind_hooked_forward(module)
         cast_back(module, casts.pop(id(module), {}))
-    left_ids = {id(m) for m, _ in offloaded}
+    left_ids = {id(m) for m, _ in left}
     kept = [(m, p) for m, p in built if id(m) not in left_ids]
-    left = {p.family: [q.path for _, q in offloaded if q.family == p.family] for _, p in offloaded}
-    for family, paths in left.items():
-        first = repr(paths[0]) if paths[0] else "the model's root"
+    paths: dict[str, list[str]] = {}
+    for _, own in left:
+        paths.setdefault(own.family, []).append(own.path)
+    for family, family_paths in paths.items():
+        first = repr(family_paths[0]) if family_paths[0] else "the model's root"
         if discovery.required(family) and not any(p.family == family for _, p in kept):
             raise FusionLoadError(
-                f"family {family!r}: the device_map offloaded every module it would fuse ({first} first, "
-                f"{len(paths)} in all), and an offloaded module stays unfused; load the family with "
-                "required=False, or keep some of its modules on a real device"
+                f"family {family!r}: every module it would fuse is left unfused, as {why} ({first} first, "
+                f"{len(family_paths)} in all); load the family with required=False, or keep some of its modules "
+                "where it can fuse them"
             )
-        logger.warning("fusion family %r: %d module(s) the device_map offloaded are left unfused, as plain "
-                       "transformers loaded them (%s first)", family, len(paths), first)
-    gone = tuple(name for name in left if not any(p.family == name for _, p in kept))
+        logger.warning("fusion family %r: %d module(s) left unfused, as plain transformers loaded them, as %s "
+                       "(%s first)", family, len(family_paths), why, first)
+    gone = tuple(name for name in paths if not any(p.family == name for _, p in kept))
     return kept, replace(plan, modules=tuple(p for _, p in kept), skipped=plan.skipped + gone)
 
 

@@ -109,7 +109,10 @@ def fusion_convert_loaded(
     code before ``yield`` runs before the conversion, the code after it once every module is
     fused (and :func:`fusion_module_fused` was called for each). ``built`` lists ``(module, its
     plan)`` for every fused module; a wrapper may replace an entry's plan before the conversion
-    (tensor parallelism converts each rank's shard with a rank-local plan). Raise
+    (tensor parallelism converts each rank's shard with a rank-local plan), or remove an entry to
+    leave that module unfused, as plain transformers loaded it (the load puts its original class back
+    and leaves it out of the model's plan; a ``required`` family left with nothing fused fails the
+    load): tensor parallelism does for rows that do not split evenly over the ranks. Raise
     :class:`fusion_core.errors.FusionLoadError` to fail the load.
 
     Wrappers nest by what they declare, never by plugin names or load order: a wrapper that

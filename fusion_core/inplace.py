@@ -89,8 +89,8 @@ def fuse(model: ModelT, fusion_config: Any) -> ModelT:
 
     snapshot = _Snapshot(model)
     try:
-        convert_with_hooks(model, targets, discovery, convert)  # under the load lock, as on a load
-        mark_fused(model, discovery, discovery.plan)
+        plan = convert_with_hooks(model, targets, discovery, convert, discovery.plan)  # under the load lock
+        mark_fused(model, discovery, plan)
     except BaseException as exc:  # KeyboardInterrupt too: never hand back a half-fused model
         snapshot.restore()
         _add_note(exc, f"fusion_core.fuse: {type(model).__name__} was restored to its state before the call "

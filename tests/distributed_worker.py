@@ -361,7 +361,52 @@ def with_kernels_in_the_job(checks: Checks, models: Callable[..., tuple[Any, Any
     same_state(checks, "FSDP2 trained weights (linear_kernels)", full_state(fused), full_state(plain))
 
 
-SCENARIOS = {"tensor_parallel": tensor_parallel, "data_parallel": data_parallel}
+def uneven_rows(rank: int, world: int, path: Path, out: Path) -> Checks:
+    """At 3 ranks the MLP's 64 rows do not split evenly (the heads do): transformers shards gate/up unevenly, which
+    no merged shard can hold. ``gate_up`` leaves those modules unfused, as plain loaded them, ``qkv`` still merges,
+    and the model runs as plain does (on 4.57, whose own uneven shards fail, it fails as plain does)."""
+    from transformers import AutoModelForCausalLM
+
+    import fusion_core
+
+    checks: Checks = {}
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = torch.tensor([[1, 5, 7, 9, 11, 3]])
+
+    def load(fusion_config: dict[str, Any] | None) -> Any:
+        if fusion_config is None:
+            return AutoModelForCausalLM.from_pretrained(path, tp_plan="auto").eval()
+        return fusion_core.from_pretrained(AutoModelForCausalLM, path, fusion_config=fusion_config,
+                                           tp_plan="auto").eval()
+
+    def logits(model: Any) -> torch.Tensor | Exception:
+        try:
+            with torch.no_grad():
+                return model(ids).logits
+        except Exception as exc:  # compared with what plain does below
+            return exc
+
+    fused = load({"qkv": True, "gate_up": {"required": False}})
+    layers = fused.model.layers
+    shapes = [(type(layer.mlp).__name__, sorted(layer.mlp._modules), sorted(layer.self_attn._modules))
+              for layer in layers]
+    checks["gate_up left unfused, qkv merged"] = [
+        all("gate_proj" in mlp and "gate_up_proj" not in mlp and "qkv_proj" in attention
+            for _, mlp, attention in shapes), f"{shapes}"]
+    plain, got = logits(load(None)), logits(fused)
+    if isinstance(plain, Exception):
+        checks["fails as plain does"] = [type(got) is type(plain), f"plain: {plain!r}; fused: {got!r}"]
+    elif isinstance(got, Exception):
+        checks["logits (uneven rows)"] = [False, repr(got)]
+    else:
+        with torch.no_grad():
+            close(checks, "logits (uneven rows)", got, reference(ids).logits)
+    refused(checks, "a required gate_up with nothing left fused is refused", lambda: load(FUSION),
+            "family 'gate_up'", "every module it would fuse is left unfused", "required=False")
+    return checks
+
+
+SCENARIOS = {"tensor_parallel": tensor_parallel, "data_parallel": data_parallel, "uneven_rows": uneven_rows}
 
 
 def run_rank(rank: int, world: int, scenario: str, path: str, out: str, port: int) -> None:

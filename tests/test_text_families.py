@@ -206,7 +206,8 @@ def test_modules_the_device_map_offloads_stay_unfused_and_the_rest_fuse(text_che
     plain = load(False)
     with caplog.at_level("WARNING", logger="fusion_core"):
         model = load(True)
-    assert "fusion family 'qkv': 1 module(s) the device_map offloaded are left unfused" in caplog.text
+    assert ("fusion family 'qkv': 1 module(s) left unfused, as plain transformers loaded them, as the device_map "
+            "offloaded them ('model.layers.0.self_attn' first)") in caplog.text
     offloaded, placed = model.model.layers[0], model.model.layers[1]
     assert type(offloaded.self_attn) is type(plain.model.layers[0].self_attn)
     assert type(offloaded.self_attn.o_proj) is torch.nn.Linear and offloaded.self_attn.q_proj.weight.is_meta
@@ -222,8 +223,9 @@ def test_modules_the_device_map_offloads_stay_unfused_and_the_rest_fuse(text_che
 def test_a_required_family_the_device_map_offloads_entirely_is_refused_by_name(text_checkpoint, tmp_path):
     directory, _ = text_checkpoint("qwen2")
     layers = transformers.AutoConfig.from_pretrained(directory).num_hidden_layers
-    with pytest.raises(fusion_core.FusionLoadError, match=r"family 'qkv': the device_map offloaded every module it "
-                       r"would fuse \('model\.layers\.0\.self_attn' first, 2 in all\).*required=False"):
+    with pytest.raises(fusion_core.FusionLoadError, match=r"family 'qkv': every module it would fuse is left unfused, "
+                       r"as the device_map offloaded them \('model\.layers\.0\.self_attn' first, 2 in all\).*"
+                       r"required=False"):
         fusion_core.from_pretrained(transformers.AutoModelForCausalLM, directory, fusion_config={"qkv": True},
                                     device_map=_offloading_map(layers, layers),
                                     offload_folder=str(tmp_path / "offload"))

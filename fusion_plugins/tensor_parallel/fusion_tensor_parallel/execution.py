@@ -53,6 +53,11 @@ class TensorParallelRefusal(Exception):
     """A module cannot run exactly under the plan; the message is the reason."""
 
 
+class UnevenRows(TensorParallelRefusal):
+    """A part's rows do not split evenly over the ranks: transformers shards them unevenly, and a rank's merged
+    rows would not be a regular shard of any merged tensor. The module runs unfused, as transformers sharded it."""
+
+
 def leaf_tensor(module: nn.Module, leaf: str) -> torch.Tensor | None:
     """The parameter or buffer at module-relative ``leaf`` (``q_proj.weight``), or None."""
     owner: nn.Module | None = module
@@ -196,7 +201,7 @@ class _PackedColwiseExecution:
             total, local = int(planned), True
         world = mesh.size()
         if total % world:
-            raise TensorParallelRefusal(
+            raise UnevenRows(
                 f"{key!r} has {total} rows, which do not split evenly over {world} ranks; the merged rows of a "
                 "rank would not be a regular shard"
             )

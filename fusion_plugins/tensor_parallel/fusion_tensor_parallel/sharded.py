@@ -22,6 +22,7 @@ checkpoint exactly like a tensor-parallel load of the unfused model does.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, MutableSequence, Sequence
 from dataclasses import dataclass, replace
@@ -50,12 +51,15 @@ from fusion_tensor_parallel.execution import (
     ShardedModule,
     StyleLookup,
     TensorParallelRefusal,
+    UnevenRows,
     leaf_tensor,
     localize,
     set_leaf,
 )
 
 DEFAULT_RULE = Replicated()
+
+logger = logging.getLogger(__name__)
 
 
 def style_lookup(model: nn.Module) -> StyleLookup | None:
@@ -82,26 +86,35 @@ def localize_built(
     """Before the conversion: replace each sharded module's plan in ``built`` by its rank-local plan.
 
     Returns what :func:`finish` must complete after the conversion; empty for a model that
-    transformers did not load under a tensor-parallel plan. Raises :class:`FusionLoadError`
-    naming the family, module and reason for a module that cannot be sharded exactly.
+    transformers did not load under a tensor-parallel plan. A module whose parts' rows do not split
+    evenly over the ranks (:class:`~fusion_tensor_parallel.execution.UnevenRows`) is taken out of ``built``,
+    with a warning: the load leaves it unfused, running transformers' uneven shards as plain does. Raises
+    :class:`FusionLoadError` naming the family, module and reason for any other module that cannot be sharded
+    exactly.
     """
     styles = style_lookup(model)
     if styles is None:
         return []
     pending: list[tuple[nn.Module, ModulePlan, ShardedModule]] = []
-    for index, (module, plan) in enumerate(built):
+    kept: list[tuple[nn.Module, ModulePlan]] = []
+    for module, plan in built:
         spec = families.get(plan.family)
         try:
             sharded = localize(family_rule(spec), module, plan, styles)
+        except UnevenRows as exc:  # plain runs transformers' uneven shards: the module stays as it loaded them
+            logger.warning("fusion family %r, module %r: left unfused under the tensor-parallel plan: %s",
+                           plan.family, plan.path, exc)
+            continue
         except TensorParallelRefusal as exc:
             declared = "" if spec_member(spec, "tensor_parallel") is not None else " (the family declares no rule)"
             raise FusionLoadError(
                 f"family {plan.family!r}, module {plan.path!r}: cannot run under the tensor-parallel plan{declared}: "
                 f"{exc}"
             ) from None
+        kept.append((module, plan if sharded is None else sharded.local_plan))
         if sharded is not None:
-            built[index] = (module, sharded.local_plan)
             pending.append((module, plan, sharded))
+    built[:] = kept  # a module left out of ``built`` is left unfused by the load (see the hookspec)
     return pending
 
 
