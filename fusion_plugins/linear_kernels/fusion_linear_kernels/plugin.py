@@ -83,7 +83,7 @@ def fusion_convert_loaded(
             if merged is not None:
                 merged.kernel = Caller(exact)  # each its own: a Caller remembers its last call
                 pack_merged(module, plan, merged, exact, shared, verified)
-    if not any(isinstance(module, LinearKernelsMixin) and module.exact for module, _ in built):
+    if not any(isinstance(module, PackedParametersMixin) and module.exact for module, _ in built):
         # Exact mode keeps each weight where the load put it: a GEMM's bits can depend on the weight's address (on
         # an AMD EPYC, F.linear of a float32 32x32 weight 24 bytes past a 64-byte boundary differs from the same
         # weight 64-byte aligned), and the copy would be aligned where plain's file view is not.
