@@ -406,11 +406,24 @@ def _reconcile_build(
     for family, what in problems:
         logger.warning("fusion family %r: %s; left unfused (required=False)", family, what)
     for module, plan, _ in strays.values():
-        module.__class__ = plan.original_class
-        cast_back(module, casts.pop(id(module), {}))
-    kept = tuple(plan for _, plan in built)
-    gone = tuple(name for name in discovery.plan.families if not any(p.family == name for p in kept))
-    return built, replace(discovery.plan, modules=kept, skipped=discovery.plan.skipped + gone)
+        _put_back(module, plan, casts)
+    return built, _without(discovery.plan, built)
+
+
+def _put_back(module: nn.Module, plan: ModulePlan, casts: dict[int, Casts]) -> None:
+    """Return a module that only had its class switched (never converted) to exactly what plain transformers
+    loaded: its original class, an accelerate hook's kept forward bound to it, the parts a merge would have cast
+    cast back."""
+    module.__class__ = plan.original_class
+    rebind_hooked_forward(module)
+    cast_back(module, casts.pop(id(module), {}))
+
+
+def _without(plan: FusionPlan, kept: list[tuple[nn.Module, ModulePlan]]) -> FusionPlan:
+    """``plan`` with only the modules of ``kept``; a family left with none is added to ``skipped``."""
+    modules = tuple(p for _, p in kept)
+    gone = tuple(name for name in plan.families if not any(p.family == name for p in modules))
+    return replace(plan, modules=modules, skipped=plan.skipped + gone)
 
 
 def _leave_offloaded_unfused(
@@ -424,7 +437,9 @@ def _leave_offloaded_unfused(
     original forward is what those hooks serve (see :func:`_leave_unfused`). An offloaded module of a
     fused-layout checkpoint (its tensors exist only fused) is refused.
     """
-    offloaded = [(m, p) for m, p in built if getattr(model, "hf_device_map", None) and _meta_tensors(m)]
+    if not getattr(model, "hf_device_map", None):
+        return built, plan
+    offloaded = [(m, p) for m, p in built if _meta_tensors(m)]
     if not offloaded:
         return built, plan
     if fused_dir:
@@ -441,14 +456,11 @@ def _leave_unfused(
     """Put each module of ``left`` (not yet converted) back in its original class; the rest of ``built``, and
     ``plan`` without them.
 
-    Only a class switch happened to such a module before the conversion, so switching it back (and casting
-    back what a merge would have cast) leaves exactly what plain transformers loaded. A family left with
+    Only a class switch happened to such a module before the conversion (:func:`_put_back`). A family left with
     nothing fused while ``required`` raises; otherwise a warning per family names the first module and ``why``.
     """
     for module, own in left:
-        module.__class__ = own.original_class
-        rebind_hooked_forward(module)
-        cast_back(module, casts.pop(id(module), {}))
+        _put_back(module, own, casts)
     left_ids = {id(m) for m, _ in left}
     kept = [(m, p) for m, p in built if id(m) not in left_ids]
     paths: dict[str, list[str]] = {}
@@ -464,8 +476,7 @@ def _leave_unfused(
             )
         logger.warning("fusion family %r: %d module(s) left unfused, as plain transformers loaded them, as %s "
                        "(%s first)", family, len(family_paths), why, first)
-    gone = tuple(name for name in paths if not any(p.family == name for _, p in kept))
-    return kept, replace(plan, modules=tuple(p for _, p in kept), skipped=plan.skipped + gone)
+    return kept, _without(plan, kept)
 
 
 def _meta_tensors(module: nn.Module) -> list[str]:

@@ -15,6 +15,8 @@ from types import MethodType
 import torch
 from torch import nn
 
+from fusion_core.compat.transformers import release
+
 
 def rebind_hooked_forward(module: nn.Module) -> None:
     """Point an accelerate hook's kept forward at the module's current class (no-op for a module without one)."""
@@ -34,8 +36,6 @@ def onloaded_state_dict(model: nn.Module) -> dict[str, torch.Tensor] | None:
     Handing it this ``state_dict`` takes the path every other save takes; offloaded modules are left unfused at
     load, so each is asked under its own name. transformers 5.x saves such models through its own path.
     """
-    from fusion_core.compat.transformers import release
-
     placed = set((getattr(model, "hf_device_map", None) or {}).values())
     if release() >= (5, 0) or not placed & {"cpu", "disk"} or len(placed) < 2:  # 4.57's condition for that path
         return None
