@@ -15,7 +15,8 @@ measuring (:func:`runs_original`): more than :data:`MAX_ROWS` rows (prefill, whe
 a GEMM), autograd (an input or parameter that requires grad while grad is enabled: training),
 devices other than the CPU, tensors that are not torch's own (a quantizer's weight keeps its
 quantizer's kernel, unless it is int8 weight-only with one scale per row, where torch's int8 GEMM is
-a candidate: :data:`fusion_linear_kernels.kernels.INT8`; DTensors), dtype mixes. Under
+a candidate: :data:`fusion_linear_kernels.kernels.INT8`; DTensors), dtype mixes, autocast that would cast an
+operand (:func:`autocast_dtype`: the other kernels are not among the operators it casts for). Under
 ``torch.compile`` the fused module calls ``F.linear`` before it gets here (:mod:`fusion_linear_kernels.family`).
 
 Each layer and merged projection calls through its own :class:`Caller`, which remembers the kind of its last call
@@ -60,9 +61,27 @@ def rows_of(input: torch.Tensor) -> int:
     return input.numel() // max(int(input.shape[-1]), 1)
 
 
+def autocast_dtype(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype | None:
+    """The dtype autocast runs ``F.linear(input, weight, bias)`` in, where that casts an operand; None where autocast
+    is off for the input's device, or every operand already has its dtype.
+
+    Autocast casts the operands of the operators it lists (``linear``, ``mm``, ...), not those of the other kernels
+    a layer may run (``torch.mv``, the packed GEMM): those must see the operands as ``F.linear`` would."""
+    device = input.device.type
+    if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+            and input.is_floating_point()):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    if input.dtype == weight.dtype == dtype and (bias is None or bias.dtype == dtype):
+        return None
+    return dtype
+
+
 def runs_original(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether this call runs ``F.linear`` without choosing (see the module docs for each case)."""
     if type(input) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN):
+        return True
+    if autocast_dtype(input, weight, bias) is not None:
         return True
     if type(weight) not in _PLAIN and compat.int8_rows(weight) is None:  # a quantizer's tensor keeps its kernel ...
         return True  # ... unless it is int8 weight-only, where torch's int8 GEMM is a candidate
@@ -131,7 +150,8 @@ class Caller:
                     and weight.shape == weight_shape and weight.stride() == strides
                     and weight.dtype is weight_dtype and weight.is_cpu and (bias is None or bias.dtype is dtype)
                     and not (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
-                                                          or (bias is not None and bias.requires_grad)))):
+                                                          or (bias is not None and bias.requires_grad)))
+                    and not torch.is_autocast_enabled("cpu")):
                 return candidate.run(input, weight, bias)
         candidate = chosen(input, weight, bias, self.exact)
         if candidate is None:

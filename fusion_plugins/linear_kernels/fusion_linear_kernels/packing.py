@@ -42,9 +42,12 @@ autograd recording (an input or the bias that requires grad, or the weight's own
 while grad is enabled) it goes through the custom operator ``fusion_linear_kernels::packed_linear``,
 whose backward gives the input (and bias) gradients from a temporary dense copy and refuses a
 gradient for the weight by name (:func:`refusal`). Under ``torch.compile`` the same custom operator
-is traced (it has a fake implementation, so ``fullgraph=True`` compiles, Inductor included). An
-input of another dtype or device than the weight runs ``F.linear`` on a dense copy, as the original
-module would (with its errors).
+is traced (it has a fake implementation, so ``fullgraph=True`` compiles, Inductor included), and so is
+``torch.export`` (whose non-strict tracing hands the layer fake tensors of another class). Under autocast,
+where the original ``F.linear`` would run in autocast's dtype, the operands are cast to it first and the
+operator runs (a weight packed in another dtype is cast from a dense copy): the same dtype and numbers
+as the original, never a float32 result where it gave bfloat16. An input of another dtype or device than
+the weight otherwise runs ``F.linear`` on a dense copy, as the original module would (with its errors).
 """
 
 from __future__ import annotations
@@ -212,7 +215,10 @@ def refusal(module: str) -> str:
 def packed_linear_op(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      module: str) -> torch.Tensor:
     """The packed kernel as a custom operator: traced by ``torch.compile``, differentiated by autograd (a dense
-    ``weight`` runs ``F.linear``: traced code cannot tell the layouts apart)."""
+    ``weight`` runs ``F.linear``: traced code cannot tell the layouts apart). An input of another dtype than the
+    weight comes only from :func:`linear` under autocast: the dense weight is cast to it, as autocast casts it."""
+    if input.dtype != weight.dtype:
+        return F.linear(input, unpack(weight).to(input.dtype), bias)
     if not is_packed(weight):
         return F.linear(input, weight, bias)
     return compat.packed_linear(input, weight, bias)
@@ -230,7 +236,7 @@ def packed_linear_input_grad_op(grad: torch.Tensor, weight: torch.Tensor) -> tor
     """``grad @ dense weight``, the input gradient of :func:`packed_linear_op`, from a temporary dense copy of a packed
     weight. An operator so that a traced backward (``torch.compile`` with autograd) reads the layout when it runs:
     the traced code sees a fake, strided weight."""
-    return grad.matmul(unpack(weight))
+    return grad.matmul(unpack(weight).to(grad.dtype))
 
 
 @packed_linear_input_grad_op.register_fake
@@ -255,11 +261,18 @@ packed_linear_op.register_autograd(_backward, setup_context=_setup_context)
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, module: str = "") -> torch.Tensor:
     """``F.linear(input, dense, bias)`` for a packed ``weight`` (see the module docs for the paths)."""
-    if (input.dtype != weight.dtype or input.device != weight.device or type(input) not in _PLAIN
-            or (bias is not None and (bias.dtype != weight.dtype or type(bias) not in _PLAIN))):
+    cast = choice.autocast_dtype(input, weight, bias)
+    if cast is not None:  # autocast's F.linear: every operand in its dtype (a weight packed in another, densely)
+        autocast: torch.Tensor = packed_linear_op(input.to(cast), weight, None if bias is None else bias.to(cast),
+                                                  module)
+        return autocast
+    if input.dtype != weight.dtype or input.device != weight.device or (
+            bias is not None and bias.dtype != weight.dtype):
         return F.linear(input, unpack(weight), bias)
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
             input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))):
         out: torch.Tensor = packed_linear_op(input, weight, bias, module)
         return out
+    if type(input) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN):
+        return F.linear(input, unpack(weight), bias)
     return compat.packed_linear(input, weight, bias)

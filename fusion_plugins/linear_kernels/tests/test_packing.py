@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from fusion_linear_kernels import LinearKernelsFamily, LinearKernelsMixin, LinearKernelsOptions, compat, packing
+from fusion_linear_kernels import LinearKernelsFamily, LinearKernelsMixin, LinearKernelsOptions, choice, compat, packing
 from fusion_linear_kernels.family import packing_plan
 from fusion_linear_kernels.packing import PrepackLinearWeight, is_packed
 from safetensors.torch import load_file
@@ -390,6 +390,62 @@ def test_compiles_with_fullgraph_through_the_packed_operator(checkpoints, backen
         expected = fused(input_ids=IDS[:, :1]).logits
         got = compiled(input_ids=IDS[:, :1]).logits
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("others", [{}, MERGED], ids=["alone", "with-qkv-gate_up"])
+def test_torch_export_runs_the_packed_layers(checkpoints, others):
+    """torch.export's non-strict tracing hands each layer fake tensors of another class than torch's own: the
+    packed layers must still be traced as the packed operator, or the exported program runs a dense GEMM on the
+    packed weights and fails when called."""
+    directory = checkpoints[("llama", False, torch.bfloat16)]
+    fused = _load(directory, {**others, "linear_kernels": {"exact": True}})
+    assert fused.model.layers[0].mlp.down_proj.packed and fused.lm_head.packed
+    inputs = {"input_ids": IDS, "use_cache": False}  # a DynamicCache output is no pytree, fused or not
+    exported = torch.export.export(fused, (), inputs, strict=False)
+    with torch.no_grad():
+        assert torch.equal(exported.module()(**inputs).logits, fused(**inputs).logits)
+
+
+@pytest.mark.parametrize("layers", ["packed", "dense-torch.mv"])
+@pytest.mark.parametrize("others", [{}, MERGED], ids=["alone", "with-qkv-gate_up"])
+def test_autocast_gives_what_the_original_layers_give(checkpoints, fake_times, layers, others):
+    """CPU autocast runs a float32 model's ``F.linear`` in bfloat16. Neither the packed GEMM nor ``torch.mv`` is an
+    operator autocast casts for, so without care the fused layers returned float32 (other numbers, another dtype)
+    where the original returned bfloat16, in inference and in training through frozen layers."""
+    if layers == "packed":
+        fake_times(choice, original_fastest)
+    else:
+        fake_times(packing, original_fastest)  # nothing packs ...
+        fake_times(choice, original_slowest)  # ... and torch.mv beats F.linear at one row
+    directory = checkpoints[("llama", False, torch.float32)]
+    plain, fused = _load(directory, None), _load(directory, {**others, "linear_kernels": True})
+    assert fused.model.layers[0].mlp.down_proj.packed == (layers == "packed")
+
+    def same(got: torch.Tensor, expected: torch.Tensor) -> None:
+        assert got.dtype == expected.dtype
+        if others:  # a merged GEMM may sum in another order than the three separate ones
+            torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+        else:
+            assert torch.equal(got, expected)
+
+    with torch.no_grad():
+        fused(input_ids=IDS[:, :1])  # a kernel remembered outside autocast must not be reused inside it
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for ids in (IDS[:, :1], IDS):
+                expected = plain(input_ids=ids).logits
+                assert expected.dtype == torch.bfloat16
+                same(fused(input_ids=ids).logits, expected)
+    losses, grads = [], []
+    for model in (plain, fused):
+        model.train()
+        trained = [p.requires_grad_("norm" in name) for name, p in model.named_parameters()]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=IDS, labels=IDS).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(torch.cat([p.grad.reshape(-1) for p in trained if p.requires_grad]))
+    same(losses[1], losses[0])
+    same(grads[1], grads[0])
 
 
 def test_inductor_runs_a_packed_merged_projection_once_per_layer(checkpoints):
