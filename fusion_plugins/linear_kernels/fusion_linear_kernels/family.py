@@ -34,7 +34,8 @@ elsewhere the ``kernel`` extension point gets the kernel choice.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
@@ -52,7 +53,7 @@ from fusion_core.plugin import (
     is_plain_linear,
 )
 from fusion_linear_kernels import data_parallel, experts, packed_experts, packing
-from fusion_linear_kernels.choice import Caller
+from fusion_linear_kernels.choice import Caller, autocast_dtype
 from fusion_linear_kernels.packed_experts import PrepackExperts, is_packed_experts
 from fusion_linear_kernels.packing import PrepackLinearWeight, ineligible, is_packed, packs, unpack
 
@@ -226,6 +227,9 @@ class ExpertsKernelsMixin(PackedParametersMixin):
             hidden_states, top_k_index, top_k_weights = \
                 args if len(args) == 3 and not kwargs else _experts_arguments(args, kwargs)
             trained = torch.is_grad_enabled() and self._trained()
+            if not trained and not torch.compiler.is_compiling() and self._autocast_casts(hidden_states):
+                with self._dense_stacks():  # transformers' implementation, whose GEMMs autocast casts
+                    return super().forward(*args, **kwargs)
             recording = trained or (torch.is_grad_enabled() and (hidden_states.requires_grad
                                                                  or top_k_weights.requires_grad))
             if torch.compiler.is_compiling() or recording:  # one operator: traced opaquely, differentiated by it
@@ -241,6 +245,25 @@ class ExpertsKernelsMixin(PackedParametersMixin):
 
     def _trained(self) -> bool:
         return any(p.requires_grad for p in self._parameters.values() if is_packed_experts(p))
+
+    def _autocast_casts(self, hidden_states: torch.Tensor) -> bool:
+        """Whether autocast would cast an operand of the experts' GEMMs (the packed GEMMs are not operators it casts
+        for: they would compute in the stacks' dtype where the original computes in autocast's)."""
+        return any(autocast_dtype(hidden_states, p, None) is not None
+                   for p in self._parameters.values() if is_packed_experts(p))
+
+    @contextmanager
+    def _dense_stacks(self) -> Iterator[None]:
+        """The packed stacks as dense, frozen parameters for the block (a temporary copy: autograd keeps autocast's
+        casts of them until the backward), then the packed ones again."""
+        parameters = self._parameters
+        held = {name: p for name, p in parameters.items() if is_packed_experts(p)}
+        try:
+            for name, stack in held.items():
+                parameters[name] = nn.Parameter(stack.dense(), requires_grad=False)
+            yield
+        finally:
+            parameters.update(held)
 
     @property
     def packed(self) -> bool:

@@ -273,6 +273,29 @@ def test_packed_experts_save_copy_pickle_convert_and_unfuse(checkpoints, tmp_pat
     assert all(torch.equal(fused.state_dict()[k], want[k]) for k in want)
 
 
+def test_packed_experts_under_autocast_give_what_the_original_gives(checkpoints, _packing_wins):
+    """CPU autocast runs a float32 model's experts GEMMs in bfloat16; the packed GEMMs are not operators it casts
+    for, so the packed experts computed in float32 (other numbers) where the original computed in bfloat16: under
+    autocast they run the original implementation on their dense stacks, in inference and through frozen experts."""
+    directory = checkpoints["olmoe"]
+    plain = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, directory, fusion_config={"linear_kernels": True},
+                                        dtype=torch.float32).eval()
+    _packed_modules(fused)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for ids in (IDS[:, :1], IDS):
+            assert torch.equal(fused(input_ids=ids).logits, plain(input_ids=ids).logits)
+    grads = []
+    for model in (plain, fused):
+        model.train().requires_grad_(False)
+        model.model.embed_tokens.weight.requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=IDS, labels=IDS).loss.backward()
+        grads.append(model.model.embed_tokens.weight.grad)
+    assert torch.equal(*grads)
+    assert _packed_modules(fused)  # the packed stacks are back after each call
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_packed_experts_compile_and_train_through_frozen_experts(checkpoints, backend, _packing_wins):
     """Compiled with fullgraph (the packed experts are one operator), and gradients reach the layers before a
