@@ -13,7 +13,7 @@ them. Inside :func:`fused_layout` the fused tensors are presented as they are.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -84,8 +84,8 @@ def _owner(module: nn.Module, leaf: str, create: bool = False) -> tuple[nn.Modul
     return owner, name
 
 
-def _pop_leaf(module: nn.Module, leaf: str) -> tuple[torch.Tensor, bool, bool]:
-    """Remove a tensor; return it, whether it was a parameter, and its requires_grad."""
+def _pop_leaf(module: nn.Module, leaf: str) -> tuple[torch.Tensor, bool, bool, dict[str, Any]]:
+    """Remove a tensor; return it, whether it was a parameter, its requires_grad and its :func:`_marks`."""
     owner, name = _owner(module, leaf)
     param = owner._parameters.get(name)
     if param is not None:
@@ -93,12 +93,41 @@ def _pop_leaf(module: nn.Module, leaf: str) -> tuple[torch.Tensor, bool, bool]:
         # gave its tensors away (q_proj -> qkv_proj) stays readable for code that inspects
         # ``module.bias`` while the model is still being loaded (transformers 5.x initialisation).
         owner._parameters[name] = None
-        return param.detach(), True, param.requires_grad
+        return param.detach(), True, param.requires_grad, _marks(param)
     buffer = owner._buffers.get(name)
     if buffer is not None:
         del owner._buffers[name]
-        return buffer, False, False
+        return buffer, False, False, {}
     raise AttributeError(f"{leaf!r} is neither a parameter nor a buffer")
+
+
+_MARK_TYPES = (bool, int, float, str, type(None))
+
+
+def _marks(param: torch.Tensor) -> dict[str, Any]:
+    """The plain values a library set as attributes of a parameter (transformers 5.x marks each loaded one
+    ``_is_hf_initialized``, and its ``_init_weights`` leaves a marked parameter alone)."""
+    return {key: value for key, value in vars(param).items() if isinstance(value, _MARK_TYPES)}
+
+
+def standing_for(held: torch.Tensor, tensor: torch.Tensor) -> nn.Parameter:
+    """``tensor`` as the parameter that replaces ``held`` (a layout change of the same values): ``held``'s
+    ``requires_grad`` and the plain values libraries set as its attributes (:func:`_marks`), so code that reads them
+    sees the parameter as it saw the one before."""
+    param = nn.Parameter(tensor, requires_grad=bool(held.requires_grad))
+    param.__dict__.update(_marks(held))
+    return param
+
+
+def _shared(marks: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The marks every part carries alike: what the tensor made of them carries. Without them a fused parameter
+    read as unmarked, and ``model.apply(model._init_weights)``, which leaves plain's loaded weights alone,
+    initialised the merged q/k/v anew."""
+    if not marks:
+        return {}
+    first, *others = marks
+    return {key: value for key, value in first.items()
+            if all(key in other and type(other[key]) is type(value) and other[key] == value for other in others)}
 
 
 def convert_to_fused(
@@ -119,10 +148,11 @@ def convert_to_fused(
     for bound in plan.transforms:
         tensors = []
         kinds = []
+        marks = []
         for spec in bound.sources:
             key = plan.full_key(spec.name)
             try:
-                tensor, is_param, requires_grad = _pop_leaf(module, spec.name)
+                tensor, is_param, requires_grad, mark = _pop_leaf(module, spec.name)
             except AttributeError as exc:
                 raise FusionLoadError(
                     f"family {plan.family!r}, module {plan.path!r}: tensor {key!r} is missing ({exc})"
@@ -134,6 +164,7 @@ def convert_to_fused(
                 )
             tensors.append(tensor)
             kinds.append((is_param, requires_grad))
+            marks.append(mark)
         wanted = [casts.get(spec.name) if casts else None for spec in bound.sources]
         with torch.no_grad():
             merged = streaming.merge(bound.op, tensors, files, _one_dtype(tensors, wanted))
@@ -144,10 +175,13 @@ def convert_to_fused(
                 _verify_inverse(plan, bound, tensors, wanted, outputs, verified)
         is_param = kinds[0][0]
         requires_grad = any(rg for _, rg in kinds)
+        shared = _shared(marks)
         for spec, output in zip(bound.targets, outputs, strict=True):
             owner, name = _owner(module, spec.name, create=True)
             if is_param:
-                owner.register_parameter(name, nn.Parameter(output, requires_grad=requires_grad))
+                param = nn.Parameter(output, requires_grad=requires_grad)
+                param.__dict__.update(shared)
+                owner.register_parameter(name, param)
             else:
                 owner.register_buffer(name, output)
 
@@ -383,7 +417,7 @@ def unfuse_instance(module: nn.Module) -> None:
     plan = module_plan(module)
     if plan is None:  # unfuse_refusal said so already; for type checkers
         raise FusionError(f"{type(module).__qualname__} is not a module fusion-core fused")
-    restored: list[tuple[str, torch.Tensor, bool, bool]] = []
+    restored: list[tuple[str, torch.Tensor, bool, bool, dict[str, Any]]] = []
     with torch.no_grad():
         for bound in plan.transforms:
             fused: list[tuple[torch.Tensor, bool, bool]] = []
@@ -400,9 +434,10 @@ def unfuse_instance(module: nn.Module) -> None:
                 fused.append((tensor, is_param, tensor.requires_grad))
             originals = bound.op.inverse([t for t, _, _ in fused], [s.shape for s in bound.sources])
             is_param, requires_grad = fused[0][1], any(rg for _, _, rg in fused)
+            shared = _shared([_marks(t) for t, param, _ in fused if param])
             for spec, tensor in zip(bound.sources, originals, strict=True):
                 restored.append((spec.name, tensor.detach().clone(memory_format=torch.contiguous_format),
-                                 is_param, requires_grad))
+                                 is_param, requires_grad, shared))
     undo = getattr(module, "fusion_unfinalize", None)
     if callable(undo):
         undo()
@@ -412,10 +447,12 @@ def unfuse_instance(module: nn.Module) -> None:
             owner._parameters.pop(name, None)
             owner._buffers.pop(name, None)
     _drop_created_containers(module, plan)
-    for name, tensor, is_param, requires_grad in restored:
+    for name, tensor, is_param, requires_grad, marks in restored:
         owner, leaf = _owner(module, name)
         if is_param:
-            owner.register_parameter(leaf, nn.Parameter(tensor, requires_grad=requires_grad))
+            param = nn.Parameter(tensor, requires_grad=requires_grad)
+            param.__dict__.update(marks)
+            owner.register_parameter(leaf, param)
         else:
             owner.register_buffer(leaf, tensor)
     detach_original_layout(module)

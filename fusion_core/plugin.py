@@ -17,6 +17,7 @@ The names, by what they serve:
 - **fused instances** (:mod:`fusion_core.layout`, :mod:`fusion_core.spec`): :func:`fuse_instance`
   (convert one built instance to its plan's fused layout), :func:`presenting_fused` (is a save
   writing the fused layout right now), :func:`take_own_block` (a state-dict post-hook's own keys),
+  :func:`standing_for` (a tensor as the parameter replacing another: its ``requires_grad`` and library marks),
   :func:`fused_subclass` (one fused class per mixin and original class, picklable),
   :func:`spec_member` (an optional spec member or its default).
 - **merged projections** (:mod:`fusion_core.merged`), for families that merge sibling ``nn.Linear``
@@ -71,6 +72,7 @@ _EXPORTS: dict[str, str] = {
     "fuse_instance": "fusion_core.layout",
     "module_plan": "fusion_core.layout",
     "presenting_fused": "fusion_core.layout",
+    "standing_for": "fusion_core.layout",
     "take_own_block": "fusion_core.layout",
     "fused_subclass": "fusion_core.spec",
     "spec_member": "fusion_core.spec",
@@ -176,6 +178,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs
         fuse_instance as fuse_instance,
         module_plan as module_plan,
         presenting_fused as presenting_fused,
+        standing_for as standing_for,
         take_own_block as take_own_block,
     )
     from fusion_core.merged import (

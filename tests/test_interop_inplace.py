@@ -191,3 +191,26 @@ def test_a_failure_part_way_gives_the_model_back_as_it_was(llama_and_reference, 
     assert not attention._forward_hooks
     assert type(failure.value) is error and re.search(message, str(failure.value))
     assert [note for note in getattr(failure.value, "__notes__", []) if "was restored to its state before" in note]
+
+
+def test_fused_parameters_carry_the_marks_transformers_set_on_the_parts(llama):
+    """transformers 5.x marks each loaded parameter ``_is_hf_initialized`` and its ``_init_weights`` leaves a marked
+    one alone, so ``model.apply(model._init_weights)`` changes nothing on a loaded plain model. The merged q/k/v and
+    gate/up parameters lacked the mark, and the same call initialised them anew on the fused model without a word.
+    Unfusing gives the mark back to the parts."""
+    plain = AutoModelForCausalLM.from_pretrained(llama)
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config={"qkv": True, "gate_up": True})
+    marks = {name: getattr(p, "_is_hf_initialized", None) for name, p in plain.named_parameters()}
+    merged = fused.model.layers[0].self_attn.qkv_proj.weight
+    assert getattr(merged, "_is_hf_initialized", None) == marks["model.layers.0.self_attn.q_proj.weight"]
+    before = {key: value.clone() for key, value in plain.state_dict().items()}
+    for model in (plain, fused):
+        torch.manual_seed(0)
+        model.apply(model._init_weights)
+    left = [key for key, value in plain.state_dict().items() if torch.equal(value, before[key])]
+    if not left:
+        pytest.skip("this transformers initialises every loaded weight again, plain included")
+    got = fused.state_dict()
+    assert [key for key in left if not torch.equal(got[key], before[key])] == []
+    fusion_core.unfuse(fused)
+    assert {name: getattr(p, "_is_hf_initialized", None) for name, p in fused.named_parameters()} == marks
