@@ -28,7 +28,11 @@ anything else (a nonzero zero point, another block size, quantized activations).
 The experts' packed stacks (:class:`fusion_linear_kernels.packed_experts.PackedExperts`) are a tensor subclass
 without storage of their own, built the way torch documents for wrapper subclasses: :func:`wrapper_tensor` calls
 ``torch.Tensor._make_wrapper_subclass``, and :data:`NO_TORCH_FUNCTION` is ``torch._C._disabled_torch_function_impl``
-(the subclass handles operators in ``__torch_dispatch__`` only).
+(the subclass handles operators in ``__torch_dispatch__`` only). The view a packed layer's ``weight`` gives
+(:mod:`fusion_linear_kernels.dense_view`) is another such subclass: it reads an operator's schema
+(``OpOverload._schema``: which arguments it writes, whether it returns a view) with :func:`writes_and_views`,
+and maps its arguments with ``torch.utils._pytree.tree_map`` (:func:`tree_map`), as torch's own wrapper
+subclasses do.
 
 A custom operator's kernel runs with autograd's dispatch keys excluded from the thread's dispatch state, so
 autograd records nothing inside it. The backward of the packed experts' operator recomputes the experts under
@@ -47,7 +51,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -137,3 +142,22 @@ def wrapper_tensor(cls: type[torch.Tensor], shape: tuple[int, ...], dtype: torch
     """An instance of the wrapper subclass ``cls`` of ``shape`` and ``dtype`` on the CPU, without storage."""
     tensor: torch.Tensor = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=torch.device("cpu"))
     return tensor
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``fn`` applied to every leaf of nested lists, tuples and dicts (``torch.utils._pytree.tree_map``)."""
+    from torch.utils._pytree import tree_map as torch_tree_map
+
+    return torch_tree_map(fn, tree)
+
+
+def writes_and_views(func: Any) -> tuple[list[str | int], bool]:
+    """For an ATen operator: its arguments it writes (by position, or by name past the positional ones it is given
+    as keywords: both are listed) and whether it returns a view of its first argument without writing it."""
+    arguments, returns = func._schema.arguments, func._schema.returns
+    written: list[str | int] = []
+    for index, argument in enumerate(arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            written += [index, argument.name]
+    alias = arguments[0].alias_info if arguments else None
+    return written, alias is not None and not alias.is_write and any(r.alias_info is not None for r in returns)

@@ -51,9 +51,11 @@ from fusion_core.plugin import (
     bind_transforms,
     fused_subclass,
     is_plain_linear,
+    standing_for,
 )
 from fusion_linear_kernels import data_parallel, experts, packed_experts, packing
 from fusion_linear_kernels.choice import Caller, autocast_dtype
+from fusion_linear_kernels.dense_view import DenseView
 from fusion_linear_kernels.packed_experts import PrepackExperts, is_packed_experts
 from fusion_linear_kernels.packing import PrepackLinearWeight, ineligible, is_packed, packs, unpack
 
@@ -115,7 +117,7 @@ class PackedParametersMixin(FusedModule):
             parameters = dict(self._parameters)
             for name in packed:
                 held = parameters[name]
-                parameters[name] = nn.Parameter(self._dense(held), requires_grad=bool(held.requires_grad))
+                parameters[name] = standing_for(held, self._dense(held))
             state["_parameters"], state[_PACKED_STATE] = parameters, tuple(packed)
         return state
 
@@ -144,7 +146,7 @@ class PackedParametersMixin(FusedModule):
                 kept[name], parameters[name] = held, None
             else:
                 unpacked.append(name)
-                parameters[name] = nn.Parameter(self._dense(held), requires_grad=held.requires_grad)
+                parameters[name] = standing_for(held, self._dense(held))
         try:
             result = super()._apply(fn, recurse)
         finally:
@@ -159,13 +161,37 @@ class LinearKernelsMixin(PackedParametersMixin):
     """The fused behaviour mixed into an ``nn.Linear`` subclass: the packed kernel for a prepacked weight, the chosen
     kernel at few rows for a dense one."""
 
-    weight: torch.Tensor
     bias: torch.Tensor | None
     exact: ClassVar[bool] = False
     """Take only kernels bit-identical to ``F.linear`` (the family's ``exact`` option picks the subclass)."""
 
+    @property
+    def weight(self) -> torch.Tensor:  # type: ignore[override]
+        """The weight parameter; for a packed one, read from outside the layer, a view that reads and writes it as
+        the dense tensor (:mod:`fusion_linear_kernels.dense_view`). Traced code gets the parameter."""
+        parameters = self._parameters
+        if "weight" not in parameters:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute 'weight'")
+        held = parameters["weight"]
+        if is_packed(held) and not torch.compiler.is_compiling():
+            return DenseView(self)
+        return held  # type: ignore[return-value]  # None for a layer built without one, as nn.Linear allows
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        # ``layer.weight = nn.Parameter(...)`` (torchao's ``quantize_``, a user) comes here: traced code reads the
+        # recorded layout, which must follow the new weight.
+        super().register_parameter(name, param)
+        if name == "weight" and PACKED_FLAG in self.__dict__:
+            self.fusion_mark_layout()
+
+    def store_dense_weight(self, dense: torch.Tensor) -> None:
+        """Hold ``dense`` (written through :attr:`weight`) as the weight, packed again where the layer's kind packs."""
+        self._parameters["weight"] = standing_for(self._parameters["weight"], dense)
+        self._repack("weight")
+        self.fusion_mark_layout()
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
+        weight = self._parameters["weight"]
         if torch.compiler.is_compiling():
             # Traced code cannot see the layout (a fake tensor is strided): the flag set whenever the weight is
             # packed or unpacked decides, and the custom operator checks the layout again when it runs.
@@ -204,7 +230,7 @@ class LinearKernelsMixin(PackedParametersMixin):
             return
         (out,) = PrepackLinearWeight(self.exact).forward([dense.detach()])
         if is_packed(out):
-            self._parameters[name] = nn.Parameter(out, requires_grad=dense.requires_grad)
+            self._parameters[name] = standing_for(dense, out)
 
 
 class ExactLinearKernelsMixin(LinearKernelsMixin):
@@ -291,8 +317,7 @@ class ExpertsKernelsMixin(PackedParametersMixin):
         if dense is None or not packed_experts.packs_module(self, self.exact):
             return
         transposed = bool(getattr(self, "is_transposed", False))
-        self._parameters[name] = nn.Parameter(packed_experts.pack(dense.detach(), transposed),
-                                              requires_grad=dense.requires_grad)
+        self._parameters[name] = standing_for(dense, packed_experts.pack(dense.detach(), transposed))
 
     def extra_repr(self) -> str:
         mode = "exact" if self.exact else "within bound"

@@ -64,6 +64,26 @@ def test_decode_runs_the_int8_kernel_within_the_bound(checkpoint, others):
     assert kernels.INT8.name in choice.decisions().values()
 
 
+def test_quantize_after_a_load_that_packed_the_weights(checkpoint, fake_times):
+    """``quantize_`` reads each layer's ``weight`` as a dense tensor: a packed layer gives it through its dense view
+    (before: torch's ``MkldnnCPU`` error), and the layer then holds and runs the quantized weight, exact mode giving
+    the plain quantized model's tokens and logits bit for bit."""
+    from fusion_linear_kernels import packing
+
+    from fusion_core.testing.decisions import original_slowest
+
+    fake_times(packing, original_slowest)
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, checkpoint, fusion_config={"linear_kernels": {
+        "exact": True}}, dtype="auto")
+    assert fused.model.layers[0].mlp.down_proj.packed and fused.lm_head.packed
+    quantization.quantize_(fused, quantization.Int8WeightOnlyConfig())
+    assert compat.int8_rows(fused.model.layers[0].mlp.down_proj.weight) is not None
+    assert not fused.model.layers[0].mlp.down_proj.packed
+    tokens, logits = _decode(fused.eval())
+    expected_tokens, expected_logits = _decode(_quantized(checkpoint, None))
+    assert torch.equal(tokens, expected_tokens) and torch.equal(logits, expected_logits)
+
+
 def test_exact_mode_keeps_the_quantizers_kernel(checkpoint):
     plain, fused = _quantized(checkpoint, None), _quantized(checkpoint, {"linear_kernels": {"exact": True}})
     tokens, logits = _decode(fused)

@@ -448,6 +448,63 @@ def test_autocast_gives_what_the_original_layers_give(checkpoints, fake_times, l
     same(grads[1], grads[0])
 
 
+def test_weight_read_from_outside_a_packed_layer_reads_and_writes_the_dense_weight(checkpoints):
+    """``layer.weight`` of a packed layer is a view of the dense weight: metadata reads leave it packed, an operator
+    reads the dense values, a write lands (packed again), ``requires_grad`` reaches the parameter; before, each
+    operator failed with torch's MkldnnCPU error."""
+    directory = checkpoints[("llama", False, torch.bfloat16)]
+    plain, fused = _load(directory, None), _load(directory, {"linear_kernels": {"exact": True}})
+    layer, original = fused.model.layers[0].mlp.down_proj, plain.model.layers[0].mlp.down_proj
+    view = layer.weight
+    assert (view.shape, view.dtype, view.device, view.requires_grad) == (
+        original.weight.shape, original.weight.dtype, original.weight.device, original.weight.requires_grad)
+    assert layer.packed
+    assert torch.equal(view.norm(), original.weight.norm()) and torch.equal(view.data[:3], original.weight.data[:3])
+    for model in (plain, fused):
+        torch.manual_seed(3)
+        with torch.no_grad():
+            model.model.layers[0].mlp.down_proj.weight.data.normal_()
+            model.model.layers[0].mlp.down_proj.weight[:, :2].mul_(3)
+    assert layer.packed and packing.is_packed(layer._parameters["weight"])
+    assert torch.equal(layer.weight.detach().to(torch.float32), original.weight.to(torch.float32))
+    with torch.no_grad():
+        assert torch.equal(fused(IDS).logits, plain(IDS).logits)
+    layer.weight.requires_grad_(False)
+    assert not layer._parameters["weight"].requires_grad
+    layer.weight.requires_grad = True
+    assert layer._parameters["weight"].requires_grad
+
+
+def test_transformers_code_that_reads_a_packed_weight_runs_as_on_plain(checkpoints, tmp_path):
+    """``resize_token_embeddings`` with a packed untied head, ``init_weights`` and ``apply(_init_weights)`` (which
+    leaves loaded weights alone on transformers 5.x: the packed parameters keep its mark), and accelerate's
+    ``cpu_offload`` give what they give on the plain model."""
+    from accelerate import cpu_offload
+
+    directory = checkpoints[("llama", False, torch.bfloat16)]
+    vocab = AutoModelForCausalLM.from_pretrained(directory).config.vocab_size
+    ids = torch.cat([IDS, torch.tensor([[vocab + 2]])], dim=1)
+    got = []
+    for fusion_config in (None, {"linear_kernels": {"exact": True}}):
+        model = _load(directory, fusion_config)
+        assert fusion_config is None or model.lm_head.packed
+        torch.manual_seed(0)
+        model.resize_token_embeddings(vocab + 5, pad_to_multiple_of=8)
+        torch.manual_seed(1)
+        model.init_weights()
+        model.apply(model._init_weights)
+        with torch.no_grad():
+            logits = model(ids).logits
+        model.save_pretrained(tmp_path / str(bool(fusion_config)))
+        assert fusion_config is None or model.model.layers[0].mlp.down_proj.packed
+        cpu_offload(model, execution_device="cpu")
+        with torch.no_grad():
+            got.append((logits, model(ids).logits))
+    assert torch.equal(got[1][0], got[0][0]) and torch.equal(got[1][1], got[0][1])
+    saved = [load_file(tmp_path / side / "model.safetensors") for side in ("False", "True")]
+    assert sorted(saved[0]) == sorted(saved[1]) and all(torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
+
+
 def test_inductor_runs_a_packed_merged_projection_once_per_layer(checkpoints):
     """Under torch.compile the siblings of a packed container share one merged GEMM (no per-part rows exist, and
     the compiled graph would not merge identical calls of the opaque kernel)."""
