@@ -150,12 +150,15 @@ class MergedLinear:
         """Rows of part ``index`` of a merged weight or bias: a view, no copy.
 
         A weight held in an opaque runtime layout (not strided: ``linear_kernels`` packs a merged container's
-        weight for oneDNN, and the container then runs the merged GEMM itself) has no rows to view: its rows
-        come from a dense copy, for code that reads ``q_proj.weight``; writing to them changes nothing.
+        weight for oneDNN, and the container then runs the merged GEMM itself) has no rows to view: its rows are
+        those of what the container gives as its ``weight`` where that is strided (``linear_kernels`` gives a view
+        that reads and writes the dense weight, so ``q_proj.weight.data.normal_()`` lands), else of a dense copy,
+        for code that reads ``q_proj.weight`` (writing to a copy changes nothing).
         """
         start, stop = self.bounds[index]
         if tensor.layout != torch.strided:
-            tensor = tensor.to_dense()
+            shown = getattr(self.owner, "weight", None) if tensor is self.owner._parameters.get("weight") else None
+            tensor = shown if isinstance(shown, torch.Tensor) and shown.layout == torch.strided else tensor.to_dense()
         return row_slice(tensor, start, stop)
 
     def part(self, tensor: torch.Tensor | None, index: int) -> torch.Tensor | None:

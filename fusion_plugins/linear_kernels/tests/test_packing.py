@@ -475,6 +475,22 @@ def test_weight_read_from_outside_a_packed_layer_reads_and_writes_the_dense_weig
     assert layer._parameters["weight"].requires_grad
 
 
+def test_writes_to_a_part_of_a_packed_merged_container_land(checkpoints):
+    """``k_proj.weight`` of a packed merged ``qkv_proj`` is rows of the container's weight: a write to it must reach
+    the packed weight (before, the rows came from a dense copy and the write was dropped without a word)."""
+    directory = checkpoints[("llama", False, torch.bfloat16)]
+    plain, fused = _load(directory, None), _load(directory, {**MERGED, "linear_kernels": {"exact": True}})
+    assert fused.model.layers[0].self_attn.qkv_proj.packed and fused.model.layers[0].mlp.gate_up_proj.packed
+    for model in (plain, fused):
+        torch.manual_seed(2)
+        with torch.no_grad():
+            model.model.layers[0].self_attn.k_proj.weight.data.normal_()
+            model.model.layers[0].mlp.up_proj.weight[:3] = 0.5
+    assert fused.model.layers[0].self_attn.qkv_proj.packed and fused.model.layers[0].mlp.gate_up_proj.packed
+    with torch.no_grad():
+        assert torch.equal(fused(IDS).logits, plain(IDS).logits)
+
+
 def test_transformers_code_that_reads_a_packed_weight_runs_as_on_plain(checkpoints, tmp_path):
     """``resize_token_embeddings`` with a packed untied head, ``init_weights`` and ``apply(_init_weights)`` (which
     leaves loaded weights alone on transformers 5.x: the packed parameters keep its mark), and accelerate's
