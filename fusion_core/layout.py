@@ -106,7 +106,11 @@ _MARK_TYPES = (bool, int, float, str, type(None))
 
 def _marks(param: torch.Tensor) -> dict[str, Any]:
     """The plain values a library set as attributes of a parameter (transformers 5.x marks each loaded one
-    ``_is_hf_initialized``, and its ``_init_weights`` leaves a marked parameter alone)."""
+    ``_is_hf_initialized``, and its ``_init_weights`` leaves a marked parameter alone). Only torch's own
+    ``nn.Parameter``: a subclass's attributes (bitsandbytes' ``quant_type``, ``bnb_quantized``) are its class's
+    state, which another tensor must not appear to have."""
+    if type(param) is not nn.Parameter:
+        return {}
     return {key: value for key, value in vars(param).items() if isinstance(value, _MARK_TYPES)}
 
 
