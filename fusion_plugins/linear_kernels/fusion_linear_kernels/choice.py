@@ -67,9 +67,15 @@ def autocast_dtype(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
     Autocast casts the operands of the operators it lists (``linear``, ``mm``, ...), not those of the other kernels
     a layer may run (``torch.mv``, the packed GEMM): those must see the operands as ``F.linear`` would."""
-    device = input.device.type
-    if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
-            and input.is_floating_point()):
+    if input.is_cpu:  # the common case, asked without building a device object (a decode step asks per layer)
+        device = "cpu"
+        if not torch.is_autocast_enabled(device):
+            return None
+    else:
+        device = input.device.type
+        if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
+            return None
+    if not input.is_floating_point():
         return None
     dtype = torch.get_autocast_dtype(device)
     if input.dtype == weight.dtype == dtype and (bias is None or bias.dtype == dtype):
