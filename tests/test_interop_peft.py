@@ -265,3 +265,26 @@ def test_lora_on_a_merged_container_is_refused_naming_its_parts(llama: Path) -> 
     """The merged container holds rows of several projections: LoRA targets those by their original names."""
     with pytest.raises(ValueError, match=r"merged container of q_proj/k_proj/v_proj.*target.*original"):
         _lora(_fused(llama), ["qkv_proj"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_an_initialisation_that_rewrites_the_base_weight_reaches_the_fused_tensors(llama, init, dtype, tmp_path):
+    """PiSSA sets ``base_layer.weight.data`` to the residual, and OLoRA does too where the weight is not float32.
+    PEFT does this on fusion-core's stand-in of the original layer, whose tensors were then dropped: the fused
+    model kept the original weights, and adapter plus base gave other outputs than plain's (0.17 and 0.24 in
+    bfloat16), with no word."""
+    plain = AutoModelForCausalLM.from_pretrained(llama, dtype=dtype)
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=BOTH, dtype=dtype)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+    targets = [*TARGETS, "o_proj", "down_proj"]
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=init)
+    plain, fused = get_peft_model(plain, config), get_peft_model(fused, config)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(IDS).logits, plain(IDS).logits, **tolerance)
+    for model, side in ((plain, "plain"), (fused, "fused")):
+        model.get_base_model().save_pretrained(tmp_path / side)  # the residual base, as PiSSA users save it
+    saved = [load_file(tmp_path / side / "model.safetensors") for side in ("plain", "fused")]
+    assert sorted(saved[0]) == sorted(saved[1])
+    for key in saved[0]:
+        torch.testing.assert_close(saved[1][key], saved[0][key], **tolerance)

@@ -491,6 +491,21 @@ def test_writes_to_a_part_of_a_packed_merged_container_land(checkpoints):
         assert torch.equal(fused(IDS).logits, plain(IDS).logits)
 
 
+@pytest.mark.parametrize("others", [{}, MERGED], ids=["alone", "with-qkv-gate_up"])
+def test_pissa_rewrites_packed_base_weights(checkpoints, others):
+    """PiSSA replaces each base weight by its residual when the adapter is created; on packed layers (and on slices of
+    a packed merged container) the residual must be packed in its place, as plain holds it."""
+    peft = pytest.importorskip("peft")
+    directory = checkpoints[("llama", False, torch.bfloat16)]
+    plain, fused = _load(directory, None), _load(directory, {**others, "linear_kernels": {"exact": True}})
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
+                             init_lora_weights="pissa")
+    plain, fused = peft.get_peft_model(plain, config), peft.get_peft_model(fused, config)
+    assert fused.base_model.model.model.layers[0].mlp.down_proj.base_layer.packed
+    with torch.no_grad():
+        torch.testing.assert_close(fused(IDS).logits, plain(IDS).logits, rtol=1e-2, atol=1e-2)
+
+
 def test_transformers_code_that_reads_a_packed_weight_runs_as_on_plain(checkpoints, tmp_path):
     """``resize_token_embeddings`` with a packed untied head, ``init_weights`` and ``apply(_init_weights)`` (which
     leaves loaded weights alone on transformers 5.x: the packed parameters keep its mark), and accelerate's

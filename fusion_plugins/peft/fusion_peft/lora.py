@@ -243,9 +243,21 @@ def _fused_lora_layer(lora_config: Any, adapter_name: str, target: nn.Module, **
     kwargs.pop("parameter_name", None)
     if getattr(lora_config, "fan_in_fan_out", False) and issubclass(layer_cls, _layer_classes()[nn.Linear]):
         lora_config.fan_in_fan_out = False  # what PEFT's default dispatch does for nn.Linear
-    layer = layer_cls(_stand_in(target, copy_tensors=False), adapter_name, config=lora_config, **kwargs)
+    stand_in = _stand_in(target, copy_tensors=False)
+    layer = layer_cls(stand_in, adapter_name, config=lora_config, **kwargs)
     layer.base_layer = target
+    if _rewrites_base(lora_config):
+        _write_back(target, stand_in)
     return layer
+
+
+def _rewrites_base(lora_config: Any) -> bool:
+    """Whether creating the adapter rewrites the base weight, which must then reach the fused tensors: every
+    ``init_lora_weights`` but ``True``, ``False`` and ``"gaussian"`` (which draw only the adapter's own matrices).
+    PiSSA sets ``base_layer.weight.data`` to the residual, OLoRA subtracts in place, CorDA and LoftQ rewrite it
+    too; an initialisation PEFT adds later is written back as well (a copy of the layer's tensors, once)."""
+    init = getattr(lora_config, "init_lora_weights", True)
+    return not (init is True or init is False or init == "gaussian")
 
 
 def _quantized(target: MergedSlice) -> str | None:
@@ -309,7 +321,8 @@ class _FusedBaseMixin:
     base_layer: nn.Module
 
     def update_layer(self, *args: Any, **kwargs: Any) -> Any:
-        with _on_stand_in(self, copy_tensors=False):
+        config = kwargs.get("config", args[3] if len(args) > 3 else None)
+        with _on_stand_in(self, copy_tensors=_rewrites_base(config)):
             return super().update_layer(*args, **kwargs)  # type: ignore[misc]
 
     def merge(self, *args: Any, **kwargs: Any) -> None:
@@ -366,7 +379,11 @@ def _stand_in(module: nn.Module, copy_tensors: bool) -> nn.Module:
         nn.Module.__init__(linear)
         linear.in_features, linear.out_features = module.in_features, module.out_features
         if _quantized(module) is None:
-            linear.register_parameter("weight", own(module.weight))
+            weight = module.weight
+            # Rows of a packed container come as a view of another tensor class (linear_kernels' dense view): the
+            # stand-in holds them as torch's own tensor, which PEFT may replace (``weight.data = ...``); a write
+            # reaches the container through _write_back.
+            linear.register_parameter("weight", own(weight if is_torch_tensor(weight) else weight.clone()))
         else:  # PEFT reads only the shape, dtype and device of a quantized base (a zero-stride view of one element)
             merged = module.merged.weight
             shape_only = torch.zeros((), dtype=merged.dtype, device=merged.device)
