@@ -17,7 +17,8 @@ So ``weight`` read from outside the layer (:attr:`fusion_linear_kernels.LinearKe
   packed again in its place: the write lands and the layer keeps its packed kernel.
 - A view of it (``weight[:, :2]``, ``weight.data[0]``, ``weight.t()``) is a view too: it replays the view
   operators that made it on the dense weight, so ``weight[:n] = rows`` writes where it would on the original.
-- ``requires_grad`` set on it, and any other attribute (transformers marks a loaded parameter
+- ``.data = tensor`` stores the tensor's values as the weight (packed again); ``requires_grad`` set on it, and any
+  other attribute (transformers marks a loaded parameter
   ``_is_hf_initialized``, and its ``_init_weights`` leaves such a one alone), is the parameter's.
 
 The layer's own forward, copies, saves and ``.to()`` read the parameter itself (the packed tensor), and
@@ -77,6 +78,19 @@ class DenseView(torch.Tensor):
         self.layer._parameters["weight"].requires_grad_(requires_grad)
         return self
 
+    @property  # type: ignore[override]
+    def data(self) -> DenseView:
+        return DenseView(self.layer, self.steps, self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """``layer.weight.data = tensor``: the layer holds ``tensor``'s values as its weight (packed again)."""
+        if self.steps or tuple(value.shape) != tuple(self.shape):
+            raise RuntimeError(f"linear_kernels: .data of a part of a packed weight, or with another shape "
+                               f"({tuple(value.shape)} for {tuple(self.shape)}), cannot be set; set the layer's "
+                               "weight to a new nn.Parameter instead")
+        self.layer.store_dense_weight(value.detach().to(self.dtype).clone())
+
     def __getattr__(self, name: str) -> Any:
         # Attributes libraries keep on a parameter (transformers' ``_is_hf_initialized``, which its weight
         # initialisation reads to leave loaded weights alone) are the parameter's.
@@ -85,8 +99,8 @@ class DenseView(torch.Tensor):
         return getattr(self.layer._parameters["weight"], name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("layer", "steps"):
-            super().__setattr__(name, value)
+        if name in ("layer", "steps") or isinstance(getattr(DenseView, name, None), property):
+            super().__setattr__(name, value)  # the view's own, and its properties (``data``, ``requires_grad``)
         else:
             setattr(self.layer._parameters["weight"], name, value)
 

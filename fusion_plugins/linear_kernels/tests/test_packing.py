@@ -469,6 +469,9 @@ def test_weight_read_from_outside_a_packed_layer_reads_and_writes_the_dense_weig
     assert torch.equal(layer.weight.detach().to(torch.float32), original.weight.to(torch.float32))
     with torch.no_grad():
         assert torch.equal(fused(IDS).logits, plain(IDS).logits)
+    replacement = torch.randn(original.weight.shape, generator=GEN).to(torch.bfloat16)
+    layer.weight.data, original.weight.data = replacement, replacement.clone()
+    assert layer.packed and torch.equal(layer.weight.detach().float(), original.weight.float())
     layer.weight.requires_grad_(False)
     assert not layer._parameters["weight"].requires_grad
     layer.weight.requires_grad = True
