@@ -106,7 +106,7 @@ peft 0.21.2 and accelerate 1.15.0 (torchao is not installed: with it, every tran
 | 5.25.0 (newest 5.x) | the whole suite; the matrix above |
 | 5.0.0, 5.8.1, 5.16.1, 5.22.2, 5.24.0 | the range subset (`RANGE_TESTS` in `scripts/checks.py`) |
 | 5.12.1, 5.20.2 | the range subset, once by hand (not in CI) |
-| 4.57.1, 5.1.0, 5.3.0, 5.6.2, 5.10.4, 5.14.1, 5.18.0, 5.21.1, 5.23.0 | the range subset, once by hand (not in CI; 2026-12-04) |
+| 4.57.1, 5.1.0, 5.3.0, 5.6.2, 5.10.4, 5.14.1, 5.18.0, 5.21.1, 5.23.0 | the range subset, once by hand (not in CI) |
 | 5.19.0 | the range subset and the census (inference and training), once by hand (not in CI) |
 | 5.2.0, 5.4.0 | the range subset less tensor parallelism, once by hand (not in CI) |
 
