@@ -117,8 +117,9 @@ class DenseView(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         first = args[0] if args else None
-        written = _written(func, args, kwargs)
-        if isinstance(first, DenseView) and not written and compat.writes_and_views(func)[1]:
+        positions, is_view = compat.writes_and_views(func)
+        written = _written(positions, args, kwargs)
+        if isinstance(first, DenseView) and not written and is_view:
             rest = tuple(args[1:])
             out = func(first.dense(), *rest, **kwargs)  # for the views' shapes and dtypes
             if isinstance(out, torch.Tensor):
@@ -156,10 +157,10 @@ def _replay(tensor: torch.Tensor, steps: Sequence[ViewStep]) -> torch.Tensor:
     return tensor
 
 
-def _written(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[DenseView]:
-    """The views among the arguments ``func`` writes (an in-place self, an ``out=``)."""
+def _written(positions: Sequence[str | int], args: Sequence[Any], kwargs: dict[str, Any]) -> list[DenseView]:
+    """The views among the arguments an operator writes (an in-place self, an ``out=``), at ``positions``
+    (:func:`fusion_linear_kernels.compat.writes_and_views`)."""
     found: list[DenseView] = []
-    positions = compat.writes_and_views(func)[0]
     for where in positions:
         value = (args[where] if where < len(args) else None) if isinstance(where, int) else kwargs.get(where)
         if isinstance(value, DenseView) and all(value is not seen for seen in found):
