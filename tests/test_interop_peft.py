@@ -282,6 +282,12 @@ def test_an_initialisation_that_rewrites_the_base_weight_reaches_the_fused_tenso
     plain, fused = get_peft_model(plain, config), get_peft_model(fused, config)
     with torch.no_grad():
         torch.testing.assert_close(fused(IDS).logits, plain(IDS).logits, **tolerance)
+    second = LoraConfig(r=2, lora_alpha=4, target_modules=TARGETS, init_lora_weights=init)
+    for model in (plain, fused):  # a second adapter goes through update_layer on the existing LoRA layers
+        model.add_adapter("second", second)
+        model.set_adapter("second")
+    with torch.no_grad():
+        torch.testing.assert_close(fused(IDS).logits, plain(IDS).logits, **tolerance)
     for model, side in ((plain, "plain"), (fused, "fused")):
         model.get_base_model().save_pretrained(tmp_path / side)  # the residual base, as PiSSA users save it
     saved = [load_file(tmp_path / side / "model.safetensors") for side in ("plain", "fused")]
