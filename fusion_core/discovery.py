@@ -48,6 +48,7 @@ class Discovery:
     """
 
     model_class: type[nn.Module]
+    """The class the load builds, as transformers builds it (the original class, also where a family fuses the root)."""
     plan: FusionPlan
     routes: Mapping[type[nn.Module], ClassRoute]
     scanned_modules: int
@@ -337,8 +338,9 @@ def _discover(
                                    for inner, outer in sorted(nested, key=lambda pair: order[pair[0].path])),
                       refused=tuple(refused))
     routes = _routes(plan, class_owner, constructed, modules)
+    model_class = type(meta_model)  # before the rehearsal, which switches a fused root to its fused class
     _rehearse(meta_model, plan, {family.name: family.source for family, _ in families})
-    return Discovery(type(meta_model), plan, routes, len(modules), names, families, recorded)
+    return Discovery(model_class, plan, routes, len(modules), names, families, recorded)
 
 
 def _routes(

@@ -88,7 +88,7 @@ def mark_unfused(model: nn.Module) -> None:
 
 def from_pretrained(
     model_cls: Any,
-    name_or_path: str | Path,
+    name_or_path: str | Path | None,
     fusion_config: Any = None,
     **transformers_kwargs: Any,
 ) -> Any:
@@ -99,7 +99,7 @@ def from_pretrained(
     ``fusion_config`` (a mapping or :class:`FusionConfig`) wins over the one stored in the
     checkpoint's config; with neither, or with no family enabled, this is a plain load.
 
-    A load onto the CPU (no ``device_map``, or ``"cpu"``) from a local checkpoint is first checked
+    A load onto the CPU (no ``device_map``, or ``"cpu"``) from a local safetensors checkpoint is first checked
     against the memory available (``/proc/meminfo``, the cgroup limit): the merged copies the
     fused modules allocate plus the tensors cast to another dtype, from the plan and the
     safetensors headers; a load that would not fit raises
@@ -115,8 +115,8 @@ def from_pretrained(
     registry = get_registry()
     # An explicit fusion_config is checked first, before any file is read.
     explicit = parse_fusion_config(fusion_config, registry) if fusion_config is not None else None
-    local = Path(name_or_path)
-    fused_dir = is_fused_layout_dir(local)
+    local = Path(name_or_path) if name_or_path is not None else None  # None: the weights come as ``state_dict``
+    fused_dir = local is not None and is_fused_layout_dir(local)
     config = load_config(model_cls, name_or_path, fused_dir, kwargs)
     stored = pop_stored_fusion_config(config)
     # A stored fusion_config is validated only when it is used: an explicit one replaces it, except in a
@@ -141,7 +141,9 @@ def from_pretrained(
                   model_class=model_cls, config=config, load_kwargs=MappingProxyType(kwargs),
                   families=discovery.specs())
     as_stored: dict[str, tuple[str, torch.dtype]] = {}  # parts a merge casts, loaded as stored (fusion_core.casting)
-    if local.is_dir():
+    # A GGUF file (``gguf_file=``) has no safetensors headers to check: transformers dequantizes its tensors and
+    # renames them while it loads, so they are checked by the loading report alone, as every renamed key is.
+    if local is not None and local.is_dir() and kwargs.get("gguf_file") is None:
         directory = local / kwargs.get("subfolder", "")
         pre_quantized = getattr(config, "quantization_config", None) is not None
         check_checkpoint(directory, discovery.plan, fused_dir, pre_quantized=pre_quantized,
@@ -153,7 +155,7 @@ def from_pretrained(
             check_memory(tensors, discovery.plan, fused_dir, kwargs, {key for key, _ in as_stored.values()})
     on_built = convert_to_fused if fused_dir else None
     casts: dict[int, Casts] = {}
-    with (LOAD_LOCK, class_patch_scope(discovery.routes, on_built=on_built) as scope,
+    with (LOAD_LOCK, class_patch_scope(discovery.routes, on_built=on_built, root=discovery.model_class) as scope,
           _loading_reports(lambda: casts.update(hold_stored_dtypes(scope.built, as_stored)) if as_stored else None)
           as reports):
         model = model_cls.from_pretrained(name_or_path, config=config, **kwargs)

@@ -50,9 +50,16 @@ class BuildScope:
 
     routes: Mapping[type[nn.Module], ClassRoute]
     on_built: Callable[[nn.Module, ModulePlan], None] | None = None
+    root: type[nn.Module] | None = None
     counters: dict[type[nn.Module], int] = field(default_factory=dict)
     built: list[tuple[nn.Module, ModulePlan]] = field(default_factory=list)
     surplus: dict[type[nn.Module], int] = field(default_factory=dict)
+
+    def restart(self) -> None:
+        """Forget every instance built so far: the root class starts another model (see :func:`class_patch_scope`)."""
+        self.counters.clear()
+        self.built.clear()
+        self.surplus.clear()
 
     def reserve(self, cls: type[nn.Module]) -> int:
         """The construction index of a new instance of ``cls``, counted when its ``__init__`` starts."""
@@ -92,6 +99,8 @@ def _make_wrapper(cls: type[nn.Module], original_init: Callable[..., None]) -> C
     def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
         # Counted when construction starts, the order construction_order() records in discovery.
         scope = _ACTIVE.get() if type(self) is cls else None
+        if scope is not None and cls is scope.root and scope.counters:
+            scope.restart()
         index = scope.reserve(cls) if scope is not None and cls in scope.routes else None
         original_init(self, *args, **kwargs)
         if scope is not None and index is not None:
@@ -133,11 +142,19 @@ def installed_classes() -> list[type[nn.Module]]:
 def class_patch_scope(
     routes: Mapping[type[nn.Module], ClassRoute],
     on_built: Callable[[nn.Module, ModulePlan], None] | None = None,
+    root: type[nn.Module] | None = None,
 ) -> Iterator[BuildScope]:
-    """Route construction of ``routes``' classes to their fused classes inside this block only."""
-    scope = BuildScope(routes=dict(routes), on_built=on_built)
+    """Route construction of ``routes``' classes to their fused classes inside this block only.
+
+    ``root`` is the model class the block loads. Each time construction of one starts, the instances
+    counted so far are forgotten and the count starts again from the plan's first instance: a loader
+    may build a throwaway model before the one it fills (transformers 4.57 builds one on the meta
+    device to name a GGUF file's tensors), and the model that is loaded is the last one built.
+    """
+    scope = BuildScope(routes=dict(routes), on_built=on_built, root=root)
+    watched = set(scope.routes) | ({root} if root is not None else set())
     with _lock:
-        for cls in scope.routes:
+        for cls in watched:
             _install(cls)
     token = _ACTIVE.set(scope)
     try:
@@ -145,7 +162,7 @@ def class_patch_scope(
     finally:
         _ACTIVE.reset(token)
         with _lock:
-            for cls in scope.routes:
+            for cls in watched:
                 _uninstall(cls)
 
 

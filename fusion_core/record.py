@@ -43,7 +43,7 @@ def is_fused_layout_dir(path: Path) -> bool:
     return path.is_dir() and (path / FUSED_CONFIG_NAME).is_file() and not (path / CONFIG_NAME).exists()
 
 
-def load_config(model_cls: Any, name_or_path: str | Path, fused_dir: bool, kwargs: dict[str, Any]) -> Any:
+def load_config(model_cls: Any, name_or_path: str | Path | None, fused_dir: bool, kwargs: dict[str, Any]) -> Any:
     """The transformers config of a checkpoint, with the overrides in ``kwargs`` applied as ``from_pretrained`` does.
 
     Pops from ``kwargs`` ``config`` (the caller's) and every argument the config took as an

@@ -21,7 +21,7 @@ TF5_SPEC="transformers>=5,<6"
 # switched off (USE_HUB_KERNELS=NO, exported below; the tests' conftest.py sets it too).
 TF5_NEWEST="transformers==5.25.0"
 export USE_HUB_KERNELS="${USE_HUB_KERNELS:-NO}"
-TEST_SPEC="pytest>=8 hypothesis>=6.100 accelerate>=1.0 peft>=0.17"
+TEST_SPEC="pytest>=8 hypothesis>=6.100 accelerate>=1.0 peft>=0.17 gguf>=0.10"
 # trl (SFTTrainer) for the training tests, on the two main lines; matplotlib for the benchmark summary's charts.
 TOOLS_SPEC="$TEST_SPEC ruff>=0.6 mypy>=1.10 mkdocs>=1.6 mkdocstrings[python]>=0.26 trl>=1.16 matplotlib>=3.8"
 # The quantizers users bring, as the quantization tests run them: in environments of their own (with

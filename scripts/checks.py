@@ -39,7 +39,7 @@ ENV_SH = ROOT / "scripts" / "_env.sh"
 # transformers entry points, PEFT, in-place fuse/unfuse, pickling, tensor parallelism at world 2.
 RANGE_TESTS = [
     "tests/test_pipeline.py", "tests/test_text_families.py", "tests/test_compat.py", "tests/test_routing.py",
-    "tests/test_streaming.py",
+    "tests/test_streaming.py", "tests/test_weight_sources.py",
     "tests/test_interop_peft.py", "tests/test_interop_inplace.py", "tests/test_interop_pickle.py",
     "tests/test_distributed.py::test_tensor_parallel_fused_load_runs_generates_trains_and_saves",
     "fusion_plugins",
