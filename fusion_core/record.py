@@ -63,7 +63,7 @@ def load_config(model_cls: Any, name_or_path: str | Path | None, fused_dir: bool
     config_class: Any = getattr(model_cls, "config_class", None)
     concrete = isinstance(model_cls, type) and issubclass(model_cls, nn.Module) and config_class is not None
     overrides, passed_on = compat.config_overrides(kwargs, auto=not concrete)
-    if fused_dir:
+    if fused_dir and name_or_path is not None:
         path = Path(name_or_path) / FUSED_CONFIG_NAME
         data = json.loads(path.read_text())
         model_type = data.pop("model_type", None)
