@@ -129,11 +129,25 @@ def _parse_safetensors_header(path: Path) -> dict[str, TensorInfo]:
     return infos
 
 
-def read_checkpoint_index(directory: Path) -> dict[str, TensorInfo]:
-    """Every tensor of a local safetensors checkpoint (single file or sharded), from headers only."""
+def with_variant(name: str, variant: str | None) -> str:
+    """A weights file's name for ``from_pretrained(..., variant=...)``, as transformers names it.
+
+    ``model.safetensors`` -> ``model.fp16.safetensors``, ``model.safetensors.index.json`` ->
+    ``model.safetensors.index.fp16.json`` (the variant goes before the last suffix).
+    """
+    if variant is None:
+        return name
+    stem, _, suffix = name.rpartition(".")
+    return f"{stem}.{variant}.{suffix}"
+
+
+def read_checkpoint_index(directory: Path, variant: str | None = None) -> dict[str, TensorInfo]:
+    """Every tensor of a local safetensors checkpoint (single file or sharded), from headers only.
+
+    ``variant`` reads the files ``from_pretrained(..., variant=variant)`` reads (:func:`with_variant`)."""
     directory = Path(directory)
-    index_path = directory / SAFE_WEIGHTS_INDEX_NAME
-    single = directory / SAFE_WEIGHTS_NAME
+    index_path = directory / with_variant(SAFE_WEIGHTS_INDEX_NAME, variant)
+    single = directory / with_variant(SAFE_WEIGHTS_NAME, variant)
     if index_path.is_file():
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
@@ -167,7 +181,7 @@ def read_checkpoint_index(directory: Path) -> dict[str, TensorInfo]:
             "files; convert it to safetensors first (load it with plain transformers you trust, then "
             "save_pretrained)"
         )
-    raise CheckpointError(f"{directory}: no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME} found")
+    raise CheckpointError(f"{directory}: no {single.name} or {index_path.name} found")
 
 
 class KeyMatcher:
@@ -250,8 +264,9 @@ def check_checkpoint(
     pre_quantized: bool = False,
     names: LoadedNames | None = None,
     key_mapping: Mapping[str, str] | None = None,
+    variant: str | None = None,
 ) -> None:
-    """Check the plan against the checkpoint's headers before transformers reads any data.
+    """Check the plan against the checkpoint's headers (of ``variant``'s files) before transformers reads any data.
 
     Every tensor the plan moves that is found in the checkpoint must have the planned shape and a
     floating dtype; a fused module's other tensors (a root's integer buffers) load as they would plainly.
@@ -267,7 +282,7 @@ def check_checkpoint(
     loads (5.x splits a stored ``qkv_proj`` into ``q_proj``/``k_proj``/``v_proj`` for some models),
     so absence from the headers alone does not prove a tensor is missing.
     """
-    tensors = read_checkpoint_index(directory)
+    tensors = read_checkpoint_index(directory, variant)
     matcher = KeyMatcher(tensors, names, key_mapping)
     inside = matcher.keys_under(m.path for m in plan.modules) if not pre_quantized else {}
     for module in plan.modules:

@@ -8,6 +8,9 @@ loading report alone proves every fused weight was loaded (a tensor missing from
   fused load routes the model it returns, not that one. A save does what plain's does: 4.57 writes the
   original layout, 5.x refuses to serialize a GGUF-loaded model, and so does a fused one, writing nothing.
 - a state dict in memory (``from_pretrained(None, config=..., state_dict=...)``).
+
+A checkpoint saved as a ``variant`` (``model.fp16.safetensors``, sharded or not) has headers, under the
+variant's file names: they are checked, and a save with the variant writes plain's bytes.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import transformers
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import fusion_core
-from fusion_core.errors import FusionLoadError
+from fusion_core.errors import CheckpointError, FusionLoadError
 from fusion_core.testing.tiny_models import TEXT_MODELS, save_tiny_model
 
 pytest.importorskip("gguf", reason="GGUF loads need the gguf package (the test environments install it)")
@@ -137,3 +140,32 @@ def test_a_tensor_missing_from_the_state_dict_is_refused_by_name(
     with pytest.raises(FusionLoadError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
         fusion_core.from_pretrained(LlamaForCausalLM, None, config=config, state_dict=partial,
                                     fusion_config={"qkv": True, "gate_up": True})
+
+
+@pytest.mark.parametrize("shard", [None, "20KB"], ids=["single-file", "sharded"])
+def test_a_variant_checkpoint_loads_fused_and_saves_plain_bytes(tmp_path: Path, shard: str | None) -> None:
+    source = tmp_path / "source"
+    save_tiny_model(TEXT_MODELS["llama"], source)
+    shards = {"max_shard_size": shard} if shard else {}
+    AutoModelForCausalLM.from_pretrained(source).save_pretrained(tmp_path / "variant", variant="fp16", **shards)
+    assert not any((tmp_path / "variant" / name).exists()
+                   for name in ("model.safetensors", "model.safetensors.index.json"))
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "variant", variant="fp16").eval()
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, tmp_path / "variant", variant="fp16",
+                                        fusion_config={"qkv": True, "gate_up": True}).eval()
+    assert hasattr(fused.model.layers[0].self_attn, "qkv_proj")
+    ids = IDS.clamp(max=plain.config.vocab_size - 1)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    plain.save_pretrained(tmp_path / "plain", variant="fp16", **shards)
+    fusion_core.save_pretrained(fused, tmp_path / "fused", variant="fp16", **shards)
+    weights = sorted(p.name for p in (tmp_path / "plain").glob("*.fp16*"))  # the shards and their index
+    assert weights and sorted(p.name for p in (tmp_path / "fused").glob("*.fp16*")) == weights
+    for name in weights:
+        assert (tmp_path / "fused" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes(), name
+
+
+def test_a_variant_the_checkpoint_lacks_is_refused_before_any_weight_is_read(tmp_path: Path) -> None:
+    save_tiny_model(TEXT_MODELS["llama"], tmp_path)
+    with pytest.raises(CheckpointError, match=r"model\.fp16\.safetensors"):
+        fusion_core.from_pretrained(AutoModelForCausalLM, tmp_path, variant="fp16", fusion_config={"qkv": True})
