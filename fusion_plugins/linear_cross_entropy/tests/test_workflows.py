@@ -171,6 +171,30 @@ def test_trainer_gradient_accumulation_passes_num_items_and_trains_like_plain(ch
     _assert_same_updates(_state(fused_model), _state(plain_model), initial)
 
 
+def test_trainer_resumes_from_a_checkpoint_of_a_fused_run(checkpoints, tmp_path, fused_losses):
+    """``train(resume_from_checkpoint=...)``: a fused run saved at step 2 (the model in its original layout, AdamW's
+    state of the fused parameters) and resumed in a freshly loaded fused model ends where the uninterrupted fused
+    run ends, which trained like plain."""
+    path = checkpoints("llama")
+    families = {**CHUNKED, "qkv": True, "gate_up": True}
+    settings = dict(optim="adamw_torch", max_steps=4, save_strategy="steps", save_steps=2,
+                    gradient_accumulation_steps=1, learning_rate=1e-2)
+    initial = _state(_load(path))
+    _, plain_model = _train_with_trainer(path, None, tmp_path, **settings)
+    fused, fused_model = _train_with_trainer(path, families, tmp_path, **settings)
+    _assert_same_updates(_state(fused_model), _state(plain_model), initial)
+    checkpoint = tmp_path / "True" / "checkpoint-2"
+    assert (checkpoint / "optimizer.pt").is_file()
+    resumed_model = _load(path, families)
+    resumed = RecordingTrainer(model=resumed_model, args=_arguments(tmp_path / "resumed", **settings),
+                               train_dataset=_token_dataset(12))
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 4 and len(resumed.micro_losses) == 2
+    _assert_same_losses(resumed.micro_losses, fused.micro_losses[2:])
+    for name, tensor in _state(fused_model).items():
+        torch.testing.assert_close(_state(resumed_model)[name], tensor, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_trainer_label_smoothing_gets_the_logits(checkpoints, tmp_path, fused_losses):
     """``label_smoothing_factor``: Trainer pops the labels and smooths the loss itself from the logits; called
     without labels, the fused model runs the original forward and returns them."""
