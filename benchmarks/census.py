@@ -19,7 +19,13 @@ merged parts by the merge, :mod:`fusion_core.casting`); the fused save is then c
 causal-LM types): one training step in float32 with labels (a third of them ``-100``), the loss and every
 parameter's gradient of the fused model against plain's (loss within 1e-5 relative, each gradient within
 1e-5 relative L2), then the logits without labels (bit for bit). A type the family declines at plan time
-is ``declined``, with its reason.
+is ``declined``, with its reason. A gradient that is zero or tiny in exact arithmetic (a key projection's
+bias: softmax ignores a shift of a query's scores; a router that gets no gradient through its top-k) is
+float32 rounding noise on both sides, which any change of summation order reshuffles (the chunked loss sums
+the hidden states' gradient chunk by chunk): where a gradient misses the relative bound, the step is run
+once more on a float64 copy of the plain model, and the fused gradient passes if it is as close to that exact
+gradient as plain's float32 one is (:data:`ROUNDING_FACTOR` times plain's distance, or 1e-5 of the exact
+gradient's norm).
 
 Each row gets one outcome:
 
@@ -46,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import inspect
 import io
 import json
@@ -296,6 +303,10 @@ def census_one(model_type: str, auto_cls: Any, fusion_config: dict[str, Any], wo
 # -- one model, training ------------------------------------------------------------------------
 TRAINING_FAMILY = "linear_cross_entropy"
 TRAINING_BOUND = 1e-5
+ROUNDING_FACTOR = 4.0
+"""How much farther from the float64 gradient than plain's float32 one a fused float32 gradient may lie: two
+roundings of one computation in another order land at comparable distances (measured on AMD EPYC, 5.25.0:
+fused/plain distance 0.9-2.3 on the tensors that miss the relative bound: key biases, routers, small gates)."""
 
 
 def _training_step(model: Any, inputs: dict[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
@@ -352,16 +363,40 @@ def census_training_one(model_type: str, auto_cls: Any, work: Path) -> Row:
     problems = [] if row.max_rel_diff <= TRAINING_BOUND else [f"loss {loss:.6g} vs plain {expected_loss:.6g}"]
     if sorted(grads) != sorted(expected_grads):
         problems.append(f"gradients of other parameters: {sorted(set(grads) ^ set(expected_grads))[:3]}")
-    for name, expected in expected_grads.items():
-        if name in grads:
-            error = relative_l2(expected, grads[name])
-            if not error <= TRAINING_BOUND:
-                problems.append(f"gradient of {name} differs by {error:.1e}")
-                break
+    missed = [name for name, expected in expected_grads.items()
+              if name in grads and not relative_l2(expected, grads[name]) <= TRAINING_BOUND]
+    if missed:
+        problems += _beyond_rounding(plain, inputs, expected_loss, expected_grads, grads, missed)
     if not torch.equal(logits, expected_logits):
         problems.append("logits without labels differ from plain's")
     row.outcome, row.note = ("SILENT", "; ".join(problems)) if problems else ("training-exact", "")
     return row
+
+
+def _beyond_rounding(plain: Any, inputs: dict[str, torch.Tensor], expected_loss: float,
+                     expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], missed: list[str]) -> list[str]:
+    """The gradients of ``missed`` (beyond the relative bound) that a float64 step shows are not rounding noise."""
+    worst = max(missed, key=lambda name: relative_l2(expected[name], got[name]))
+    verdict = [f"gradient of {worst} differs by {relative_l2(expected[worst], got[worst]):.1e}"]
+    exact_model = copy.deepcopy(plain).double()
+    if hasattr(exact_model, "set_experts_implementation") and getattr(exact_model.config, "_experts_implementation",
+                                                                      None) not in (None, "eager"):
+        exact_model.set_experts_implementation("eager")  # grouped_mm takes no float64
+    try:
+        exact_loss, exact = _training_step(exact_model, inputs)
+    except Exception as error:
+        return [f"{verdict[0]} (no float64 step to tell rounding apart: {_message(error)})"]
+    if abs(exact_loss - expected_loss) > TRAINING_BOUND * abs(exact_loss):
+        return [f"{verdict[0]} (the float64 step is not the same computation: loss {exact_loss:.6g})"]
+    problems = []
+    for name in missed:
+        reference = exact[name]
+        plain_distance = float((expected[name].double() - reference).norm())
+        fused_distance = float((got[name].double() - reference).norm())
+        if fused_distance > max(ROUNDING_FACTOR * plain_distance, TRAINING_BOUND * float(reference.norm())):
+            problems.append(f"gradient of {name} differs by {relative_l2(expected[name], got[name]):.1e}, "
+                            f"{fused_distance:.2e} from float64's where plain's is {plain_distance:.2e}")
+    return problems[:1]
 
 
 # -- the zoo -----------------------------------------------------------------------------------
