@@ -44,6 +44,7 @@ import copy
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import inspect
 import sys
 import threading
 from collections import OrderedDict
@@ -246,18 +247,30 @@ def _fused_lora_layer(lora_config: Any, adapter_name: str, target: nn.Module, **
     stand_in = _stand_in(target, copy_tensors=False)
     layer = layer_cls(stand_in, adapter_name, config=lora_config, **kwargs)
     layer.base_layer = target
-    if _rewrites_base(lora_config):
+    if _rewrites_base(getattr(lora_config, "init_lora_weights", True)):
         _write_back(target, stand_in)
     return layer
 
 
-def _rewrites_base(lora_config: Any) -> bool:
-    """Whether creating the adapter rewrites the base weight, which must then reach the fused tensors: every
-    ``init_lora_weights`` but ``True``, ``False`` and ``"gaussian"`` (which draw only the adapter's own matrices).
-    PiSSA sets ``base_layer.weight.data`` to the residual, OLoRA subtracts in place, CorDA and LoftQ rewrite it
-    too; an initialisation PEFT adds later is written back as well (a copy of the layer's tensors, once)."""
-    init = getattr(lora_config, "init_lora_weights", True)
+def _rewrites_base(init: Any) -> bool:
+    """Whether an adapter initialised with ``init_lora_weights=init`` rewrites the base weight, which must then reach
+    the fused tensors: every value but ``True``, ``False`` and ``"gaussian"`` (which draw only the adapter's own
+    matrices). PiSSA sets ``base_layer.weight.data`` to the residual, OLoRA subtracts in place, CorDA and LoftQ
+    rewrite it too; an initialisation PEFT adds later is written back as well (a copy of the layer's tensors, once)."""
     return not (init is True or init is False or init == "gaussian")
+
+
+def _init_of(update_layer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The ``init_lora_weights`` of a call ``update_layer(*args, **kwargs)``, whichever way the release passes it:
+    inside ``config`` (PEFT 0.18 and later) or as an argument of its own (0.17: ``init_lora_weights``, positional
+    or by name)."""
+    try:
+        arguments = inspect.signature(update_layer).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        arguments = dict(kwargs)
+    if arguments.get("config") is not None:
+        return getattr(arguments["config"], "init_lora_weights", True)
+    return arguments.get("init_lora_weights", arguments.get("kwargs", {}).get("init_lora_weights", True))
 
 
 def _quantized(target: MergedSlice) -> str | None:
@@ -321,8 +334,8 @@ class _FusedBaseMixin:
     base_layer: nn.Module
 
     def update_layer(self, *args: Any, **kwargs: Any) -> Any:
-        config = kwargs.get("config", args[3] if len(args) > 3 else None)
-        with _on_stand_in(self, copy_tensors=_rewrites_base(config)):
+        init = _init_of(super().update_layer, args, kwargs)  # type: ignore[misc]
+        with _on_stand_in(self, copy_tensors=_rewrites_base(init)):
             return super().update_layer(*args, **kwargs)  # type: ignore[misc]
 
     def merge(self, *args: Any, **kwargs: Any) -> None:
