@@ -22,10 +22,10 @@ parameter's gradient of the fused model against plain's (loss within 1e-5 relati
 is ``declined``, with its reason. A gradient that is zero or tiny in exact arithmetic (a key projection's
 bias: softmax ignores a shift of a query's scores; a router that gets no gradient through its top-k) is
 float32 rounding noise on both sides, which any change of summation order reshuffles (the chunked loss sums
-the hidden states' gradient chunk by chunk): where a gradient misses the relative bound, the step is run
-once more on a float64 copy of the plain model, and the fused gradient passes if it is as close to that exact
-gradient as plain's float32 one is (:data:`ROUNDING_FACTOR` times plain's distance, or 1e-5 of the exact
-gradient's norm).
+the hidden states' gradient chunk by chunk). Such a gradient passes when it differs from plain's by less than
+:data:`ROUNDING_FLOOR` of the whole model's gradient norm; beyond that, the step is run once more on a float64
+copy of the plain model, and the fused gradient passes if it is as close to that exact gradient as plain's
+float32 one is (:data:`ROUNDING_FACTOR` times plain's distance, or 1e-5 of the exact gradient's norm).
 
 Each row gets one outcome:
 
@@ -303,10 +303,14 @@ def census_one(model_type: str, auto_cls: Any, fusion_config: dict[str, Any], wo
 # -- one model, training ------------------------------------------------------------------------
 TRAINING_FAMILY = "linear_cross_entropy"
 TRAINING_BOUND = 1e-5
+ROUNDING_FLOOR = 1e-7
+"""A gradient that misses the relative bound by less than this fraction of the whole model's gradient norm (float32
+resolves about 6e-8 of a value) is rounding noise without a float64 step."""
 ROUNDING_FACTOR = 4.0
-"""How much farther from the float64 gradient than plain's float32 one a fused float32 gradient may lie: two
-roundings of one computation in another order land at comparable distances (measured on AMD EPYC, 5.25.0:
-fused/plain distance 0.9-2.3 on the tensors that miss the relative bound: key biases, routers, small gates)."""
+"""Beyond the floor: how much farther from the float64 gradient than plain's float32 one a fused float32 gradient
+may lie. Two roundings of one computation in another order land at comparable distances (AMD EPYC, 5.25.0:
+fused/plain distance 0.9-2.3 on the tensors that miss the relative bound: key biases, routers, small gates; up to 17
+on 4.57.6's DBRX router, 1.4e-8 against a whole gradient of norm 5, which the floor passes)."""
 
 
 def _training_step(model: Any, inputs: dict[str, torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
@@ -368,8 +372,10 @@ def census_training_one(model_type: str, auto_cls: Any, work: Path) -> Row:
     problems = [] if row.max_rel_diff <= TRAINING_BOUND else [f"loss {loss:.6g} vs plain {expected_loss:.6g}"]
     if sorted(grads) != sorted(expected_grads):
         problems.append(f"gradients of other parameters: {sorted(set(grads) ^ set(expected_grads))[:3]}")
+    whole = float(torch.cat([g.double().flatten() for g in expected_grads.values()]).norm())
     missed = [name for name, expected in expected_grads.items()
-              if name in grads and not relative_l2(expected, grads[name]) <= TRAINING_BOUND]
+              if name in grads and not relative_l2(expected, grads[name]) <= TRAINING_BOUND
+              and not float((grads[name].double() - expected.double()).norm()) <= ROUNDING_FLOOR * whole]
     if missed:
         problems += _beyond_rounding(plain, inputs, expected_loss, expected_grads, grads, missed)
     if not torch.equal(logits, expected_logits):

@@ -28,6 +28,10 @@ TOOLS_SPEC="$TEST_SPEC ruff>=0.6 mypy>=1.10 mkdocs>=1.6 mkdocstrings[python]>=0.
 # torchao installed, transformers imports it on every load, ~0.5 s, and its warnings reach stderr).
 # Pinned to the releases checked (their ranges and the private names read: fusion_quantization/compat.py).
 QUANT_SPEC="torchao==0.18.0 bitsandbytes==0.50.2 optimum-quanto==0.2.7"
+# The oldest PEFT fusion-peft supports (its peft>=0.17), beside 4.57, in an environment without quantizers (it
+# imports a name torchao 0.18 no longer has): its update_layer takes init_lora_weights as an argument of its own
+# where later releases pass a config.
+PEFT_OLDEST="peft==0.17.1"
 # The minors between 4.57 and the newest 5.x that CI runs the range subset on (tests marked `range`):
 # the first 5.x release and minors spread across the line, each the newest patch of its minor.
 RANGE_SPECS=("transformers>=5.0,<5.1" "transformers>=5.8,<5.9" "transformers>=5.16,<5.17" "transformers>=5.22,<5.23"

@@ -52,6 +52,10 @@ QUANT_TESTS = [
     "fusion_plugins/moe_experts/tests/test_moe_experts.py::"
     "test_a_torchao_quantizing_load_is_refused_before_any_weight_is_read",
 ]
+# What runs with the oldest PEFT fusion-peft supports ($PEFT_OLDEST), beside 4.57, in an environment of its own.
+PEFT_TESTS = ["tests/test_interop_peft.py",
+              "fusion_plugins/linear_kernels/tests/test_packing.py::test_lora_on_packed_layers_trains_like_plain",
+              "fusion_plugins/linear_kernels/tests/test_packing.py::test_pissa_rewrites_packed_base_weights"]
 # The edit-test loop (--quick): the core suite on the newest line, without the multi-process,
 # docs-build and benchmark-smoke tests (marked `slow`) that the full runs keep.
 QUICK_ARGS = ["-m", "not slow"]
@@ -128,6 +132,8 @@ def plan(quick: bool, pytest_args: list[str], reports: Path) -> list[Chain]:
         env = f"quant-{line}"
         chains.append(Chain([ensure_env(env, spec_var, "$TEST_SPEC $QUANT_SPEC"),
                              pytest_stage(env, env, [*QUANT_TESTS, *pytest_args], reports)], 200))
+    chains.append(Chain([ensure_env("peft-oldest", "TF4_SPEC", "$TEST_SPEC $PEFT_OLDEST"),
+                         pytest_stage("peft-oldest", "peft-oldest", [*PEFT_TESTS, *pytest_args], reports)], 150))
     if os.environ.get("FUSION_CORE_SKIP_RANGE", "0") != "1":
         for spec in range_specs():
             env = range_env_name(spec)

@@ -97,7 +97,7 @@ Importing `fusion_core` with a transformers outside the range fails at once with
 that names the range, not deep inside a load.
 
 `bash scripts/test.sh` (CI) runs, each release in its own environment with torch 2.13.0 (CPU),
-peft 0.21.2 and accelerate 1.15.0 (torchao is not installed: with it, every transformers load imports it,
+peft 0.21.2 and accelerate 1.16.0 (torchao is not installed: with it, every transformers load imports it,
 ~0.5 s, and it prints its own import warnings; the moe_experts torchao test then skips, saying so):
 
 | transformers | what runs |
@@ -109,6 +109,8 @@ peft 0.21.2 and accelerate 1.15.0 (torchao is not installed: with it, every tran
 | 4.57.1, 5.1.0, 5.3.0, 5.6.2, 5.10.4, 5.14.1, 5.18.0, 5.21.1, 5.23.0 | the range subset, once by hand (not in CI) |
 | 5.19.0 | the range subset and the census (inference and training), once by hand (not in CI) |
 | 5.2.0, 5.4.0 | the range subset less tensor parallelism, once by hand (not in CI) |
+| 4.57.6 and 5.25.0, each with torchao, bitsandbytes and optimum-quanto | `QUANT_TESTS` (`scripts/checks.py`) |
+| 4.57.6 with peft 0.17.1, the oldest fusion-peft supports | `PEFT_TESTS` (`scripts/checks.py`) |
 
 The range subset: every shipped family loaded, run, saved and reloaded on the tiny models and the
 decoder families, the compat fallbacks, `integrate_transformers` (Auto and model classes,
