@@ -5,8 +5,9 @@ loading report alone proves every fused weight was loaded (a tensor missing from
 
 - a GGUF file (``gguf_file=``): transformers reads it, dequantizes its tensors and renames them to the model's
   keys. transformers 4.57 first builds a throwaway model on the meta device to name the file's tensors; the
-  fused load routes the model it returns, not that one. A save does what plain's does: 4.57 writes the
-  original layout, 5.x refuses to serialize a GGUF-loaded model, and so does a fused one, writing nothing.
+  fused load routes the model it returns, not that one. A save does what plain's does: 4.57 and 5.0 write
+  the original layout, later 5.x releases refuse to serialize a GGUF-loaded model, and so does a fused one,
+  writing nothing.
 - a state dict in memory (``from_pretrained(None, config=..., state_dict=...)``).
 
 A checkpoint saved as a ``variant`` (``model.fp16.safetensors``, sharded or not) has headers, under the
@@ -15,6 +16,7 @@ variant's file names: they are checked, and a save with the variant writes plain
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -94,17 +96,18 @@ def test_a_tensor_missing_from_the_gguf_file_is_refused_by_name(tmp_path: Path) 
 
 
 def test_saving_a_gguf_loaded_fused_model_does_what_saving_the_plain_one_does(tmp_path: Path) -> None:
+    """Some 5.x releases treat a GGUF load as quantized and will not serialize it (5.25: "not serializable"),
+    others save it (4.57, 5.0): the fused save refuses as plain's does, writing nothing, or writes plain's bytes."""
     path = _file(tmp_path / "in", "qwen2")
     plain = AutoModelForCausalLM.from_pretrained(path, gguf_file="model.gguf")
     fused = fusion_core.from_pretrained(AutoModelForCausalLM, path, fusion_config=FAMILIES, gguf_file="model.gguf")
-    if FIVE:  # 5.x treats a GGUF load as quantized and will not serialize it
-        with pytest.raises(ValueError, match="not serializable") as refused:
-            plain.save_pretrained(tmp_path / "plain")
-        with pytest.raises(type(refused.value), match="not serializable"):
+    try:
+        plain.save_pretrained(tmp_path / "plain")
+    except ValueError as refused:
+        with pytest.raises(type(refused), match=re.escape(str(refused)[:40])):
             fusion_core.save_pretrained(fused, tmp_path / "fused")
         assert not (tmp_path / "fused").exists() or not any((tmp_path / "fused").iterdir())
         return
-    plain.save_pretrained(tmp_path / "plain")
     fusion_core.save_pretrained(fused, tmp_path / "fused")
     weights = sorted(p.name for p in (tmp_path / "plain").glob("*.safetensors"))
     assert weights and sorted(p.name for p in (tmp_path / "fused").glob("*.safetensors")) == weights
