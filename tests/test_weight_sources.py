@@ -5,7 +5,7 @@ loading report alone proves every fused weight was loaded (a tensor missing from
 
 - a GGUF file (``gguf_file=``): transformers reads it, dequantizes its tensors and renames them to the model's
   keys. transformers 4.57 first builds a throwaway model on the meta device to name the file's tensors; the
-  fused load routes the model it returns, not that one. A save does what plain's does: 4.57 and 5.0 write
+  fused load routes the model it returns, not that one. A save does what plain's does: 4.57 to 5.16 write
   the original layout, later 5.x releases refuse to serialize a GGUF-loaded model, and so does a fused one,
   writing nothing.
 - a state dict in memory (``from_pretrained(None, config=..., state_dict=...)``).
@@ -96,8 +96,9 @@ def test_a_tensor_missing_from_the_gguf_file_is_refused_by_name(tmp_path: Path) 
 
 
 def test_saving_a_gguf_loaded_fused_model_does_what_saving_the_plain_one_does(tmp_path: Path) -> None:
-    """Some 5.x releases treat a GGUF load as quantized and will not serialize it (5.25: "not serializable"),
-    others save it (4.57, 5.0): the fused save refuses as plain's does, writing nothing, or writes plain's bytes."""
+    """Later 5.x releases treat a GGUF load as quantized and will not serialize it (5.22 to 5.25: "not
+    serializable"), earlier ones save it (4.57 to 5.16): the fused save refuses as plain's does, writing nothing,
+    or writes plain's bytes."""
     path = _file(tmp_path / "in", "qwen2")
     plain = AutoModelForCausalLM.from_pretrained(path, gguf_file="model.gguf")
     fused = fusion_core.from_pretrained(AutoModelForCausalLM, path, fusion_config=FAMILIES, gguf_file="model.gguf")
