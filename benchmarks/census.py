@@ -372,28 +372,36 @@ def census_training_one(model_type: str, auto_cls: Any, work: Path) -> Row:
     problems = [] if row.max_rel_diff <= TRAINING_BOUND else [f"loss {loss:.6g} vs plain {expected_loss:.6g}"]
     if sorted(grads) != sorted(expected_grads):
         problems.append(f"gradients of other parameters: {sorted(set(grads) ^ set(expected_grads))[:3]}")
-    whole = float(torch.cat([g.double().flatten() for g in expected_grads.values()]).norm())
-    missed = [name for name, expected in expected_grads.items()
-              if name in grads and not relative_l2(expected, grads[name]) <= TRAINING_BOUND
-              and not float((grads[name].double() - expected.double()).norm()) <= ROUNDING_FLOOR * whole]
-    if missed:
-        problems += _beyond_rounding(plain, inputs, expected_loss, expected_grads, grads, missed)
+    problems += gradient_problems(plain, inputs, expected_loss, expected_grads, grads)
     if not torch.equal(logits, expected_logits):
         problems.append("logits without labels differ from plain's")
     row.outcome, row.note = ("SILENT", "; ".join(problems)) if problems else ("training-exact", "")
     return row
 
 
+def gradient_problems(plain: Any, inputs: dict[str, torch.Tensor], expected_loss: float,
+                      expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> list[str]:
+    """The worst fused gradient in ``got`` that is not plain's in ``expected`` up to float32 rounding, or nothing.
+
+    A gradient passes within the relative bound, or below :data:`ROUNDING_FLOOR` of the whole gradient's norm;
+    what is left is judged against a float64 step (:func:`_beyond_rounding`)."""
+    whole = float(torch.cat([g.double().flatten() for g in expected.values()]).norm())
+    missed = [name for name, grad in expected.items()
+              if name in got and not relative_l2(grad, got[name]) <= TRAINING_BOUND
+              and not float((got[name].double() - grad.double()).norm()) <= ROUNDING_FLOOR * whole]
+    return _beyond_rounding(plain, inputs, expected_loss, expected, got, missed) if missed else []
+
+
 def _beyond_rounding(plain: Any, inputs: dict[str, torch.Tensor], expected_loss: float,
                      expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], missed: list[str]) -> list[str]:
-    """The gradients of ``missed`` (beyond the relative bound) that a float64 step shows are not rounding noise.
+    """The gradients of ``missed`` that a float64 step shows are not rounding noise.
 
     ``expected_loss`` and ``expected`` are ``plain``'s float32 step. A model that builds a scalar without a dtype
     (XGLM's ``torch.full((), finfo(dtype).min)``) overflows float32 in float64: its step is run again with float64
     as torch's default dtype. Not every model's: that also changes what ``torch.rand([])`` draws (4.57's OPT draws
     its layer drop so), and with it the dropout masks that follow."""
     worst = max(missed, key=lambda name: relative_l2(expected[name], got[name]))
-    verdict = [f"gradient of {worst} differs by {relative_l2(expected[worst], got[worst]):.1e}"]
+    verdict = f"gradient of {worst} differs by {relative_l2(expected[worst], got[worst]):.1e}"
     exact_model = copy.deepcopy(plain).double()
     if hasattr(exact_model, "set_experts_implementation") and getattr(exact_model.config, "_experts_implementation",
                                                                       None) not in (None, "eager"):
@@ -404,9 +412,9 @@ def _beyond_rounding(plain: Any, inputs: dict[str, torch.Tensor], expected_loss:
         except RuntimeError:
             exact_loss, exact = _float64_by_default(_training_step, exact_model, inputs)
     except Exception as error:
-        return [f"{verdict[0]} (no float64 step to tell rounding apart: {_message(error)})"]
+        return [f"{verdict} (no float64 step to tell rounding apart: {_message(error)})"]
     if abs(exact_loss - expected_loss) > TRAINING_BOUND * abs(exact_loss):
-        return [f"{verdict[0]} (the float64 step is not the same computation: loss {exact_loss:.6g})"]
+        return [f"{verdict} (the float64 step is not the same computation: loss {exact_loss:.6g})"]
     problems = []
     for name in missed:
         reference = exact[name]
