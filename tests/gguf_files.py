@@ -16,8 +16,8 @@ import numpy as np
 from gguf.quants import quantize
 
 HIDDEN, HEADS, KV_HEADS, VOCAB, LAYERS, FFN = 64, 4, 2, 128, 2, 96
-# transformers 4.57 reads neither of qwen2moe's expert widths from a GGUF file: its config keeps Qwen2MoeConfig's
-# defaults, so the experts here have those widths.
+# transformers (4.57.6, 5.25.0) reads neither of qwen2moe's expert widths from a GGUF file: its config keeps
+# Qwen2MoeConfig's defaults, so the experts here have those widths.
 EXPERTS, EXPERTS_USED, EXPERT_FFN, SHARED_FFN = 4, 2, 1408, 5632
 
 

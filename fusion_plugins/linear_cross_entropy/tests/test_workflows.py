@@ -183,7 +183,7 @@ def test_trainer_resumes_from_a_checkpoint_of_a_fused_run(checkpoints, tmp_path,
     _, plain_model = _train_with_trainer(path, None, tmp_path, **settings)
     fused, fused_model = _train_with_trainer(path, families, tmp_path, **settings)
     _assert_same_updates(_state(fused_model), _state(plain_model), initial)
-    checkpoint = tmp_path / "True" / "checkpoint-2"
+    checkpoint = Path(fused.args.output_dir) / "checkpoint-2"
     assert (checkpoint / "optimizer.pt").is_file()
     resumed_model = _load(path, families)
     resumed = RecordingTrainer(model=resumed_model, args=_arguments(tmp_path / "resumed", **settings),
