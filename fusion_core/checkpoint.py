@@ -259,14 +259,17 @@ def planned_tensors(module: ModulePlan, fused_layout: bool) -> dict[str, tuple[s
 
 def check_checkpoint(
     directory: Path,
+    tensors: Mapping[str, TensorInfo],
     plan: FusionPlan,
     fused_layout: bool,
     pre_quantized: bool = False,
     names: LoadedNames | None = None,
     key_mapping: Mapping[str, str] | None = None,
-    variant: str | None = None,
 ) -> None:
-    """Check the plan against the checkpoint's headers (of ``variant``'s files) before transformers reads any data.
+    """Check the plan against the checkpoint's headers before transformers reads any data.
+
+    ``tensors`` is the checkpoint in ``directory`` as :func:`read_checkpoint_index` reads it (the caller reads it
+    once, for this check and its own use).
 
     Every tensor the plan moves that is found in the checkpoint must have the planned shape and a
     floating dtype; a fused module's other tensors (a root's integer buffers) load as they would plainly.
@@ -282,7 +285,6 @@ def check_checkpoint(
     loads (5.x splits a stored ``qkv_proj`` into ``q_proj``/``k_proj``/``v_proj`` for some models),
     so absence from the headers alone does not prove a tensor is missing.
     """
-    tensors = read_checkpoint_index(directory, variant)
     matcher = KeyMatcher(tensors, names, key_mapping)
     inside = matcher.keys_under(m.path for m in plan.modules) if not pre_quantized else {}
     for module in plan.modules:

@@ -146,10 +146,10 @@ def from_pretrained(
     if local is not None and local.is_dir() and kwargs.get("gguf_file") is None:
         directory = local / kwargs.get("subfolder", "")
         pre_quantized = getattr(config, "quantization_config", None) is not None
-        check_checkpoint(directory, discovery.plan, fused_dir, pre_quantized=pre_quantized,
-                         names=discovery.names, key_mapping=kwargs.get("key_mapping"), variant=kwargs.get("variant"))
+        tensors = read_checkpoint_index(directory, kwargs.get("variant"))
+        check_checkpoint(directory, tensors, discovery.plan, fused_dir, pre_quantized=pre_quantized,
+                         names=discovery.names, key_mapping=kwargs.get("key_mapping"))
         if not pre_quantized:  # a quantizer stores and allocates in its own form
-            tensors = read_checkpoint_index(directory, kwargs.get("variant"))
             if not fused_dir and _merges_may_cast(kwargs):
                 as_stored = stored_dtypes(tensors, discovery.plan, discovery.names, kwargs.get("key_mapping"))
             check_memory(tensors, discovery.plan, fused_dir, kwargs, {key for key, _ in as_stored.values()})

@@ -106,8 +106,8 @@ def run_convert(
     discovery = discover(checkpoint.model_cls, checkpoint.config, fusion)
     plan = discovery.plan
     # headers only: fail before writing
-    check_checkpoint(checkpoint.directory, plan, checkpoint.fused_layout, names=discovery.names)
     index = read_checkpoint_index(checkpoint.directory)
+    check_checkpoint(checkpoint.directory, index, plan, checkpoint.fused_layout, names=discovery.names)
     groups = _groups(plan, list(index), to_fused, discovery.names)
     shards: dict[str, list[str]] = {}
     for key, info in index.items():

@@ -75,7 +75,7 @@ def run_plan(
         return result
     result["transforms"] = describe_with_checkpoint(plan, index, checkpoint, KeyMatcher(index, discovery.names))
     try:
-        check_checkpoint(checkpoint.directory, plan, checkpoint.fused_layout, names=discovery.names)
+        check_checkpoint(checkpoint.directory, index, plan, checkpoint.fused_layout, names=discovery.names)
     except CheckpointError as exc:
         result["checkpoint"] = {"checked": True, "error": str(exc)}
         result["ok"] = False
