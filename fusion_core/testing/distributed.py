@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fusion_core.compat import torch as torch_compat
+
 Checks = dict[str, list[Any]]
 """One rank's report: check name -> ``[ok, detail]``."""
 
@@ -83,14 +85,14 @@ def report_rank(rank: int, world: int, port: int, out: Path, scenario: Callable[
     Every rank leaves through one monitored barrier before the group is destroyed: a rank that tore
     its gloo group down while another still worked on rank-local checks was seen to abort
     ("terminate called without an active exception"); the barrier names a rank that never arrives.
-    The rank process then ends at once (``os._exit(0)``), without the interpreter's teardown: with every report
+    The rank process then ends at once (:func:`fusion_core.compat.torch.end_gloo_rank_process`), without the
+    interpreter's teardown: with every report
     written and every rank past the barrier, a rank still aborted the same way there, about once in ten CI runs
     (torch 2.13.0, gloo), failing a job whose checks had all passed.
     """
     import datetime
     import json
     import os
-    import sys
     import traceback
 
     import torch.distributed as dist
@@ -110,9 +112,7 @@ def report_rank(rank: int, world: int, port: int, out: Path, scenario: Callable[
     (out / f"rank{rank}.json").write_text(json.dumps(checks, indent=1))
     dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
     dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    torch_compat.end_gloo_rank_process()
 
 
 def fsdp2(model: Any, head: bool = False) -> Any:
