@@ -23,6 +23,17 @@ Each layer and merged projection calls through its own :class:`Caller`, which re
 and the kernel that ran it: a decode step calls every layer with the same kind of input again, and working the kind
 out anew (a dozen attribute reads, a tuple hashed) cost 37 us a call between GEMVs that evict the interpreter's
 caches (6.5 us warm), and remembering it made a Qwen2-0.5B decode step 1.6% faster (docs/benchmarks.md).
+
+**Rows torch would not fold.** ``F.linear`` runs a 3-D input as the rows of one GEMM where the input's strides are
+the contiguous ones (:func:`folds`), or where the weight requires grad. A slice such as ``hidden_states[:, -1:, :]``,
+which transformers hands the LM head at prefill, keeps the strides of the whole sequence; on a weight that does not
+require grad (a frozen model, a PEFT base model, and the detached copies a measurement times) torch then runs a
+batched GEMM over a transposed copy of the entire weight: 2.3 s a call for a 128256x2048 bfloat16 head against 28 ms
+on the same row, on a 2-core AMD EPYC. Timed that way, ``F.linear`` lost a Llama-3.2-1B head's decision to
+``torch.mv``, which then ran every decode step at 52 ms where ``F.linear`` takes 33. Within the bound a layer runs such
+an input as its rows (:func:`as_rows`: a view, or a copy of at most :data:`MAX_ROWS` rows), so a decision is measured
+on, and applies to, what decode runs; in exact mode the call runs ``F.linear`` on it as it is, without choosing (the
+batched GEMM is another kernel, whose bits are its own).
 """
 
 from __future__ import annotations
@@ -104,6 +115,27 @@ def runs_original(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return not 0 < rows_of(input) <= MAX_ROWS
 
 
+def folds(input: torch.Tensor) -> bool:
+    """Whether ``F.linear`` runs ``input`` as the rows of one GEMM: a matrix, or an input whose strides are the
+    contiguous strides of its shape (torch's matmul folds only those; see the module docs)."""
+    if input.dim() <= 2:
+        return True
+    expected = 1
+    for size, stride in zip(reversed(input.shape), reversed(input.stride()), strict=True):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def as_rows(input: torch.Tensor, exact: bool) -> torch.Tensor:
+    """``input`` itself, or within the bound (not ``exact``) its rows as a matrix where torch would not fold it and
+    it has at most :data:`MAX_ROWS` rows (a view where its memory allows, else a copy of those few rows)."""
+    if exact or folds(input) or not 0 < rows_of(input) <= MAX_ROWS:
+        return input
+    return input.reshape(-1, input.shape[-1])
+
+
 def kind_of(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, exact: bool) -> Kind:
     """The kind a call's decision is filed under."""
     cls = "torch" if type(weight) in _PLAIN else f"{type(weight).__module__}.{type(weight).__qualname__}"
@@ -113,14 +145,22 @@ def kind_of(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, exact: bool = False) -> torch.Tensor:
     """``F.linear(input, weight, bias)``, run by the kernel chosen for this kind of call."""
-    candidate = chosen(input, weight, bias, exact)
-    return F.linear(input, weight, bias) if candidate is None else candidate.run(input, weight, bias)
+    rows = as_rows(input, exact)
+    candidate = chosen(rows, weight, bias, exact)
+    if candidate is None:
+        return F.linear(input, weight, bias)
+    return _shaped(candidate.run(rows, weight, bias), input, rows)
+
+
+def _shaped(out: torch.Tensor, input: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``out``, computed on ``rows`` (:func:`as_rows`), in the shape ``F.linear(input, ...)`` has."""
+    return out if rows is input else out.view(*input.shape[:-1], out.shape[-1])
 
 
 def chosen(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, exact: bool) -> Candidate | None:
     """The candidate chosen for this kind of call (measured at its first call), or None where the call runs
-    ``F.linear`` without choosing (:func:`runs_original`)."""
-    if runs_original(input, weight, bias):
+    ``F.linear`` without choosing (:func:`runs_original`, or rows torch would not fold: see the module docs)."""
+    if runs_original(input, weight, bias) or not folds(input):
         return None
     kind = kind_of(input, weight, bias, exact)
     return _DECISIONS.get(kind) or _DECISIONS.decide(kind, lambda: choose(input, weight, bias, exact))
@@ -129,10 +169,10 @@ def chosen(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 class Caller:
     """:func:`linear` for one caller (a layer, a merged projection), remembering its last chosen call.
 
-    A call with the same weight and bias objects, an input of the same shape and dtype, and nothing about the weight
-    changed that its kind reads (shape, strides, dtype, device: ``param.data = ...`` keeps the object) is of the
-    same kind, so it runs the same kernel without working the kind out again; any other call takes the whole path of
-    :func:`linear` and is remembered in turn. What it remembers lasts while the decisions do (their
+    A call with the same weight and bias objects, an input of the same shape, strides and dtype, and nothing about
+    the weight changed that its kind reads (shape, strides, dtype, device: ``param.data = ...`` keeps the object) is
+    of the same kind, so it runs the same kernel without working the kind out again; any other call takes the whole
+    path of :func:`linear` and is remembered in turn. What it remembers lasts while the decisions do (their
     :attr:`~fusion_core.plugin.Decisions.generation`: :func:`clear_decisions` and ``reset_state()`` end it); the
     weight is held weakly (a replaced weight is not kept alive), and pickling or copying a caller drops it all. A
     merged projection that runs one GEMM per part (where merging does not pay) passes a new view of the part's rows
@@ -143,28 +183,33 @@ class Caller:
 
     def __init__(self, exact: bool = False) -> None:
         self.exact = exact
-        self._last: tuple[int, Callable[[], object], object, torch.Size, torch.dtype, torch.Size, tuple[int, ...],
-                          torch.dtype, Candidate] | None = None
+        self._last: tuple[int, Callable[[], object], object, torch.Size, tuple[int, ...], torch.dtype, torch.Size,
+                          tuple[int, ...], torch.dtype, Candidate, bool] | None = None
 
     def __call__(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         last = self._last
         if last is not None:
-            generation, held, held_bias, shape, dtype, weight_shape, strides, weight_dtype, candidate = last
+            (generation, held, held_bias, shape, input_strides, dtype, weight_shape, strides, weight_dtype, candidate,
+             flat) = last
             if (generation == _DECISIONS.generation and held() is weight and held_bias is bias
-                    and type(input) is torch.Tensor and input.shape == shape and input.dtype is dtype
-                    and input.is_cpu and input.layout is torch.strided
+                    and type(input) is torch.Tensor and input.shape == shape and input.stride() == input_strides
+                    and input.dtype is dtype and input.is_cpu and input.layout is torch.strided
                     and weight.shape == weight_shape and weight.stride() == strides
                     and weight.dtype is weight_dtype and weight.is_cpu and (bias is None or bias.dtype is dtype)
                     and not (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
                                                           or (bias is not None and bias.requires_grad)))
                     and not torch.is_autocast_enabled("cpu")):
+                if flat:
+                    rows = input.reshape(-1, input.shape[-1])
+                    return _shaped(candidate.run(rows, weight, bias), input, rows)
                 return candidate.run(input, weight, bias)
-        candidate = chosen(input, weight, bias, self.exact)
+        rows = as_rows(input, self.exact)
+        candidate = chosen(rows, weight, bias, self.exact)
         if candidate is None:
             return F.linear(input, weight, bias)
-        self._last = (_DECISIONS.generation, weakref.ref(weight), bias, input.shape, input.dtype, weight.shape,
-                      weight.stride(), weight.dtype, candidate)
-        return candidate.run(input, weight, bias)
+        self._last = (_DECISIONS.generation, weakref.ref(weight), bias, input.shape, input.stride(), input.dtype,
+                      weight.shape, weight.stride(), weight.dtype, candidate, rows is not input)
+        return _shaped(candidate.run(rows, weight, bias), input, rows)
 
     def __reduce__(self) -> tuple[type[Caller], tuple[bool]]:
         return type(self), (self.exact,)

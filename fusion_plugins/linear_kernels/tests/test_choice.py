@@ -216,3 +216,38 @@ def test_a_caller_under_autograd_runs_the_original_and_keeps_no_weight_alive(fak
     assert held() is None
     copied = copy.deepcopy(caller), pickle.loads(pickle.dumps(caller))
     assert all(c._last is None and c.exact is caller.exact for c in copied)
+
+
+def _aten_ops(call) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = call()
+    return out, {event.name for event in prof.events()}
+
+
+def test_a_slice_of_the_last_position_runs_as_the_rows_decode_runs(fake_times):
+    """``hidden[:, -1:, :]``, what transformers hands the LM head at prefill, keeps the whole sequence's strides, and
+    on a weight that does not require grad (as here, and as the copies a measurement times) torch's ``F.linear`` runs
+    it as a batched GEMM over a transposed copy of the whole weight (80x slower for a 128256x2048 bfloat16 head).
+    Within the bound the layer runs the slice's rows, measured as the kind decode runs; exact mode runs ``F.linear``
+    on it as it is and measures nothing there."""
+    fake_times(choice, lambda ways: [1e-9] + [1.0] * (ways - 1))  # F.linear measured fastest
+    weight, _ = _layer(96, 64, torch.bfloat16, bias=False)
+    sliced = torch.randn(1, 5, 64, generator=GEN).to(torch.bfloat16)[:, -1:, :]
+    decode = torch.empty(1, 1, 64, dtype=torch.bfloat16).copy_(sliced)
+    assert not choice.folds(sliced) and choice.folds(decode) and sliced.is_contiguous()
+    reference = F.linear(sliced, weight)
+    with torch.no_grad():
+        caller = choice.Caller()
+        for _ in range(2):  # the first call chooses, the second runs what the caller remembers
+            got, ops = _aten_ops(lambda: caller(sliced, weight, None))
+            assert "aten::bmm" not in ops and "aten::mm" in ops
+            assert got.shape == reference.shape and torch.equal(got, reference)
+        assert list(choice.decisions().values()) == ["linear"]
+        assert torch.equal(choice.linear(decode, weight, None), reference) and len(choice.decisions()) == 1
+        choice.clear_decisions()
+        exact, ops = _aten_ops(lambda: choice.Caller(exact=True)(sliced, weight, None))
+        assert torch.equal(exact, reference) and not choice.decisions()
+        batch = torch.randn(2, 5, 64, generator=GEN).to(torch.bfloat16)[:, -1:, :]  # not contiguous: rows copied
+        got = choice.linear(batch, weight, None)
+        want = F.linear(batch, weight)
+        assert got.shape == want.shape and admitted(got, want, admission_bound(batch, weight, want), exact=False)
