@@ -20,6 +20,7 @@ weight, and which weight kinds it holds prepacked (oneDNN's layout) with the tim
     python benchmarks/bench_decode.py --profile --rounds 1   # also: each step split into GEMVs by kind, attention, rest
     python benchmarks/bench_decode.py --processes 5 --rounds 3   # 5 fresh processes: the median one and the worst
     python benchmarks/bench_decode.py --as-loaded   # weights where each load put them (plain: the file mapping)
+    python benchmarks/bench_decode.py --frozen      # parameters frozen (requires_grad_(False)), as PEFT leaves a base
     .venvs/quant-tf5/bin/python benchmarks/bench_decode.py --quantize int8wo   # torchao int8 weight-only loads
 """
 
@@ -226,6 +227,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="leave each contender's weights where its load put them (plain: views of the checkpoint's "
                         "file mapping, as transformers leaves a checkpoint loaded in its stored dtype) instead of "
                         "copying every contender's into the process's own memory first (see own_memory)")
+    parser.add_argument("--frozen", action="store_true",
+                        help="every contender's parameters frozen (requires_grad_(False)), as PEFT leaves a base "
+                        "model: torch's F.linear then runs the LM head's prefill slice (hidden_states[:, -1:, :]) "
+                        "as a batched GEMM over a transposed copy of the head (fusion_linear_kernels.choice)")
     parser.add_argument("--profile", action="store_true",
                         help="also split each contender's decode step into GEMVs by kind, attention and the rest "
                         "(torch.profiler; see decode_split.py), in ms and as a share of the floor")
@@ -246,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     models = {name: load_contender(path, CONTENDERS.get(name, name), dtype, args.quantize) for name in names}
     if not args.as_loaded:
         models = {name: own_memory(model) for name, model in models.items()}
+    if args.frozen:
+        models = {name: model.requires_grad_(False) for name, model in models.items()}
     plain = models["plain"]
     per_token = bytes_per_token(plain)
     bandwidth = read_bandwidth(plain)
@@ -275,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     samples, first = paired_rounds(calls, args.rounds, warmup=2)
 
     mode = ("compiled" if args.compile else "eager") + (f", {args.quantize}" if args.quantize else "") + (
-        ", weights as loaded" if args.as_loaded else "")
+        ", weights as loaded" if args.as_loaded else "") + (", weights frozen" if args.frozen else "")
     table = Table(f"Decode and prefill, {args.model} ({args.layers or MODELS[args.model][2]} layers), {args.dtype}, "
                   f"{mode}, batch 1", ["contender", "decode ms/token", "x floor", "decode vs plain",
                                        "decode vs qkv+gate_up", f"prefill {args.prefill} ms", "prefill vs plain",
