@@ -229,7 +229,7 @@ def choose(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         reference = F.linear(x, weight, bias)
         bound = admission_bound(x, weight, reference)
         taken = [LINEAR] + [
-            c for c in candidates if c is not LINEAR and c.applies(x, weight, bias)
+            c for c in candidates if c is not LINEAR and (c.exact or not exact) and c.applies(x, weight, bias)
             and admitted(c.run(x, weight, bias), reference, bound, exact)
         ]
         if len(taken) == 1:

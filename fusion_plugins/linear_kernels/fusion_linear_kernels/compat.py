@@ -40,6 +40,11 @@ autograd inside another operator (a traced backward must not look inside): :func
 clears the excluded keys for that block with ``torch._C._ForceDispatchKeyGuard`` (the thread's include set
 kept, nothing excluded), as torch's own ``torch._C._AutoDispatchBelowAutograd`` guard sets them.
 
+The row-dot GEMV (:mod:`fusion_linear_kernels.row_dot`) is code Inductor generates for one shape:
+:func:`inductor_compile` hands a traced graph to ``torch._inductor.compile(graph, example_inputs)``, which returns
+the compiled callable without dynamo's guards (a call costs about 10 us against ``torch.compile``'s 20-30 us, and
+no recompile limit is shared with the user's own compiled code).
+
 One private method of ``nn.Module`` is overridden, not called from here: the fused class's
 ``_apply`` (what ``.to()``, ``.half()``, ``.cuda()`` call on every module; unchanged since torch 1.0)
 unpacks the weight before ``nn.Module._apply`` runs and packs it again only where it still may be
@@ -161,3 +166,11 @@ def writes_and_views(func: Any) -> tuple[list[str | int], bool]:
             written += [index, argument.name]
     alias = arguments[0].alias_info if arguments else None
     return written, alias is not None and not alias.is_write and any(r.alias_info is not None for r in returns)
+
+
+def inductor_compile(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+    """Inductor's code for ``graph`` on inputs shaped as ``example_inputs`` (``torch._inductor.compile``)."""
+    import torch._inductor
+
+    compiled: Callable[..., Any] = torch._inductor.compile(graph, example_inputs)
+    return compiled

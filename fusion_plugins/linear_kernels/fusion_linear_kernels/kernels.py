@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from fusion_linear_kernels import compat
+from fusion_linear_kernels import compat, row_dot
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 #: The input dtypes torch's int8 weight-only GEMM takes.
@@ -32,6 +32,8 @@ class Candidate:
     name: str
     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
     applies: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], bool]
+    exact: bool = True
+    """Whether it may give ``F.linear``'s bits (False: a candidate within the bound only, not tried in exact mode)."""
 
 
 def _always(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -76,9 +78,13 @@ INT8 = Candidate("int8 weight-only", _int8, _int8_applies)
 """For a weight a quantizer already holds in int8 (one scale per row): torch's int8 GEMM instead of the quantizer's
 ``F.linear`` dispatch."""
 
+ROW_DOT = Candidate("row-dot", row_dot.run, row_dot.applies, exact=False)
+"""Inductor's one-row GEMV over the dense weight (:mod:`fusion_linear_kernels.row_dot`), within the bound only."""
+
 CANDIDATES: tuple[Candidate, ...] = (
     LINEAR,
     Candidate("mv", _mv, _one_row),
     INT8,
+    ROW_DOT,
 )
 """The documented candidates, ``F.linear`` first (it wins ties: it is the original's kernel)."""

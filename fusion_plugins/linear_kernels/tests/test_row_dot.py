@@ -1,0 +1,82 @@
+"""The row-dot GEMV Inductor builds: within the bound of F.linear, never tried in exact mode, and a failed build
+leaves the other candidates (and a stored decision naming it runs F.linear)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from fusion_linear_kernels import choice, compat, kernels, row_dot
+from fusion_linear_kernels.tolerance import admission_bound, admitted
+from torch.nn import functional as F
+
+from fusion_core.testing.decisions import original_slowest
+
+pytestmark = pytest.mark.usefixtures("fake_times")
+GEN = torch.Generator().manual_seed(0)
+#: Two rows of 512: a weight of at least row_dot.MIN_BYTES in bfloat16 at 1024 wide.
+SHAPE = (row_dot.MIN_BYTES // 2 // 1024 + 3, 1024)
+
+
+def _layer(dtype: torch.dtype, bias: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    out, inn = SHAPE
+    weight = (torch.randn(out, inn, generator=GEN) / inn**0.5).to(dtype)
+    return weight, (torch.randn(out, generator=GEN).to(dtype) if bias else None), torch.randn(
+        1, 1, inn, generator=GEN).to(dtype)
+
+
+@pytest.fixture
+def fresh_kernels():
+    row_dot.clear()
+    row_dot._WARNED.clear()
+    yield
+    row_dot.clear()
+    row_dot._WARNED.clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_row_dot_gemv_is_within_the_bound_of_f_linear(dtype, bias):
+    weight, b, x = _layer(dtype, bias)
+    with torch.no_grad():
+        assert row_dot.applies(x, weight, b)
+        got = row_dot.run(x, weight, b)
+    reference = F.linear(x, weight, b)
+    assert got.shape == reference.shape and got.dtype == reference.dtype
+    assert admitted(got, reference, admission_bound(x, weight, reference), exact=False)
+
+
+def test_it_applies_to_one_row_of_a_large_dense_weight_only():
+    weight, _, x = _layer(torch.bfloat16, False)
+    assert not row_dot.applies(torch.randn(1, 2, SHAPE[1]).to(torch.bfloat16), weight, None)  # two rows
+    small = weight[:8].contiguous()  # served from the caches: F.linear
+    assert not row_dot.applies(x, small, None)
+    assert not row_dot.applies(x, weight.t().contiguous().t(), None)  # not row-major
+    assert not row_dot.applies(x.double(), weight.double(), None)
+
+
+def test_within_the_bound_the_choice_measures_it_and_exact_mode_never_tries_it(fake_times, monkeypatch):
+    fake_times(choice, lambda ways: [1.0] * (ways - 1) + [0.1])  # the last candidate measured fastest: row-dot
+    weight, _, x = _layer(torch.bfloat16, False)
+    with torch.no_grad():
+        assert choice.choose(x, weight, None, exact=False) is kernels.ROW_DOT
+        monkeypatch.setattr(row_dot, "applies", lambda *args: pytest.fail("row-dot tried in exact mode"))
+        assert choice.choose(x, weight, None, exact=True) is not kernels.ROW_DOT
+
+
+def test_a_failed_build_leaves_the_other_candidates_and_says_so_once(fresh_kernels, fake_times, monkeypatch):
+    def no_compiler(graph, inputs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(compat, "inductor_compile", no_compiler)
+    fake_times(choice, original_slowest)
+    weight, _, x = _layer(torch.bfloat16, False)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert choice.choose(x, weight, None, exact=False) is not kernels.ROW_DOT
+        assert not row_dot.applies(x, weight[:-1].contiguous(), None)  # another shape: no second warning
+        # a stored decision naming row-dot, on a machine where it cannot be built, runs F.linear
+        assert torch.equal(kernels.ROW_DOT.run(x, weight, None), F.linear(x, weight))
+    said = [w for w in caught if issubclass(w.category, row_dot.RowDotUnavailableWarning)]
+    assert len(said) == 1 and "no C++ compiler found" in str(said[0].message)
