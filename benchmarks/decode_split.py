@@ -30,6 +30,9 @@ GEMM_WEIGHTS: dict[str, tuple[int, bool]] = {
     "aten::addmv_": (1, False), "aten::_weight_int8pack_mm": (1, False),
     "mkldnn::_linear_pointwise": (1, False), "aten::mkldnn_linear": (1, False), "aten::linear": (1, False),
 }
+#: How the profiler names a call of code Inductor compiled: in an eager decode step, ``linear_kernels``' row-dot
+#: GEMVs (``fusion_linear_kernels.row_dot``), whose event carries no shapes.
+COMPILED = "## Call CompiledFxGraph"
 ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "aten::bmm", "aten::baddbmm")
 
 
@@ -37,6 +40,8 @@ def group_of(name: str, shapes: list[Any]) -> str:
     """The group an operator's self time goes to (see the module docs)."""
     if any(marker in name for marker in ATTENTION):
         return "attention"
+    if name.startswith(COMPILED):
+        return "GEMV (row-dot, every kind)"
     found = GEMM_WEIGHTS.get(name)
     if found is not None:
         index, transposed = found
