@@ -43,7 +43,8 @@ kept, nothing excluded), as torch's own ``torch._C._AutoDispatchBelowAutograd`` 
 The row-dot GEMV (:mod:`fusion_linear_kernels.row_dot`) is code Inductor generates for one shape:
 :func:`inductor_compile` hands a traced graph to ``torch._inductor.compile(graph, example_inputs)``, which returns
 the compiled callable without dynamo's guards (a call costs about 10 us against ``torch.compile``'s 20-30 us, and
-no recompile limit is shared with the user's own compiled code).
+no recompile limit is shared with the user's own compiled code), with ``torch._inductor.config``'s
+``compile_threads`` at 1 for that call (no pool of compiling processes for one small kernel).
 
 One private method of ``nn.Module`` is overridden, not called from here: the fused class's
 ``_apply`` (what ``.to()``, ``.half()``, ``.cuda()`` call on every module; unchanged since torch 1.0)
@@ -171,6 +172,8 @@ def writes_and_views(func: Any) -> tuple[list[str | int], bool]:
 def inductor_compile(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
     """Inductor's code for ``graph`` on inputs shaped as ``example_inputs`` (``torch._inductor.compile``)."""
     import torch._inductor
+    import torch._inductor.config
 
-    compiled: Callable[..., Any] = torch._inductor.compile(graph, example_inputs)
+    with torch._inductor.config.patch(compile_threads=1):  # one small kernel: no pool of compiling processes
+        compiled: Callable[..., Any] = torch._inductor.compile(graph, example_inputs)
     return compiled

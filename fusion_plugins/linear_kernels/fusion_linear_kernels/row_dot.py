@@ -5,7 +5,7 @@ At one row ``F.linear(x, W)`` is ``W @ x``: each output is the dot product of a 
 multiply in float32, sum. torch's kernels do not do that at the memory's speed on the CPU: ``F.linear`` on
 bfloat16 reorders the weight for oneDNN on every call, ``torch.mv`` runs one thread's loop. Inductor, given
 ``(W.float() * x.float()).sum(-1)``, generates a vectorised, multi-threaded reduction that never materialises the
-float32 product. Measured on a 2-core AMD EPYC (avx512_bf16), one row, bfloat16, over a pass of copies read from
+float32 product (a long row in chunks: :func:`chunk_of`). Measured on a 2-core AMD EPYC (avx512_bf16), one row, bfloat16, over a pass of copies read from
 memory: Qwen2-0.5B's 151936x896 tied head 9.3 ms (30 GB/s; ``F.linear`` 15.7 ms, ``torch.mv`` 25 ms), its merged
 9728x896 gate/up 0.52 ms (``F.linear`` 1.28 ms); the cold-buffer reduction read 33 GB/s there. On some shapes it
 is no faster (896x4864: 0.58 ms either way), which is why it is a candidate the choice measures
@@ -38,6 +38,9 @@ from fusion_linear_kernels import compat
 MIN_BYTES = 2**20
 """The smallest weight the row-dot kernel is tried on."""
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+CHUNKED_FROM, MIN_CHUNK, MAX_CHUNK = 2048, 64, 1024
+"""Rows wider than ``CHUNKED_FROM`` are summed in chunks of ``MIN_CHUNK`` to ``MAX_CHUNK`` elements
+(:func:`chunk_of`)."""
 
 Key = tuple[int, int, torch.dtype, bool]
 _KERNELS: dict[Key, Callable[..., torch.Tensor] | None] = {}
@@ -49,12 +52,33 @@ class RowDotUnavailableWarning(UserWarning):
     """Inductor could not build the row-dot GEMV here; the layers keep ``F.linear`` and ``torch.mv``."""
 
 
+def chunk_of(width: int) -> int:
+    """How many elements of a row one inner sum takes: a row wider than :data:`CHUNKED_FROM` is summed in chunks
+    (the largest power of two that divides it, at most :data:`MAX_CHUNK`), then the chunks' sums are summed; 0 for a
+    row summed whole. Inductor keeps one accumulator per vector lane for a whole row, and a long row's reduction
+    then waits on it: over a pass of copies, 2048x8192 bfloat16 read 22.8 GB/s summed whole and 27.2 GB/s in chunks
+    of 1024, 896x4864 26.3 against 38.2 in chunks of 256; rows of 896 or 2048 gained nothing (2-core AMD EPYC)."""
+    if width <= CHUNKED_FROM:
+        return 0
+    chunk = min(MAX_CHUNK, width & -width)
+    return chunk if chunk >= MIN_CHUNK else 0
+
+
+def _dots(weight: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """Each weight row's dot product with ``row``, in float32 (see :func:`chunk_of`)."""
+    rows, width = weight.shape
+    chunk = chunk_of(width)
+    if not chunk:
+        return (weight.float() * row.float()).sum(-1)
+    return (weight.float().view(rows, width // chunk, chunk) * row.float().view(width // chunk, chunk)).sum(-1).sum(-1)
+
+
 def _row_dot(weight: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-    return (weight.float() * row.float()).sum(-1).to(weight.dtype)
+    return _dots(weight, row).to(weight.dtype)
 
 
 def _row_dot_bias(weight: torch.Tensor, row: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return ((weight.float() * row.float()).sum(-1) + bias.float()).to(weight.dtype)
+    return (_dots(weight, row) + bias.float()).to(weight.dtype)
 
 
 def applies(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

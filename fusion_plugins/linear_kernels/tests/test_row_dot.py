@@ -80,3 +80,15 @@ def test_a_failed_build_leaves_the_other_candidates_and_says_so_once(fresh_kerne
         assert torch.equal(kernels.ROW_DOT.run(x, weight, None), F.linear(x, weight))
     said = [w for w in caught if issubclass(w.category, row_dot.RowDotUnavailableWarning)]
     assert len(said) == 1 and "no C++ compiler found" in str(said[0].message)
+
+
+def test_a_long_row_is_summed_in_chunks_within_the_bound():
+    assert row_dot.chunk_of(2048) == 0 and row_dot.chunk_of(8192) == 1024 and row_dot.chunk_of(4864) == 256
+    assert row_dot.chunk_of(4100) == 0  # no power of two of at least 64 divides it: summed whole
+    weight = (torch.randn(160, 8192, generator=GEN) / 90).to(torch.bfloat16)
+    x = torch.randn(1, 8192, generator=GEN).to(torch.bfloat16)
+    with torch.no_grad():
+        assert row_dot.applies(x, weight, None)
+        got = row_dot.run(x, weight, None)
+    reference = F.linear(x, weight)
+    assert admitted(got, reference, admission_bound(x, weight, reference), exact=False)
