@@ -5,11 +5,11 @@ At one row ``F.linear(x, W)`` is ``W @ x``: each output is the dot product of a 
 multiply in float32, sum. torch's kernels do not do that at the memory's speed on the CPU: ``F.linear`` on
 bfloat16 reorders the weight for oneDNN on every call, ``torch.mv`` runs one thread's loop. Inductor, given
 ``(W.float() * x.float()).sum(-1)``, generates a vectorised, multi-threaded reduction that never materialises the
-float32 product (a long row in chunks: :func:`chunk_of`). Measured on a 2-core AMD EPYC (avx512_bf16), one row, bfloat16, over a pass of copies read from
-memory: Qwen2-0.5B's 151936x896 tied head 9.3 ms (30 GB/s; ``F.linear`` 15.7 ms, ``torch.mv`` 25 ms), its merged
-9728x896 gate/up 0.52 ms (``F.linear`` 1.28 ms); the cold-buffer reduction read 33 GB/s there. On some shapes it
-is no faster (896x4864: 0.58 ms either way), which is why it is a candidate the choice measures
-(:mod:`fusion_linear_kernels.choice`), never a rule.
+float32 product (a long row in chunks: :func:`chunk_of`). Measured on a 2-core AMD EPYC (avx512_bf16), one row,
+bfloat16, over a pass of copies read from memory: Qwen2-0.5B's 151936x896 tied head 9.3 ms (30 GB/s; ``F.linear``
+15.7 ms, ``torch.mv`` 25 ms), its merged 9728x896 gate/up 0.52 ms (``F.linear`` 1.28 ms); the cold-buffer reduction
+read 33 GB/s there. On some shapes it is not the fastest (a 2048x11008 down projection read faster packed), which
+is why it is a candidate the choice measures (:mod:`fusion_linear_kernels.choice`), never a rule.
 
 A kernel is compiled once per process for each (rows of the weight, its width, dtype, bias or not), at the first
 call that measures it, through :func:`fusion_linear_kernels.compat.inductor_compile` (Inductor's on-disk cache
