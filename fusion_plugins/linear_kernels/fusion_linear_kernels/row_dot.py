@@ -138,6 +138,8 @@ def _build(key: Key) -> Callable[..., torch.Tensor] | None:
 
 
 def clear() -> None:
-    """Forget the compiled kernels (the next call of each shape builds it again)."""
+    """Forget the compiled kernels (the next call of each shape builds it again) and whether a failed build was
+    reported (``fusion_core.reset_state()``, through the plugin's ``fusion_reset_state`` hook)."""
     with _LOCK:
         _KERNELS.clear()
+        _WARNED.clear()

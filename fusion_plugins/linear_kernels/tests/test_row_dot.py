@@ -11,6 +11,7 @@ from fusion_linear_kernels import choice, compat, kernels, row_dot
 from fusion_linear_kernels.tolerance import admission_bound, admitted
 from torch.nn import functional as F
 
+import fusion_core
 from fusion_core.testing.decisions import original_slowest
 
 pytestmark = pytest.mark.usefixtures("fake_times")
@@ -29,10 +30,10 @@ def _layer(dtype: torch.dtype, bias: bool) -> tuple[torch.Tensor, torch.Tensor |
 @pytest.fixture
 def fresh_kernels():
     row_dot.clear()
-    row_dot._WARNED.clear()
+    fusion_core.get_registry().get("linear_kernels")  # the family's plugin loaded: reset_state reaches its hook
     yield
-    row_dot.clear()
-    row_dot._WARNED.clear()
+    fusion_core.reset_state()  # clears them through the plugin's hook
+    assert not row_dot._KERNELS and not row_dot._WARNED
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
