@@ -218,7 +218,8 @@ def test_a_caller_under_autograd_runs_the_original_and_keeps_no_weight_alive(fak
     assert all(c._last is None and c.exact is caller.exact for c in copied)
 
 
-def _aten_ops(call) -> set[str]:
+def _aten_ops(call) -> tuple[torch.Tensor, set[str]]:
+    """``call()``'s output and the names of the operators it ran."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         out = call()
     return out, {event.name for event in prof.events()}

@@ -16,7 +16,7 @@ from fusion_core.testing.decisions import original_slowest
 
 pytestmark = pytest.mark.usefixtures("fake_times")
 GEN = torch.Generator().manual_seed(0)
-#: Two rows of 512: a weight of at least row_dot.MIN_BYTES in bfloat16 at 1024 wide.
+#: A weight just over row_dot.MIN_BYTES in bfloat16, 1024 wide.
 SHAPE = (row_dot.MIN_BYTES // 2 // 1024 + 3, 1024)
 
 
