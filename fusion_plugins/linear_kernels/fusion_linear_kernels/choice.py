@@ -199,10 +199,8 @@ class Caller:
                     and not (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad
                                                           or (bias is not None and bias.requires_grad)))
                     and not torch.is_autocast_enabled("cpu")):
-                if flat:
-                    rows = input.reshape(-1, input.shape[-1])
-                    return _shaped(candidate.run(rows, weight, bias), input, rows)
-                return candidate.run(input, weight, bias)
+                rows = input.reshape(-1, input.shape[-1]) if flat else input
+                return _shaped(candidate.run(rows, weight, bias), input, rows)
         rows = as_rows(input, self.exact)
         candidate = chosen(rows, weight, bias, self.exact)
         if candidate is None:
