@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 from fusion_linear_kernels import choice, compat, kernels, row_dot
+from fusion_linear_kernels.kernels import Candidate
 from fusion_linear_kernels.tolerance import admission_bound, admitted
 from torch.nn import functional as F
 
@@ -62,8 +63,10 @@ def test_within_the_bound_the_choice_measures_it_and_exact_mode_never_tries_it(f
     weight, _, x = _layer(torch.bfloat16, False)
     with torch.no_grad():
         assert choice.choose(x, weight, None, exact=False) is kernels.ROW_DOT
-        monkeypatch.setattr(row_dot, "applies", lambda *args: pytest.fail("row-dot tried in exact mode"))
-        assert choice.choose(x, weight, None, exact=True) is not kernels.ROW_DOT
+        tried = Candidate("row-dot", row_dot.run, lambda *args: pytest.fail("row-dot tried in exact mode"),
+                          exact=False)
+        monkeypatch.setattr(kernels, "CANDIDATES", (*kernels.CANDIDATES[:-1], tried))
+        assert choice.choose(x, weight, None, exact=True) is not tried
 
 
 def test_a_failed_build_leaves_the_other_candidates_and_says_so_once(fresh_kernels, fake_times, monkeypatch):
