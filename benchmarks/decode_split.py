@@ -31,7 +31,8 @@ GEMM_WEIGHTS: dict[str, tuple[int, bool]] = {
     "mkldnn::_linear_pointwise": (1, False), "aten::mkldnn_linear": (1, False), "aten::linear": (1, False),
 }
 #: How the profiler names a call of code Inductor compiled: in an eager decode step, ``linear_kernels``' row-dot
-#: GEMVs (``fusion_linear_kernels.row_dot``), whose event carries no shapes.
+#: GEMVs (``fusion_linear_kernels.row_dot``), whose event carries no shapes; under ``--compile``, every compiled
+#: region (the group's name says both).
 COMPILED = "## Call CompiledFxGraph"
 ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "aten::bmm", "aten::baddbmm")
 
@@ -41,7 +42,7 @@ def group_of(name: str, shapes: list[Any]) -> str:
     if any(marker in name for marker in ATTENTION):
         return "attention"
     if name.startswith(COMPILED):
-        return "GEMV (row-dot, every kind)"
+        return "GEMV (row-dot, every kind; under --compile: all compiled code)"
     found = GEMM_WEIGHTS.get(name)
     if found is not None:
         index, transposed = found
