@@ -3,12 +3,12 @@
 A *kind* is what a kernel's speed depends on: the device, the dtype, the weight's shape and
 strides, whether there is a bias, the input's row count (1 to :data:`MAX_ROWS`) and the mode
 (exact or within the bound). The first eager call of a kind (that this machine has no stored decision
-for: :class:`fusion_core.plugin.Decisions`, topic ``"linear_kernels.choice"``) computes every applicable candidate
-(:data:`fusion_linear_kernels.kernels.CANDIDATES`) on its real input, admits those whose output
-stands for ``F.linear``'s (:mod:`fusion_linear_kernels.tolerance`), times the admitted ones over a
-pass of copies of the weight (read from memory, as decode reads every layer's) and keeps the fastest
-for the kind; ``F.linear`` keeps a kind unless another candidate was faster by more than the
-facility's margin. Every layer of a model shares its kinds, so a decoder measures each shape once.
+for: :class:`fusion_core.plugin.Decisions`, topic ``"linear_kernels.choice[<the candidates' names>]"``)
+computes every applicable candidate (:data:`fusion_linear_kernels.kernels.CANDIDATES`) on its real input,
+admits those whose output stands for ``F.linear``'s (:mod:`fusion_linear_kernels.tolerance`), times the
+admitted ones over a pass of copies of the weight (read from memory, as decode reads every layer's) and
+keeps the fastest for the kind; ``F.linear`` keeps a kind unless another candidate was faster by more than
+the facility's margin. Every layer of a model shares its kinds, so a decoder measures each shape once.
 
 Where the choice does not apply, the call runs ``F.linear``, the original kernel, without
 measuring (:func:`runs_original`): more than :data:`MAX_ROWS` rows (prefill, where every kernel is
@@ -64,7 +64,10 @@ def _named(name: object) -> Candidate | None:
     return next((candidate for candidate in kernels.CANDIDATES if candidate.name == name), None)
 
 
-_DECISIONS: Decisions[Kind, Candidate] = Decisions("linear_kernels.choice", save=lambda c: c.name, load=_named)
+_DECISIONS: Decisions[Kind, Candidate] = Decisions(
+    f"linear_kernels.choice[{','.join(candidate.name for candidate in kernels.CANDIDATES)}]",
+    save=lambda c: c.name, load=_named)
+"""Stored under a topic that names the candidates: a release that adds one measures its kinds again."""
 
 
 def rows_of(input: torch.Tensor) -> int:

@@ -44,7 +44,11 @@ The row-dot GEMV (:mod:`fusion_linear_kernels.row_dot`) is code Inductor generat
 :func:`inductor_compile` hands a traced graph to ``torch._inductor.compile(graph, example_inputs)``, which returns
 the compiled callable without dynamo's guards (a call costs about 10 us against ``torch.compile``'s 20-30 us, and
 no recompile limit is shared with the user's own compiled code), with ``torch._inductor.config``'s
-``compile_threads`` at 1 for that call (no pool of compiling processes for one small kernel).
+``compile_threads`` at 1 for that call (no pool of compiling processes for one small kernel). The blocked-rows
+GEMV (:mod:`fusion_linear_kernels.blocked_rows`) is C++ of its own, written with torch's vector types
+(``at::vec``), which :func:`cpp_kernel` builds with the same toolchain and flags Inductor builds its own kernels
+with (``torch._inductor.codecache.CppPythonBindingsCodeCache.load_pybinding``: a Python binding that takes
+tensors as pointers and integers, cached on disk by the source's hash).
 
 One private method of ``nn.Module`` is overridden, not called from here: the fused class's
 ``_apply`` (what ``.to()``, ``.half()``, ``.cuda()`` call on every module; unchanged since torch 1.0)
@@ -167,6 +171,15 @@ def writes_and_views(func: Any) -> tuple[list[str | int], bool]:
             written += [index, argument.name]
     alias = arguments[0].alias_info if arguments else None
     return written, alias is not None and not alias.is_write and any(r.alias_info is not None for r in returns)
+
+
+def cpp_kernel(argtypes: list[str], source: str) -> Callable[..., None]:
+    """The C++ function ``kernel`` of ``source``, built by Inductor's C++ toolchain and bound for Python: it takes
+    one argument per C++ type of ``argtypes`` (a tensor for a pointer, an int for an integer) and returns None."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    kernel: Callable[..., None] = CppPythonBindingsCodeCache.load_pybinding(argtypes, source)
+    return kernel
 
 
 def inductor_compile(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:

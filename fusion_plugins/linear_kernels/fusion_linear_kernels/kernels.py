@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from fusion_linear_kernels import compat, row_dot
+from fusion_linear_kernels import blocked_rows, compat, row_dot
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 #: The input dtypes torch's int8 weight-only GEMM takes.
@@ -81,10 +81,15 @@ INT8 = Candidate("int8 weight-only", _int8, _int8_applies)
 ROW_DOT = Candidate("row-dot", row_dot.run, row_dot.applies, exact=False)
 """Inductor's one-row GEMV over the dense weight (:mod:`fusion_linear_kernels.row_dot`), within the bound only."""
 
+BLOCKED_ROWS = Candidate("blocked-rows", blocked_rows.run, blocked_rows.applies, exact=False)
+"""A one-row GEMV over eight wide dense rows at a time (:mod:`fusion_linear_kernels.blocked_rows`), within the bound
+only."""
+
 CANDIDATES: tuple[Candidate, ...] = (
     LINEAR,
     Candidate("mv", _mv, _one_row),
     INT8,
     ROW_DOT,
+    BLOCKED_ROWS,
 )
 """The documented candidates, ``F.linear`` first (it wins ties: it is the original's kernel)."""

@@ -82,14 +82,18 @@ def _row_dot_bias(weight: torch.Tensor, row: torch.Tensor, bias: torch.Tensor) -
     return (_dots(weight, row) + bias.float()).to(weight.dtype)
 
 
+def fits(input: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a one-row GEMV over the dense weight may run this call: one row, a dense contiguous CPU weight of
+    torch's own of at least :data:`MIN_BYTES` in a floating dtype of :data:`DTYPES` (the blocked-rows GEMV,
+    :mod:`fusion_linear_kernels.blocked_rows`, takes the same calls)."""
+    return (input.numel() == input.shape[-1] and type(weight) in (torch.Tensor, torch.nn.Parameter)
+            and weight.dim() == 2 and weight.is_contiguous() and weight.dtype in DTYPES
+            and weight.device.type == "cpu" and weight.numel() * weight.element_size() >= MIN_BYTES)
+
+
 def applies(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the kernel can run this call: one row, a dense contiguous CPU weight of torch's own of at least
-    :data:`MIN_BYTES` in a floating dtype of :data:`DTYPES`, and a kernel Inductor built for it."""
-    if (input.numel() != input.shape[-1] or type(weight) not in (torch.Tensor, torch.nn.Parameter)
-            or weight.dim() != 2 or not weight.is_contiguous() or weight.dtype not in DTYPES
-            or weight.device.type != "cpu" or weight.numel() * weight.element_size() < MIN_BYTES):
-        return False
-    return kernel(weight, bias) is not None
+    """Whether the kernel can run this call: one that :func:`fits`, and a kernel Inductor built for it."""
+    return fits(input, weight) and kernel(weight, bias) is not None
 
 
 def run(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

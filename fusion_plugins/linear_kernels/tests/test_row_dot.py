@@ -75,7 +75,8 @@ def test_within_the_bound_the_choice_measures_it_and_exact_mode_never_tries_it(b
         assert choice.choose(x, weight, None, exact=False) is kernels.ROW_DOT
         tried = Candidate("row-dot", row_dot.run, lambda *args: pytest.fail("row-dot tried in exact mode"),
                           exact=False)
-        monkeypatch.setattr(kernels, "CANDIDATES", (*kernels.CANDIDATES[:-1], tried))
+        monkeypatch.setattr(kernels, "CANDIDATES",
+                            tuple(tried if c is kernels.ROW_DOT else c for c in kernels.CANDIDATES))
         assert choice.choose(x, weight, None, exact=True) is not tried
 
 

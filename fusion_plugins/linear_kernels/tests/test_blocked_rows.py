@@ -1,0 +1,107 @@
+"""The blocked-rows GEMV: within the bound of F.linear on wide rows (row and width tails included), never tried
+in exact mode, and a failed build leaves the other candidates (and a stored decision naming it runs F.linear)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from fusion_linear_kernels import blocked_rows, choice, compat, kernels, row_dot
+from fusion_linear_kernels.kernels import Candidate
+from fusion_linear_kernels.tolerance import admission_bound, admitted
+from torch.nn import functional as F
+
+import fusion_core
+from fusion_core.testing.decisions import original_slowest
+
+pytestmark = pytest.mark.usefixtures("fake_times")
+GEN = torch.Generator().manual_seed(0)
+#: Over row_dot.MIN_BYTES in bfloat16; rows not a multiple of blocked_rows.ROWS, a width no vector width divides.
+SHAPE = (row_dot.MIN_BYTES // 2 // 4100 + 3, 4100)
+
+
+def _layer(dtype: torch.dtype, bias: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    out, inn = SHAPE
+    weight = (torch.randn(out, inn, generator=GEN) / inn**0.5).to(dtype)
+    return weight, (torch.randn(out, generator=GEN).to(dtype) if bias else None), torch.randn(
+        1, 1, inn, generator=GEN).to(dtype)
+
+
+@pytest.fixture
+def buildable():
+    """Skips where the kernel cannot be built here (no C++ compiler): what the layers then do is
+    ``test_a_failed_build_leaves_the_other_candidates_and_says_so_once``'s."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if blocked_rows.kernel(torch.bfloat16, False) is None:
+            pytest.skip(f"the blocked-rows kernel cannot be built here: {[str(w.message) for w in caught]}")
+
+
+@pytest.fixture
+def fresh_kernels():
+    blocked_rows.clear()
+    fusion_core.get_registry().get("linear_kernels")  # the family's plugin loaded: reset_state reaches its hook
+    yield
+    fusion_core.reset_state()  # clears them through the plugin's hook
+    assert not blocked_rows._KERNELS and not blocked_rows._WARNED
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_blocked_rows_gemv_is_within_the_bound_of_f_linear(buildable, dtype, bias):
+    weight, b, x = _layer(dtype, bias)
+    assert SHAPE[0] % blocked_rows.ROWS and SHAPE[1] % 64  # the kernel's row and width tails run
+    with torch.no_grad():
+        assert blocked_rows.applies(x, weight, b)
+        got = blocked_rows.run(x, weight, b)
+    reference = F.linear(x, weight, b)
+    assert got.shape == reference.shape and got.dtype == reference.dtype
+    assert admitted(got, reference, admission_bound(x, weight, reference), exact=False)
+    assert not admitted(got.flip(-1), reference, admission_bound(x, weight, reference), exact=False)  # the check bites
+
+
+def test_it_applies_to_one_row_of_a_large_dense_weight_with_wide_rows_only(buildable):
+    weight, _, x = _layer(torch.bfloat16, False)
+    assert not blocked_rows.applies(torch.randn(1, 2, SHAPE[1]).to(torch.bfloat16), weight, None)  # two rows
+    assert not blocked_rows.applies(x, weight[:8].contiguous(), None)  # served from the caches
+    assert not blocked_rows.applies(x, weight[:, :blocked_rows.MIN_WIDTH].contiguous(), None)  # rows not wide
+    assert not blocked_rows.applies(x.float(), weight, None)  # an input of another dtype
+    assert not blocked_rows.applies(x, weight.t().contiguous().t(), None)  # not row-major
+
+
+def test_within_the_bound_the_choice_measures_it_and_exact_mode_never_tries_it(buildable, fake_times, monkeypatch):
+    fake_times(choice, lambda ways: [1.0] * (ways - 1) + [0.1])  # the last candidate measured fastest
+    weight, _, x = _layer(torch.bfloat16, False)
+    with torch.no_grad():
+        assert choice.choose(x, weight, None, exact=False) is kernels.BLOCKED_ROWS
+        tried = Candidate("blocked-rows", blocked_rows.run,
+                          lambda *args: pytest.fail("blocked-rows tried in exact mode"), exact=False)
+        monkeypatch.setattr(kernels, "CANDIDATES",
+                            tuple(tried if c is kernels.BLOCKED_ROWS else c for c in kernels.CANDIDATES))
+        assert choice.choose(x, weight, None, exact=True) is not tried
+
+
+def test_a_failed_build_leaves_the_other_candidates_and_says_so_once(fresh_kernels, fake_times, monkeypatch):
+    def no_compiler(argtypes, source):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(compat, "cpp_kernel", no_compiler)
+    fake_times(choice, original_slowest)
+    weight, _, x = _layer(torch.bfloat16, False)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert choice.choose(x, weight, None, exact=False) is not kernels.BLOCKED_ROWS
+        assert not blocked_rows.applies(x.float(), weight.float(), None)  # another dtype: no second warning
+        # a stored decision naming blocked-rows, on a machine where it cannot be built, runs F.linear
+        assert torch.equal(kernels.BLOCKED_ROWS.run(x, weight, None), F.linear(x, weight))
+    said = [w for w in caught if issubclass(w.category, row_dot.RowDotUnavailableWarning)
+            and "blocked-rows" in str(w.message)]
+    assert len(said) == 1 and "no C++ compiler found" in str(said[0].message)
+
+
+def test_reset_state_forgets_the_built_kernels(buildable, fresh_kernels):
+    weight, _, x = _layer(torch.bfloat16, False)
+    with torch.no_grad():
+        blocked_rows.run(x, weight, None)
+    assert blocked_rows._KERNELS  # fresh_kernels checks they are gone after fusion_core.reset_state()
