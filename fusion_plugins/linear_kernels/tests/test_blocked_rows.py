@@ -10,9 +10,9 @@ import torch
 from fusion_linear_kernels import blocked_rows, choice, compat, kernels, row_dot
 from fusion_linear_kernels.kernels import Candidate
 from fusion_linear_kernels.tolerance import admission_bound, admitted
+from one_row_gemv import fresh_kernels_of, one_row_layer, skip_unless_built
 from torch.nn import functional as F
 
-import fusion_core
 from fusion_core.testing.decisions import original_slowest
 
 pytestmark = pytest.mark.usefixtures("fake_times")
@@ -22,29 +22,17 @@ SHAPE = (row_dot.MIN_BYTES // 2 // 4100 + 3, 4100)
 
 
 def _layer(dtype: torch.dtype, bias: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    out, inn = SHAPE
-    weight = (torch.randn(out, inn, generator=GEN) / inn**0.5).to(dtype)
-    return weight, (torch.randn(out, generator=GEN).to(dtype) if bias else None), torch.randn(
-        1, 1, inn, generator=GEN).to(dtype)
+    return one_row_layer(SHAPE, dtype, bias, GEN)
 
 
 @pytest.fixture
 def buildable():
-    """Skips where the kernel cannot be built here (no C++ compiler): what the layers then do is
-    ``test_a_failed_build_leaves_the_other_candidates_and_says_so_once``'s."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if blocked_rows.kernel(torch.bfloat16, False) is None:
-            pytest.skip(f"the blocked-rows kernel cannot be built here: {[str(w.message) for w in caught]}")
+    skip_unless_built(lambda: blocked_rows.kernel(torch.bfloat16, False), "the blocked-rows kernel")
 
 
 @pytest.fixture
 def fresh_kernels():
-    blocked_rows.clear()
-    fusion_core.get_registry().get("linear_kernels")  # the family's plugin loaded: reset_state reaches its hook
-    yield
-    fusion_core.reset_state()  # clears them through the plugin's hook
-    assert not blocked_rows._KERNELS and not blocked_rows._WARNED
+    yield from fresh_kernels_of(blocked_rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -1,0 +1,40 @@
+"""What the tests of the one-row GEMV kernels (row-dot, blocked-rows) share."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from types import ModuleType
+
+import pytest
+import torch
+
+import fusion_core
+
+
+def one_row_layer(shape: tuple[int, int], dtype: torch.dtype, bias: bool,
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A ``shape`` weight (scaled as an initialised layer's), a bias or None, and a one-row ``[1, 1, in]`` input."""
+    out, inn = shape
+    weight = (torch.randn(out, inn, generator=generator) / inn**0.5).to(dtype)
+    return weight, (torch.randn(out, generator=generator).to(dtype) if bias else None), torch.randn(
+        1, 1, inn, generator=generator).to(dtype)
+
+
+def skip_unless_built(build: Callable[[], object], what: str) -> None:
+    """Skips the test where ``build()`` gives None: a GEMV kernel that cannot be built here (no C++ compiler), whose
+    fallback the failed-build tests cover."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if build() is None:
+            pytest.skip(f"{what} cannot be built here: {[str(w.message) for w in caught]}")
+
+
+def fresh_kernels_of(module: ModuleType) -> Iterator[None]:
+    """A fixture's body: ``module``'s built kernels forgotten before the test, and gone after
+    ``fusion_core.reset_state()`` (which reaches them through the plugin's ``fusion_reset_state`` hook)."""
+    module.clear()
+    fusion_core.get_registry().get("linear_kernels")  # the family's plugin loaded: reset_state reaches its hook
+    yield
+    fusion_core.reset_state()
+    assert not module._KERNELS and not module._WARNED
