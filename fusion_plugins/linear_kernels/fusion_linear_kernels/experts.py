@@ -13,9 +13,10 @@ the routed experts 1.5x faster than ``grouped_mm``).
 So the fused experts module (:class:`fusion_linear_kernels.family.ExpertsKernelsMixin`) chooses, per
 *kind* of call (device, dtype, weight shapes, rows, routed experts per token, the configured
 implementation, the mode), among :data:`CANDIDATES`: transformers' own implementations that this
-transformers registers, and :func:`routed_gemv` (one GEMV per routed expert and projection, where
-oneDNN's bfloat16 GEMM reorders each weight it multiplies). The first call of a kind (that this machine
-has no stored decision for: :class:`fusion_core.plugin.Decisions`, topic ``"linear_kernels.experts"``) runs each
+transformers registers, :func:`routed_gemv` (one GEMV per routed expert and projection, where
+oneDNN's bfloat16 GEMM reorders each weight it multiplies) and, within the bound only, :func:`routed_row_dot` (the
+same with the row-dot and blocked-rows GEMVs). The first call of a kind (that this machine has no stored decision
+for: :class:`fusion_core.plugin.Decisions`, topic ``"linear_kernels.experts[<the candidates>]"``) runs each
 on its real input, admits those whose output stands for the configured implementation's
 (bit-identical in exact mode; within :func:`admission_bound` otherwise), times the admitted ones over
 a pass of routings to other experts (:func:`timed_routings`: weights read from memory, as decode reads
@@ -38,18 +39,22 @@ from torch import nn
 
 from fusion_core import FusedModule
 from fusion_core.plugin import Decisions, apply_gate, experts_implementation, is_expert_parallel, pass_size
+from fusion_linear_kernels import blocked_rows, row_dot
 from fusion_linear_kernels.choice import MAX_ROWS
 from fusion_linear_kernels.tolerance import admitted
 
-CANDIDATES = ("eager", "grouped_mm", "batched_mm", "routed_gemv")
+CANDIDATES = ("eager", "grouped_mm", "batched_mm", "routed_gemv", "routed_row_dot")
 """The implementations tried: transformers' own where this transformers registers them (``eager``: the class's
-loop), and :func:`routed_gemv`."""
+loop), :func:`routed_gemv`, and within the bound only :func:`routed_row_dot`."""
+WITHIN_BOUND_ONLY = ("routed_row_dot",)
+"""The :data:`CANDIDATES` never tried in exact mode (their float32 sums run in another order)."""
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 ExpertsKind = tuple[str, torch.dtype, tuple[tuple[int, ...], ...], int, int, str, bool]
 """(device, dtype, the 3-D weights' shapes, rows, routed experts per row, configured implementation, exact)."""
-_DECISIONS: Decisions[ExpertsKind, str] = Decisions("linear_kernels.experts")
+_DECISIONS: Decisions[ExpertsKind, str] = Decisions(f"linear_kernels.experts[{','.join(CANDIDATES)}]")
+"""Stored under a topic that names the candidates: a release that adds one measures its kinds again."""
 
 ExpertsForward = Callable[..., torch.Tensor]
 
@@ -169,11 +174,41 @@ def routed_gemv(module: nn.Module, hidden_states: torch.Tensor, top_k_index: tor
     return routed(module, hidden_states, top_k_index, top_k_weights, _gemv)
 
 
+def _row_gemv(rows: torch.Tensor, stack: torch.Tensor, bias: torch.Tensor | None, expert: int,
+              transposed: bool) -> torch.Tensor:
+    """The one-row GEMVs of the kernel choice on a routed expert's ``[out, in]`` matrix, which a stack holds
+    contiguously: blocked-rows for rows wider than :data:`~fusion_linear_kernels.blocked_rows.MIN_WIDTH`, row-dot
+    for the others (:mod:`fusion_linear_kernels.blocked_rows`, :mod:`fusion_linear_kernels.row_dot`); :func:`_gemv`
+    for a transposed stack, several rows, a matrix under :data:`~fusion_linear_kernels.row_dot.MIN_BYTES`, and where
+    no kernel could be built."""
+    weight = stack[expert]
+    if transposed or rows.shape[0] != 1 or not row_dot.fits(rows, weight):
+        return _gemv(rows, stack, bias, expert, transposed)
+    if blocked_rows.applies(rows, weight, None):
+        out = blocked_rows.run(rows, weight, None)
+    elif row_dot.applies(rows, weight, None):
+        out = row_dot.run(rows, weight, None)
+    else:
+        return _gemv(rows, stack, bias, expert, transposed)
+    return out if bias is None else out + bias[expert]
+
+
+def routed_row_dot(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor) -> torch.Tensor:
+    """:func:`routed` with the kernel choice's one-row GEMVs (:func:`_row_gemv`), which read a routed expert's matrix
+    at the memory's bandwidth where ``torch.mv`` runs one thread's loop: the dense experts' decode when the packing
+    decision (:mod:`fusion_linear_kernels.packed_experts`), which sets packed matrices against those same GEMVs,
+    leaves them dense. Within the bound only."""
+    return routed(module, hidden_states, top_k_index, top_k_weights, _row_gemv)
+
+
 def implementation(module: nn.Module, name: str) -> ExpertsForward:
-    """The experts implementation ``name`` for ``module``'s class: :func:`routed_gemv`, or transformers' own
-    (``"eager"``: the class's forward)."""
+    """The experts implementation ``name`` for ``module``'s class: :func:`routed_gemv`, :func:`routed_row_dot`, or
+    transformers' own (``"eager"``: the class's forward)."""
     if name == "routed_gemv":
         return routed_gemv
+    if name == "routed_row_dot":
+        return routed_row_dot
     original = original_forward(type(module))
     if original is None:
         raise TypeError(f"{type(module).__qualname__} does not dispatch through transformers' experts interface")
@@ -190,7 +225,7 @@ def available() -> tuple[str, ...]:
     """The :data:`CANDIDATES` this transformers registers (``eager`` always)."""
     interface = _interface()
     return tuple(name for name in CANDIDATES
-                 if name in ("eager", "routed_gemv") or (interface is not None and name in interface))
+                 if name in ("eager", "routed_gemv", "routed_row_dot") or (interface is not None and name in interface))
 
 
 def applies(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> bool:
@@ -252,7 +287,7 @@ def choose(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Te
         bound = admission_bound(reference, int(top_k_index.shape[-1]))
         taken = [configured]
         for name in available():
-            if name == configured:
+            if name == configured or (exact and name in WITHIN_BOUND_ONLY):
                 continue
             try:
                 output = implementation(module, name)(module, *args)

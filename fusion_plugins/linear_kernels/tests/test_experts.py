@@ -110,6 +110,53 @@ def test_exact_mode_takes_only_bit_identical_implementations(checkpoints, monkey
     assert not torch.equal(within, expected_logits)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routed_row_dot_runs_the_row_gemvs_within_the_bound(checkpoints, monkeypatch, dtype):
+    """At one row each routed expert's projections run the kernel choice's one-row GEMVs (the tiny experts' matrices
+    taken as large enough), within the bound of the configured implementation."""
+    from fusion_linear_kernels import blocked_rows, row_dot
+
+    monkeypatch.setattr(row_dot, "MIN_BYTES", 0)
+    ran: list[str] = []
+
+    def spied(kernel: Any, name: str) -> Any:
+        return lambda *args: ran.append(name) or kernel(*args)
+
+    monkeypatch.setattr(row_dot, "run", spied(row_dot.run, "row-dot"))
+    monkeypatch.setattr(blocked_rows, "run", spied(blocked_rows.run, "blocked-rows"))
+    model = _load(checkpoints["olmoe"], None).to(dtype)
+    module = next(m for m in model.modules() if experts.is_experts(m))
+    if row_dot.kernel(module.down_proj[0], None) is None:
+        pytest.skip("the row-dot kernel cannot be built here (no C++ compiler)")
+    top_k = model.config.num_experts_per_tok
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(1, model.config.hidden_size, generator=generator).to(dtype)
+    index = torch.randperm(model.config.num_experts, generator=generator)[:top_k].view(1, top_k)
+    weights = torch.softmax(torch.randn(1, top_k, generator=generator), -1).to(dtype)
+    with torch.no_grad():
+        reference = module(hidden, index, weights)
+        got = experts.routed_row_dot(module, hidden, index, weights)
+    assert len(ran) == 2 * top_k and set(ran) <= {"row-dot", "blocked-rows"}  # gate/up and down of each expert
+    assert float((got.float() - reference.float()).abs().max()) <= experts.admission_bound(reference, top_k)
+
+
+def test_exact_mode_never_tries_routed_row_dot(checkpoints, monkeypatch):
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("routed_row_dot tried in exact mode")
+
+    monkeypatch.setattr(experts, "routed_row_dot", refuse)
+    model = _load(checkpoints["olmoe"], None)
+    module = next(m for m in model.modules() if experts.is_experts(m))
+    hidden = torch.randn(1, model.config.hidden_size)
+    index = torch.arange(model.config.num_experts_per_tok).view(1, -1)
+    weights = torch.full(index.shape, 1 / index.shape[1])
+    assert "routed_row_dot" in experts.available()
+    with torch.no_grad():
+        assert experts.choose(module, hidden, index, weights, exact=True) != "routed_row_dot"
+        with pytest.raises(AssertionError, match="exact mode"):  # the check bites: the default mode tries it
+            experts.choose(module, hidden, index, weights, exact=False)
+
+
 def test_prefill_and_training_run_the_configured_implementation(checkpoints, monkeypatch):
     directory = checkpoints["qwen2_moe"]
     plain, fused = _load(directory, None), _load(directory, {"linear_kernels": True})
