@@ -34,6 +34,9 @@ GEMM_WEIGHTS: dict[str, tuple[int, bool]] = {
 #: GEMVs (``fusion_linear_kernels.row_dot``), whose event carries no shapes; under ``--compile``, every compiled
 #: region (the group's name says both).
 COMPILED = "## Call CompiledFxGraph"
+#: How ``linear_kernels``' blocked-rows GEMVs label their calls (``fusion_linear_kernels.blocked_rows``), with the
+#: weight's shape after it.
+BLOCKED_ROWS = "fusion::blocked_rows"
 ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "aten::bmm", "aten::baddbmm")
 
 
@@ -43,6 +46,8 @@ def group_of(name: str, shapes: list[Any]) -> str:
         return "attention"
     if name.startswith(COMPILED):
         return "GEMV (row-dot, every kind; under --compile: all compiled code)"
+    if name.startswith(BLOCKED_ROWS):
+        return f"GEMV {name[len(BLOCKED_ROWS):].strip()} (blocked-rows)"
     found = GEMM_WEIGHTS.get(name)
     if found is not None:
         index, transposed = found

@@ -48,7 +48,9 @@ no recompile limit is shared with the user's own compiled code), with ``torch._i
 GEMV (:mod:`fusion_linear_kernels.blocked_rows`) is C++ of its own, written with torch's vector types
 (``at::vec``), which :func:`cpp_kernel` builds with the same toolchain and flags Inductor builds its own kernels
 with (``torch._inductor.codecache.CppPythonBindingsCodeCache.load_pybinding``: a Python binding that takes
-tensors as pointers and integers, cached on disk by the source's hash).
+tensors as pointers and integers, cached on disk by the source's hash). Its calls are no operator of torch's, so
+the profiler sees them only where they label themselves, which they do while :func:`profiling` (torch's own flag,
+``torch.autograd.profiler._is_profiler_enabled``) is set.
 
 One private method of ``nn.Module`` is overridden, not called from here: the fused class's
 ``_apply`` (what ``.to()``, ``.half()``, ``.cuda()`` call on every module; unchanged since torch 1.0)
@@ -171,6 +173,14 @@ def writes_and_views(func: Any) -> tuple[list[str | int], bool]:
             written += [index, argument.name]
     alias = arguments[0].alias_info if arguments else None
     return written, alias is not None and not alias.is_write and any(r.alias_info is not None for r in returns)
+
+
+def profiling() -> bool:
+    """Whether torch's profiler is recording (``torch.autograd.profiler._is_profiler_enabled``, the flag its
+    ``profile`` context sets): a kernel called outside torch's operators labels its calls only then."""
+    import torch.autograd.profiler
+
+    return bool(torch.autograd.profiler._is_profiler_enabled)
 
 
 def cpp_kernel(argtypes: list[str], source: str) -> Callable[..., None]:

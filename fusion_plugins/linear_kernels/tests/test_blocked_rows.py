@@ -93,3 +93,11 @@ def test_reset_state_forgets_the_built_kernels(buildable, fresh_kernels):
     with torch.no_grad():
         blocked_rows.run(x, weight, None)
     assert blocked_rows._KERNELS  # fresh_kernels checks they are gone after fusion_core.reset_state()
+
+
+def test_its_calls_are_labelled_for_the_profiler(buildable):
+    """No operator of torch's runs it: the profiler sees its calls only by their label (what decode_split groups)."""
+    weight, _, x = _layer(torch.bfloat16, False)
+    with torch.no_grad(), torch.profiler.profile() as recorded:
+        blocked_rows.run(x, weight, None)
+    assert f"{blocked_rows.PROFILER_LABEL} {SHAPE[0]}x{SHAPE[1]}" in [event.name for event in recorded.events()]
