@@ -67,6 +67,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.autograd.profiler
 
 
 @functools.cache
@@ -177,9 +178,8 @@ def writes_and_views(func: Any) -> tuple[list[str | int], bool]:
 
 def profiling() -> bool:
     """Whether torch's profiler is recording (``torch.autograd.profiler._is_profiler_enabled``, the flag its
-    ``profile`` context sets): a kernel called outside torch's operators labels its calls only then."""
-    import torch.autograd.profiler
-
+    ``profile`` context sets): a kernel called outside torch's operators labels its calls only then. Read at every
+    such call: the module is imported once, with this one."""
     return bool(torch.autograd.profiler._is_profiler_enabled)
 
 
