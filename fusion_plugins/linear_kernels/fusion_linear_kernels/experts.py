@@ -14,9 +14,10 @@ So the fused experts module (:class:`fusion_linear_kernels.family.ExpertsKernels
 *kind* of call (device, dtype, weight shapes, rows, routed experts per token, the configured
 implementation, the mode), among :data:`CANDIDATES`: transformers' own implementations that this
 transformers registers, :func:`routed_gemv` (one GEMV per routed expert and projection, where
-oneDNN's bfloat16 GEMM reorders each weight it multiplies) and, within the bound only, :func:`routed_row_dot` (the
-same with the row-dot and blocked-rows GEMVs). The first call of a kind (that this machine has no stored decision
-for: :class:`fusion_core.plugin.Decisions`, topic ``"linear_kernels.experts[<the candidates>]"``) runs each
+oneDNN's bfloat16 GEMM reorders each weight it multiplies) and, within the bound only, :func:`routed_choice` (the
+same with each product run by the kernel choice of :mod:`fusion_linear_kernels.choice`). The first call of a kind
+(that this machine has no stored decision for: :class:`fusion_core.plugin.Decisions`, topic
+``"linear_kernels.experts[<the candidates>]"``) runs each
 on its real input, admits those whose output stands for the configured implementation's
 (bit-identical in exact mode; within :func:`admission_bound` otherwise), times the admitted ones over
 a pass of routings to other experts (:func:`timed_routings`: weights read from memory, as decode reads
@@ -39,14 +40,14 @@ from torch import nn
 
 from fusion_core import FusedModule
 from fusion_core.plugin import Decisions, apply_gate, experts_implementation, is_expert_parallel, pass_size
-from fusion_linear_kernels import blocked_rows, row_dot
+from fusion_linear_kernels import choice
 from fusion_linear_kernels.choice import MAX_ROWS
 from fusion_linear_kernels.tolerance import admitted
 
-CANDIDATES = ("eager", "grouped_mm", "batched_mm", "routed_gemv", "routed_row_dot")
+CANDIDATES = ("eager", "grouped_mm", "batched_mm", "routed_gemv", "routed_choice")
 """The implementations tried: transformers' own where this transformers registers them (``eager``: the class's
-loop), :func:`routed_gemv`, and within the bound only :func:`routed_row_dot`."""
-WITHIN_BOUND_ONLY = ("routed_row_dot",)
+loop), :func:`routed_gemv`, and within the bound only :func:`routed_choice`."""
+WITHIN_BOUND_ONLY = ("routed_choice",)
 """The :data:`CANDIDATES` never tried in exact mode (their float32 sums run in another order)."""
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -174,41 +175,35 @@ def routed_gemv(module: nn.Module, hidden_states: torch.Tensor, top_k_index: tor
     return routed(module, hidden_states, top_k_index, top_k_weights, _gemv)
 
 
-def _row_gemv(rows: torch.Tensor, stack: torch.Tensor, bias: torch.Tensor | None, expert: int,
-              transposed: bool) -> torch.Tensor:
-    """The one-row GEMVs of the kernel choice on a routed expert's ``[out, in]`` matrix, which a stack holds
-    contiguously: blocked-rows for rows wider than :data:`~fusion_linear_kernels.blocked_rows.MIN_WIDTH`, row-dot
-    for the others (:mod:`fusion_linear_kernels.blocked_rows`, :mod:`fusion_linear_kernels.row_dot`); :func:`_gemv`
-    for a transposed stack, several rows, a matrix under :data:`~fusion_linear_kernels.row_dot.MIN_BYTES`, and where
-    no kernel could be built."""
-    weight = stack[expert]
-    if transposed or rows.shape[0] != 1 or not row_dot.fits(rows, weight):
+def _chosen(rows: torch.Tensor, stack: torch.Tensor, bias: torch.Tensor | None, expert: int,
+            transposed: bool) -> torch.Tensor:
+    """Expert ``expert``'s ``[out, in]`` matrix applied by the kernel choice
+    (:func:`fusion_linear_kernels.choice.linear`, within the bound): the kernel measured for that matrix's kind of
+    call, the one the packing decision (:mod:`fusion_linear_kernels.packed_experts`) set a packed expert matrix
+    against. A transposed stack, whose matrix would be a strided view, runs :func:`_gemv`'s product."""
+    if transposed:
         return _gemv(rows, stack, bias, expert, transposed)
-    if blocked_rows.applies(rows, weight, None):
-        out = blocked_rows.run(rows, weight, None)
-    elif row_dot.applies(rows, weight, None):
-        out = row_dot.run(rows, weight, None)
-    else:
-        return _gemv(rows, stack, bias, expert, transposed)
-    return out if bias is None else out + bias[expert]
+    return choice.linear(rows, stack[expert], None if bias is None else bias[expert], exact=False)
 
 
-def routed_row_dot(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                   top_k_weights: torch.Tensor) -> torch.Tensor:
-    """:func:`routed` with the kernel choice's one-row GEMVs (:func:`_row_gemv`), which read a routed expert's matrix
-    at the memory's bandwidth where ``torch.mv`` runs one thread's loop: the dense experts' decode when the packing
-    decision (:mod:`fusion_linear_kernels.packed_experts`), which sets packed matrices against those same GEMVs,
-    leaves them dense. Within the bound only."""
-    return routed(module, hidden_states, top_k_index, top_k_weights, _row_gemv)
+def routed_choice(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
+    """:func:`routed` with each routed expert's products run by the kernel choice (:func:`_chosen`): at one row the
+    row-dot or blocked-rows GEMV where those measured fastest, which read an expert's matrix at the memory's
+    bandwidth where ``torch.mv`` runs one thread's loop. The dense experts' decode when the packing decision leaves
+    them dense because those kernels were faster. Within the bound only."""
+    return routed(module, hidden_states, top_k_index, top_k_weights, _chosen)
+
+
+_OWN: dict[str, ExpertsForward] = {"routed_gemv": routed_gemv, "routed_choice": routed_choice}
+"""The family's own implementations, by name (the other :data:`CANDIDATES` are transformers')."""
 
 
 def implementation(module: nn.Module, name: str) -> ExpertsForward:
-    """The experts implementation ``name`` for ``module``'s class: :func:`routed_gemv`, :func:`routed_row_dot`, or
-    transformers' own (``"eager"``: the class's forward)."""
-    if name == "routed_gemv":
-        return routed_gemv
-    if name == "routed_row_dot":
-        return routed_row_dot
+    """The experts implementation ``name`` for ``module``'s class: one of the family's own (:data:`_OWN`), or
+    transformers' (``"eager"``: the class's forward)."""
+    if name in _OWN:
+        return _OWN[name]
     original = original_forward(type(module))
     if original is None:
         raise TypeError(f"{type(module).__qualname__} does not dispatch through transformers' experts interface")
@@ -225,7 +220,7 @@ def available() -> tuple[str, ...]:
     """The :data:`CANDIDATES` this transformers registers (``eager`` always)."""
     interface = _interface()
     return tuple(name for name in CANDIDATES
-                 if name in ("eager", "routed_gemv", "routed_row_dot") or (interface is not None and name in interface))
+                 if name == "eager" or name in _OWN or (interface is not None and name in interface))
 
 
 def applies(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> bool:

@@ -111,22 +111,21 @@ def test_exact_mode_takes_only_bit_identical_implementations(checkpoints, monkey
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_routed_row_dot_runs_the_row_gemvs_within_the_bound(checkpoints, monkeypatch, dtype):
-    """At one row each routed expert's projections run the kernel choice's one-row GEMVs (the tiny experts' matrices
-    taken as large enough), within the bound of the configured implementation."""
-    from fusion_linear_kernels import blocked_rows, row_dot
+def test_routed_choice_runs_the_kernel_chosen_for_each_expert_matrix_within_the_bound(checkpoints, monkeypatch,
+                                                                                      fake_times, dtype):
+    """At one row each routed expert's products run the kernel choice's decision for the expert matrix's kind
+    (row-dot here: the tiny matrices taken as large enough, and the last admitted candidate measured fastest),
+    within the bound of the configured implementation."""
+    from fusion_linear_kernels import choice, row_dot
 
     monkeypatch.setattr(row_dot, "MIN_BYTES", 0)
-    ran: list[str] = []
-
-    def spied(kernel: Any, name: str) -> Any:
-        return lambda *args: ran.append(name) or kernel(*args)
-
-    monkeypatch.setattr(row_dot, "run", spied(row_dot.run, "row-dot"))
-    monkeypatch.setattr(blocked_rows, "run", spied(blocked_rows.run, "blocked-rows"))
+    fake_times(choice, lambda ways: [1.0] * (ways - 1) + [0.1])
+    ran: list[tuple[int, ...]] = []
+    kernel = row_dot.kernel  # what row-dot's run (and its applies, at a measurement) asks for its compiled kernel
+    monkeypatch.setattr(row_dot, "kernel", lambda w, b: ran.append(tuple(w.shape)) or kernel(w, b))
     model = _load(checkpoints["olmoe"], None).to(dtype)
     module = next(m for m in model.modules() if experts.is_experts(m))
-    if row_dot.kernel(module.down_proj[0], None) is None:
+    if kernel(module.down_proj[0], None) is None:
         pytest.skip("the row-dot kernel cannot be built here (no C++ compiler)")
     top_k = model.config.num_experts_per_tok
     generator = torch.Generator().manual_seed(0)
@@ -135,24 +134,29 @@ def test_routed_row_dot_runs_the_row_gemvs_within_the_bound(checkpoints, monkeyp
     weights = torch.softmax(torch.randn(1, top_k, generator=generator), -1).to(dtype)
     with torch.no_grad():
         reference = module(hidden, index, weights)
-        got = experts.routed_row_dot(module, hidden, index, weights)
-    assert len(ran) == 2 * top_k and set(ran) <= {"row-dot", "blocked-rows"}  # gate/up and down of each expert
+        experts.routed_choice(module, hidden, index, weights)  # the kernel choice measures each matrix's kind
+        ran.clear()
+        got = experts.routed_choice(module, hidden, index, weights)
+    shapes = {tuple(module.gate_up_proj.shape[1:]), tuple(module.down_proj.shape[1:])}
+    assert len(ran) == 2 * top_k and set(ran) == shapes  # gate/up and down of each routed expert
+    assert {"x".join(map(str, kind[2])) for kind, name in choice.decisions().items() if name == "row-dot"} \
+        >= {"x".join(map(str, shape)) for shape in shapes}
     assert float((got.float() - reference.float()).abs().max()) <= experts.admission_bound(reference, top_k)
 
 
-def test_exact_mode_never_tries_routed_row_dot(checkpoints, monkeypatch):
+def test_exact_mode_never_tries_routed_choice(checkpoints, monkeypatch):
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("routed_row_dot tried in exact mode")
+        raise AssertionError("routed_choice tried in exact mode")
 
-    monkeypatch.setattr(experts, "routed_row_dot", refuse)
+    monkeypatch.setattr(experts, "_OWN", {**experts._OWN, "routed_choice": refuse})
     model = _load(checkpoints["olmoe"], None)
     module = next(m for m in model.modules() if experts.is_experts(m))
     hidden = torch.randn(1, model.config.hidden_size)
     index = torch.arange(model.config.num_experts_per_tok).view(1, -1)
     weights = torch.full(index.shape, 1 / index.shape[1])
-    assert "routed_row_dot" in experts.available()
+    assert "routed_choice" in experts.available()
     with torch.no_grad():
-        assert experts.choose(module, hidden, index, weights, exact=True) != "routed_row_dot"
+        assert experts.choose(module, hidden, index, weights, exact=True) != "routed_choice"
         with pytest.raises(AssertionError, match="exact mode"):  # the check bites: the default mode tries it
             experts.choose(module, hidden, index, weights, exact=False)
 
