@@ -24,14 +24,13 @@ It sums in float32 in another order than ``F.linear``'s GEMM, so it is a candida
 
 from __future__ import annotations
 
-import threading
-import warnings
 from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F
 
 from fusion_linear_kernels import compat, row_dot
+from fusion_linear_kernels.built_kernels import BuiltKernels
 
 ROWS = 8
 """Weight rows one pass over the input reads side by side."""
@@ -92,10 +91,7 @@ extern "C" void kernel(const T* w, const T* x, @BIAS_ARG@T* out, const int64_t n
 """
 
 Key = tuple[torch.dtype, bool]
-_KERNELS: dict[Key, Callable[..., None] | None] = {}
-_LOCK = threading.Lock()
-_MISSING = object()
-_WARNED: list[bool] = []
+_KERNELS: BuiltKernels[Key] = BuiltKernels(row_dot.RowDotUnavailableWarning)
 
 
 def source(dtype: torch.dtype, bias: bool) -> str:
@@ -134,34 +130,17 @@ def run(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 def kernel(dtype: torch.dtype, bias: bool) -> Callable[..., None] | None:
     """The built kernel for weights of ``dtype`` (with or without a bias), built at the first call; None where it
     cannot be built."""
-    key: Key = (dtype, bias)
-    found = _KERNELS.get(key, _MISSING)
-    if found is not _MISSING:
-        return found  # type: ignore[return-value]
-    with _LOCK:
-        if key not in _KERNELS:
-            _KERNELS[key] = _build(dtype, bias)
-    return _KERNELS[key]
+    return _KERNELS.get((dtype, bias), lambda: _build(dtype, bias), f"the blocked-rows GEMV for {dtype} weights")
 
 
-def _build(dtype: torch.dtype, bias: bool) -> Callable[..., None] | None:
+def _build(dtype: torch.dtype, bias: bool) -> Callable[..., None]:
     pointer = f"const {_C_TYPES[dtype]}*"
     argtypes = [pointer, pointer] + ([pointer] if bias else []) + [f"{_C_TYPES[dtype]}*", "const int64_t",
                                                                    "const int64_t"]
-    try:
-        return compat.cpp_kernel(argtypes, source(dtype, bias))
-    except Exception as exc:  # any failure to build leaves the other candidates, never a broken layer
-        if not _WARNED:
-            _WARNED.append(True)
-            warnings.warn(f"linear_kernels: the blocked-rows GEMV for {dtype} weights could not be built "
-                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); those layers "
-                          "keep the other kernels", row_dot.RowDotUnavailableWarning, stacklevel=4)
-        return None
+    return compat.cpp_kernel(argtypes, source(dtype, bias))
 
 
 def clear() -> None:
     """Forget the built kernels and whether a failed build was reported (``fusion_core.reset_state()``, through the
     plugin's ``fusion_reset_state`` hook)."""
-    with _LOCK:
-        _KERNELS.clear()
-        _WARNED.clear()
+    _KERNELS.clear()

@@ -25,8 +25,6 @@ candidate only within the bound (:mod:`fusion_linear_kernels.tolerance`), never 
 
 from __future__ import annotations
 
-import threading
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -34,6 +32,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn import functional as F
 
 from fusion_linear_kernels import compat
+from fusion_linear_kernels.built_kernels import BuiltKernels
 
 MIN_BYTES = 2**20
 """The smallest weight the row-dot kernel is tried on."""
@@ -42,15 +41,13 @@ CHUNKED_FROM, MIN_CHUNK, MAX_CHUNK = 2048, 64, 1024
 """Rows wider than ``CHUNKED_FROM`` are summed in chunks of ``MIN_CHUNK`` to ``MAX_CHUNK`` elements
 (:func:`chunk_of`)."""
 
-Key = tuple[int, int, torch.dtype, bool]
-_KERNELS: dict[Key, Callable[..., torch.Tensor] | None] = {}
-_LOCK = threading.Lock()
-_MISSING = object()
-_WARNED: list[bool] = []
-
 
 class RowDotUnavailableWarning(UserWarning):
-    """Inductor could not build the row-dot GEMV here; the layers keep ``F.linear`` and ``torch.mv``."""
+    """A GEMV kernel (row-dot, blocked-rows) could not be built here; the layers keep the other kernels."""
+
+
+Key = tuple[int, int, torch.dtype, bool]
+_KERNELS: BuiltKernels[Key] = BuiltKernels(RowDotUnavailableWarning)
 
 
 def chunk_of(width: int) -> int:
@@ -110,42 +107,26 @@ def run(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 def kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[..., torch.Tensor] | None:
     """The compiled kernel for ``weight``'s shape and dtype (with or without a bias), built at the first call; None
     where Inductor cannot build it."""
-    key: Key = (weight.shape[0], weight.shape[1], weight.dtype, bias is not None)
-    found = _KERNELS.get(key, _MISSING)
-    if found is not _MISSING:
-        return found
-    with _LOCK:
-        if key not in _KERNELS:
-            _KERNELS[key] = _build(weight, bias)
-    return _KERNELS[key]
+    rows, width = weight.shape
+    return _KERNELS.get((rows, width, weight.dtype, bias is not None), lambda: _build(weight, bias),
+                        f"the row-dot GEMV for a {rows}x{width} {weight.dtype} weight")
 
 
-def _build(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[..., torch.Tensor] | None:
+def _build(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[..., torch.Tensor]:
     """Inductor's kernel for this weight's shape and dtype. The graph is traced on fake tensors and the layer's own
     weight is the compile's example (its shape and strides; nothing is copied): traced on real tensors, the float32
     product of a whole weight was computed, and building the kernel of Qwen2-0.5B's 260 MB head grew the process's
     peak memory by 1.3 GB."""
-    rows, width = weight.shape
+    width = weight.shape[1]
     inputs = [weight.detach(), torch.zeros(width, dtype=weight.dtype)] + ([] if bias is None else [bias.detach()])
-    try:
-        with torch.inference_mode(False), torch.no_grad():
-            graph = make_fx(_row_dot if bias is None else _row_dot_bias, tracing_mode="fake")(*inputs)
-            compiled = compat.inductor_compile(graph, inputs)
-            compiled(*inputs)  # the first call loads the generated code: a failure shows here, not at decode
-    except Exception as exc:  # any failure to build leaves the other candidates, never a broken layer
-        if _WARNED:
-            return None
-        _WARNED.append(True)
-        warnings.warn(f"linear_kernels: Inductor could not build the row-dot GEMV for a {rows}x{width} {weight.dtype} "
-                      f"weight ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); those "
-                      "layers keep F.linear and torch.mv", RowDotUnavailableWarning, stacklevel=4)
-        return None
+    with torch.inference_mode(False), torch.no_grad():
+        graph = make_fx(_row_dot if bias is None else _row_dot_bias, tracing_mode="fake")(*inputs)
+        compiled = compat.inductor_compile(graph, inputs)
+        compiled(*inputs)  # the first call loads the generated code: a failure shows here, not at decode
     return compiled
 
 
 def clear() -> None:
     """Forget the compiled kernels (the next call of each shape builds it again) and whether a failed build was
     reported (``fusion_core.reset_state()``, through the plugin's ``fusion_reset_state`` hook)."""
-    with _LOCK:
-        _KERNELS.clear()
-        _WARNED.clear()
+    _KERNELS.clear()

@@ -37,4 +37,4 @@ def fresh_kernels_of(module: ModuleType) -> Iterator[None]:
     fusion_core.get_registry().get("linear_kernels")  # the family's plugin loaded: reset_state reaches its hook
     yield
     fusion_core.reset_state()
-    assert not module._KERNELS and not module._WARNED
+    assert not len(module._KERNELS) and not module._KERNELS.warned
