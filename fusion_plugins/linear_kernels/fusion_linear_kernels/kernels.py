@@ -85,11 +85,16 @@ BLOCKED_ROWS = Candidate("blocked-rows", blocked_rows.run, blocked_rows.applies,
 """A one-row GEMV over eight wide dense rows at a time (:mod:`fusion_linear_kernels.blocked_rows`), within the bound
 only."""
 
+FEW_ROWS = Candidate("few-rows", blocked_rows.run, blocked_rows.applies_to_few_rows, exact=False)
+"""The blocked-rows kernel on two to four input rows (a small batch, beams), each weight row read once for all of
+them, within the bound only."""
+
 CANDIDATES: tuple[Candidate, ...] = (
     LINEAR,
     Candidate("mv", _mv, _one_row),
     INT8,
     ROW_DOT,
     BLOCKED_ROWS,
+    FEW_ROWS,
 )
 """The documented candidates, ``F.linear`` first (it wins ties: it is the original's kernel)."""

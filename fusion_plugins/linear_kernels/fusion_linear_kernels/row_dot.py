@@ -80,12 +80,16 @@ def _row_dot_bias(weight: torch.Tensor, row: torch.Tensor, bias: torch.Tensor) -
 
 
 def fits(input: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a one-row GEMV over the dense weight may run this call: one row, a dense contiguous CPU weight of
-    torch's own of at least :data:`MIN_BYTES` in a floating dtype of :data:`DTYPES` (the blocked-rows GEMV,
-    :mod:`fusion_linear_kernels.blocked_rows`, takes the same calls)."""
-    return (input.numel() == input.shape[-1] and type(weight) in (torch.Tensor, torch.nn.Parameter)
-            and weight.dim() == 2 and weight.is_contiguous() and weight.dtype in DTYPES
-            and weight.device.type == "cpu" and weight.numel() * weight.element_size() >= MIN_BYTES)
+    """Whether a one-row GEMV over the dense weight may run this call: one row and a :func:`gemv_weight`."""
+    return input.numel() == input.shape[-1] and gemv_weight(weight)
+
+
+def gemv_weight(weight: torch.Tensor) -> bool:
+    """Whether the GEMV kernels read ``weight`` (this one and :mod:`fusion_linear_kernels.blocked_rows`): a dense
+    contiguous CPU weight of torch's own of at least :data:`MIN_BYTES` in a floating dtype of :data:`DTYPES`."""
+    return (type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.dim() == 2 and weight.is_contiguous()
+            and weight.dtype in DTYPES and weight.device.type == "cpu"
+            and weight.numel() * weight.element_size() >= MIN_BYTES)
 
 
 def applies(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -1,5 +1,6 @@
-"""The blocked-rows GEMV: within the bound of F.linear on wide rows (row and width tails included), never tried
-in exact mode, and a failed build leaves the other candidates (and a stored decision naming it runs F.linear)."""
+"""The blocked-rows GEMV: within the bound of F.linear on wide rows (row and width tails included) for one input row
+and on rows of any width for two to four (few-rows), never tried in exact mode, and a failed build leaves the other
+candidates (and a stored decision naming it runs F.linear)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,50 @@ def test_it_applies_to_one_row_of_a_large_dense_weight_with_wide_rows_only(build
     assert not blocked_rows.applies(x, weight[:, :blocked_rows.MIN_WIDTH].contiguous(), None)  # rows not wide
     assert not blocked_rows.applies(x.float(), weight, None)  # an input of another dtype
     assert not blocked_rows.applies(x, weight.t().contiguous().t(), None)  # not row-major
+
+
+#: Narrower than blocked_rows.FEW_ROWS_WIDE_FROM (one weight row at a time), with a width tail.
+NARROW = (row_dot.MIN_BYTES // 2 // 1000 + 5, 1000)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [SHAPE, NARROW], ids=["wide", "narrow"])
+@pytest.mark.parametrize("rows", [2, 3, 4])
+def test_few_rows_are_within_the_bound_of_f_linear(buildable, dtype, bias, shape, rows):
+    weight, b, _ = one_row_layer(shape, dtype, bias, GEN)
+    x = torch.randn(rows, 1, shape[1], generator=GEN).to(dtype)  # a batch of `rows` sequences at one token each
+    assert shape[0] % blocked_rows.block_of(rows, shape[1]) or blocked_rows.block_of(rows, shape[1]) == 1
+    with torch.no_grad():
+        assert blocked_rows.applies_to_few_rows(x, weight, b) and not blocked_rows.applies(x, weight, b)
+        got = blocked_rows.run(x, weight, b)
+    reference = F.linear(x, weight, b)
+    assert got.shape == reference.shape and got.dtype == reference.dtype
+    bound = admission_bound(x, weight, reference)
+    assert admitted(got, reference, bound, exact=False)
+    assert not admitted(got.flip(0), reference, bound, exact=False)  # the check bites: rows swapped
+
+
+def test_few_rows_apply_to_two_to_four_rows_of_a_large_dense_weight(buildable):
+    weight, _, _ = one_row_layer(NARROW, torch.bfloat16, False, GEN)
+    rows = torch.randn(1, 5, NARROW[1]).to(torch.bfloat16)
+    assert [blocked_rows.applies_to_few_rows(rows[:, :n], weight, None) for n in range(1, 6)] == [
+        False, True, True, True, False]
+    assert not blocked_rows.applies_to_few_rows(rows[:, :2], weight[:8].contiguous(), None)  # served from the caches
+    assert not blocked_rows.applies_to_few_rows(rows[:, :2].float(), weight, None)  # an input of another dtype
+    assert not blocked_rows.applies_to_few_rows(rows[:, :2], weight, torch.zeros(NARROW[0]))  # a bias of another
+
+
+def test_a_layer_runs_few_rows_where_it_measured_fastest_and_never_in_exact_mode(buildable, fake_times):
+    fake_times(choice, lambda ways: [1.0] * (ways - 1) + [0.1])  # the last candidate measured fastest
+    weight, b, _ = one_row_layer(SHAPE, torch.bfloat16, True, GEN)
+    x = torch.randn(2, 1, SHAPE[1], generator=GEN).to(torch.bfloat16)
+    with torch.no_grad():
+        assert choice.chosen(x, weight, b, exact=False) is kernels.FEW_ROWS
+        assert choice.chosen(x, weight, b, exact=True) is not kernels.FEW_ROWS
+        got = choice.Caller()(x, weight, b)
+    reference = F.linear(x, weight, b)
+    assert got.shape == reference.shape and admitted(got, reference, admission_bound(x, weight, reference), False)
 
 
 def test_within_the_bound_the_choice_measures_it_and_exact_mode_never_tries_it(buildable, fake_times, monkeypatch):
