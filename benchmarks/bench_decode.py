@@ -19,6 +19,7 @@ weight, and which weight kinds it holds prepacked (oneDNN's layout) with the tim
     python benchmarks/bench_decode.py --compile --contenders plain,linear_kernels,qkv+gate_up+linear_kernels
     python benchmarks/bench_decode.py --profile --rounds 1   # also: each step split into GEMVs by kind, attention, rest
     python benchmarks/bench_decode.py --processes 5 --rounds 3   # 5 fresh processes: the median one and the worst
+    python benchmarks/bench_decode.py --batch 2   # two sequences decoded together (the few-rows GEMV)
     python benchmarks/bench_decode.py --as-loaded   # weights where each load put them (plain: the file mapping)
     python benchmarks/bench_decode.py --frozen      # parameters frozen (requires_grad_(False)), as PEFT leaves a base
     .venvs/quant-tf5/bin/python benchmarks/bench_decode.py --quantize int8wo   # torchao int8 weight-only loads
@@ -243,6 +244,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prefill", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=1,
+                        help="sequences decoded together (a step then makes this many tokens and reads the weights "
+                        "once: ms/token is per step; the prefill row stays one sequence)")
     parser.add_argument("--quantize", choices=["int8wo"], default=None,
                         help="load every contender with TorchAoConfig(Int8WeightOnlyConfig()) (needs torchao)")
     parser.add_argument("--compile", action="store_true",
@@ -296,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
 
     generator = torch.Generator().manual_seed(0)
     vocab = plain.config.vocab_size
-    prompt = torch.randint(3, vocab, (1, args.prompt), generator=generator)
+    prompt = torch.randint(3, vocab, (args.batch, args.prompt), generator=generator)
     long_prompt = torch.randint(3, vocab, (1, args.prefill), generator=generator)
     calls, tokens = {}, {}
     for name, model in models.items():
@@ -316,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     mode = ("compiled" if args.compile else "eager") + (f", {args.quantize}" if args.quantize else "") + (
         ", weights as loaded" if args.as_loaded else "") + (", weights frozen" if args.frozen else "")
     table = Table(f"Decode and prefill, {args.model} ({args.layers or MODELS[args.model][2]} layers), {args.dtype}, "
-                  f"{mode}, batch 1", ["contender", "decode ms/token", "x floor", "x its round's floor",
+                  f"{mode}, batch {args.batch}", ["contender", "decode ms/token", "x floor", "x its round's floor",
                                        "decode vs plain",
                                        "decode vs qkv+gate_up", f"prefill {args.prefill} ms", "prefill vs plain",
                                        "same tokens"])
