@@ -18,7 +18,7 @@ accumulator, so a step of a few rows reads the weights once, as a one-row step d
 side on rows of 2048 or more, one at a time on narrower rows (:func:`block_of`). Same machine, two input rows:
 151936x896 24-25 GB/s against ``F.linear``'s 13; 9728x896 25-28 against 11-12; 2048x8192 21-28 against 16-17;
 four input rows 15-19 against 11-16. Qwen2-0.5B decode at a batch of two came from 1.00x plain (every one of its
-layers ran ``F.linear``) to 1.75x (docs/benchmarks.md).
+layers ran ``F.linear``) to 1.70x (docs/benchmarks.md).
 
 It is C++ written with torch's own vector types (``at::vec``, vectorised for the CPU the way Inductor's kernels
 are), built once per (dtype, bias or not) and process by Inductor's C++ toolchain
@@ -125,19 +125,26 @@ extern "C" void kernel(const T* w, const T* x, @BIAS_ARG@T* out, const int64_t n
 }
 """
 
-BLOCKS: dict[int, tuple[int, ...]] = {1: (ROWS,), 2: (1, 4), 3: (1, 4), 4: (1, 4)}
-"""The weight rows read side by side (:func:`block_of`) that the kernel is built for, by input rows."""
+FEW_ROWS_BLOCKS = (1, 4)
+"""The weight rows read side by side for two to :data:`MAX_INPUTS` input rows: one on narrow rows, four on wide."""
 
 
 def block_of(inputs: int, width: int) -> int:
     """How many weight rows the kernel reads side by side for ``inputs`` input rows on rows of ``width``: eight for
-    one input row; for two to four, four on rows of 2048 or more and one on narrower rows, which then read as one
-    stream. Measured on a 2-core AMD EPYC, bfloat16, over a pass of copies, two input rows: 151936x896 23.4 GB/s one
-    at a time (``F.linear`` 15.0); 9728x896 26.0 one at a time, 13.6 two at a time; 8192x2048 21.5 four at a time,
-    13.1 one at a time (``F.linear`` 17.6); 2048x8192 23.9 four at a time (``F.linear`` 16.8)."""
+    one input row; for two to four, four on rows of :data:`FEW_ROWS_WIDE_FROM` or more and one on narrower rows,
+    which then read as one stream. Measured on a 2-core AMD EPYC, bfloat16, over a pass of copies, two input rows:
+    151936x896 23.4 GB/s one at a time (``F.linear`` 15.0); 9728x896 26.0 one at a time, 13.6 two at a time;
+    8192x2048 21.5 four at a time, 13.1 one at a time, 17.3 eight at a time (``F.linear`` 17.6); 2048x8192 23.9 four
+    at a time (``F.linear`` 16.8)."""
     if inputs == 1:
         return ROWS
-    return 4 if width >= FEW_ROWS_WIDE_FROM else 1
+    narrow, wide = FEW_ROWS_BLOCKS
+    return wide if width >= FEW_ROWS_WIDE_FROM else narrow
+
+
+def _built_for() -> list[tuple[int, int]]:
+    """Every (input rows, weight rows side by side) the kernel is built for: what :func:`block_of` can give."""
+    return [(1, ROWS)] + [(inputs, block) for inputs in range(2, MAX_INPUTS + 1) for block in FEW_ROWS_BLOCKS]
 
 
 Key = tuple[torch.dtype, bool]
@@ -147,7 +154,7 @@ _KERNELS: BuiltKernels[Key] = BuiltKernels(row_dot.RowDotUnavailableWarning)
 def source(dtype: torch.dtype, bias: bool) -> str:
     """The C++ of the kernel for weights of ``dtype``, with or without a bias."""
     cases = "\n        ".join(f"case {inputs * 100 + block}: gemv<{block}, {inputs}>(w, x, b, out, n, k); break;"
-                                for inputs, blocks in BLOCKS.items() for block in blocks)
+                                for inputs, block in _built_for())
     return (_SOURCE.replace("@TYPE@", _C_TYPES[dtype]).replace("@CASES@", cases)
             .replace("@BIAS_ARG@", "const T* bias, " if bias else "").replace("@BIAS@", "bias" if bias else "nullptr"))
 
@@ -178,12 +185,12 @@ def applies_to_few_rows(input: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 def run(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(input, weight, bias)`` for an input of 1 to :data:`MAX_INPUTS` rows, by the blocked-rows kernel
-    (``F.linear`` where there is none)."""
-    compiled = kernel(weight.dtype, bias is not None)
-    if compiled is None:
-        return F.linear(input, weight, bias)
+    (``F.linear`` where there is none, or for more rows)."""
     rows, width = weight.shape
     inputs = input.numel() // width
+    compiled = kernel(weight.dtype, bias is not None)
+    if compiled is None or not 0 < inputs <= MAX_INPUTS:
+        return F.linear(input, weight, bias)
     x = input.reshape(inputs, width).contiguous()
     out = torch.empty(inputs, rows, dtype=weight.dtype)
     shape = (rows, width, inputs, block_of(inputs, width))

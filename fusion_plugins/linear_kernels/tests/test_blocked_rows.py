@@ -89,6 +89,8 @@ def test_few_rows_apply_to_two_to_four_rows_of_a_large_dense_weight(buildable):
     assert not blocked_rows.applies_to_few_rows(rows[:, :2], weight[:8].contiguous(), None)  # served from the caches
     assert not blocked_rows.applies_to_few_rows(rows[:, :2].float(), weight, None)  # an input of another dtype
     assert not blocked_rows.applies_to_few_rows(rows[:, :2], weight, torch.zeros(NARROW[0]))  # a bias of another
+    with torch.no_grad():  # more rows than it takes, asked directly: F.linear, not a kernel it was not built for
+        assert torch.equal(blocked_rows.run(rows, weight, None), F.linear(rows, weight))
 
 
 def test_a_layer_runs_few_rows_where_it_measured_fastest_and_never_in_exact_mode(buildable, fake_times):
