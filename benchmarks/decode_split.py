@@ -30,13 +30,11 @@ GEMM_WEIGHTS: dict[str, tuple[int, bool]] = {
     "aten::addmv_": (1, False), "aten::_weight_int8pack_mm": (1, False),
     "mkldnn::_linear_pointwise": (1, False), "aten::mkldnn_linear": (1, False), "aten::linear": (1, False),
 }
-#: How the profiler names a call of code Inductor compiled: in an eager decode step, ``linear_kernels``' row-dot
-#: GEMVs (``fusion_linear_kernels.row_dot``), whose event carries no shapes; under ``--compile``, every compiled
-#: region (the group's name says both).
+#: How the profiler names a call of code Inductor compiled: under ``--compile``, every compiled region.
 COMPILED = "## Call CompiledFxGraph"
-#: How ``linear_kernels``' blocked-rows GEMVs label their calls (``fusion_linear_kernels.blocked_rows``), with the
-#: weight's shape after it.
-BLOCKED_ROWS = "fusion::blocked_rows"
+#: How ``linear_kernels``' GEMV kernel labels its calls (``fusion_linear_kernels.row_dot.gemv``: the row-dot,
+#: blocked-rows and few-rows candidates), with the weight's shape after it.
+BUILT_GEMV = "fusion::gemv"
 ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "aten::bmm", "aten::baddbmm")
 
 
@@ -45,9 +43,9 @@ def group_of(name: str, shapes: list[Any]) -> str:
     if any(marker in name for marker in ATTENTION):
         return "attention"
     if name.startswith(COMPILED):
-        return "GEMV (row-dot, every kind; under --compile: all compiled code)"
-    if name.startswith(BLOCKED_ROWS):
-        return f"GEMV {name[len(BLOCKED_ROWS):].strip()} (blocked-rows)"
+        return "compiled code (--compile)"
+    if name.startswith(BUILT_GEMV):
+        return f"GEMV {name[len(BUILT_GEMV):].strip()} (linear_kernels' GEMV kernel)"
     found = GEMM_WEIGHTS.get(name)
     if found is not None:
         index, transposed = found

@@ -40,17 +40,12 @@ autograd inside another operator (a traced backward must not look inside): :func
 clears the excluded keys for that block with ``torch._C._ForceDispatchKeyGuard`` (the thread's include set
 kept, nothing excluded), as torch's own ``torch._C._AutoDispatchBelowAutograd`` guard sets them.
 
-The row-dot GEMV (:mod:`fusion_linear_kernels.row_dot`) is code Inductor generates for one shape:
-:func:`inductor_compile` hands a traced graph to ``torch._inductor.compile(graph, example_inputs)``, which returns
-the compiled callable without dynamo's guards (a call costs about 10 us against ``torch.compile``'s 20-30 us, and
-no recompile limit is shared with the user's own compiled code), with ``torch._inductor.config``'s
-``compile_threads`` at 1 for that call (no pool of compiling processes for one small kernel). The blocked-rows
-GEMV (:mod:`fusion_linear_kernels.blocked_rows`) is C++ of its own, written with torch's vector types
-(``at::vec``), which :func:`cpp_kernel` builds with the same toolchain and flags Inductor builds its own kernels
-with (``torch._inductor.codecache.CppPythonBindingsCodeCache.load_pybinding``: a Python binding that takes
-tensors as pointers and integers, cached on disk by the source's hash). Its calls are no operator of torch's, so
-the profiler sees them only where they label themselves, which they do while :func:`profiling` (torch's own flag,
-``torch.autograd.profiler._is_profiler_enabled``) is set.
+The GEMV kernel (:mod:`fusion_linear_kernels.row_dot`: the row-dot, blocked-rows and few-rows candidates) is C++
+of its own, written with torch's vector types (``at::vec``), which :func:`cpp_kernel` builds with the toolchain and
+flags Inductor builds its own kernels with (``torch._inductor.codecache.CppPythonBindingsCodeCache.load_pybinding``:
+a Python binding that takes tensors as pointers and integers, cached on disk by the source's hash). Its calls are
+no operator of torch's, so the profiler sees them only where they label themselves, which they do while
+:func:`profiling` (torch's own flag, ``torch.autograd.profiler._is_profiler_enabled``) is set.
 
 One private method of ``nn.Module`` is overridden, not called from here: the fused class's
 ``_apply`` (what ``.to()``, ``.half()``, ``.cuda()`` call on every module; unchanged since torch 1.0)
@@ -190,13 +185,3 @@ def cpp_kernel(argtypes: list[str], source: str) -> Callable[..., None]:
 
     kernel: Callable[..., None] = CppPythonBindingsCodeCache.load_pybinding(argtypes, source)
     return kernel
-
-
-def inductor_compile(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
-    """Inductor's code for ``graph`` on inputs shaped as ``example_inputs`` (``torch._inductor.compile``)."""
-    import torch._inductor
-    import torch._inductor.config
-
-    with torch._inductor.config.patch(compile_threads=1):  # one small kernel: no pool of compiling processes
-        compiled: Callable[..., Any] = torch._inductor.compile(graph, example_inputs)
-    return compiled

@@ -28,10 +28,9 @@ each fused layer whether its weight is packed (traced code reads that flag: a fa
 as ``weight`` is here). ``fusion_save_kwargs`` refuses a fused-layout save (``save_original_format=False``) of a
 model holding packed weights, by name. The measured decisions (kernel, packing, experts) live in fusion-core's
 decisions facility (:class:`fusion_core.plugin.Decisions`), which ``fusion_core.reset_state()`` resets: no hook of this
-plugin's is needed for them. ``fusion_reset_state`` forgets the GEMV kernels built in this process (the row-dot
-ones Inductor compiled, :func:`fusion_linear_kernels.row_dot.clear`, and the blocked-rows ones,
-:func:`fusion_linear_kernels.blocked_rows.clear`: each is built again at its next call) and whether a failed build
-was already reported.
+plugin's is needed for them. ``fusion_reset_state`` forgets the GEMV kernels built in this process
+(:func:`fusion_linear_kernels.row_dot.clear`: each is built again at its next call) and whether a failed build was
+already reported.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ from torch import nn
 
 from fusion_core import ModulePlan, SaveError, hookimpl
 from fusion_core.plugin import MergedLinear, fuse_instance, merged_projection, presenting_fused
-from fusion_linear_kernels import blocked_rows, row_dot
+from fusion_linear_kernels import row_dot
 from fusion_linear_kernels.choice import Caller
 from fusion_linear_kernels.direct_reads import read_directly
 from fusion_linear_kernels.experts import is_experts
@@ -71,7 +70,6 @@ def register_fusion_families(register: Callable[[Any], None]) -> None:
 @hookimpl
 def fusion_reset_state() -> None:
     row_dot.clear()
-    blocked_rows.clear()
 
 
 @hookimpl(wrapper=True, tryfirst=True)

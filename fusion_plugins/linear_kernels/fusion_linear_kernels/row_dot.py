@@ -1,26 +1,31 @@
-"""A one-row GEMV that reads the dense weight at the memory's bandwidth: Inductor's code for a row-dot reduction.
+"""The GEMV kernel built on this machine, and the one-row candidate that reads the weight one row at a time.
 
 At one row ``F.linear(x, W)`` is ``W @ x``: each output is the dot product of a weight row with ``x``. A
 ``[out, in]`` weight already holds every row contiguously, so the GEMV needs no other layout: read each row once,
 multiply in float32, sum. torch's kernels do not do that at the memory's speed on the CPU: ``F.linear`` on
-bfloat16 reorders the weight for oneDNN on every call, ``torch.mv`` runs one thread's loop. Inductor, given
-``(W.float() * x.float()).sum(-1)``, generates a vectorised, multi-threaded reduction that never materialises the
-float32 product (a long row in chunks: :func:`chunk_of`). Measured on a 2-core AMD EPYC (avx512_bf16), one row,
-bfloat16, over a pass of copies read from memory: Qwen2-0.5B's 151936x896 tied head 9.3 ms (30 GB/s; ``F.linear``
-15.7 ms, ``torch.mv`` 25 ms), its merged 9728x896 gate/up 0.52 ms (``F.linear`` 1.28 ms); the cold-buffer reduction
-read 33 GB/s there. On some shapes it is not the fastest (a 2048x11008 down projection read faster packed), which
-is why it is a candidate the choice measures (:mod:`fusion_linear_kernels.choice`), never a rule.
+bfloat16 reorders the weight for oneDNN on every call, ``torch.mv`` runs one thread's loop. :func:`gemv` does,
+with C++ written with torch's own vector types (``at::vec``, vectorised for the CPU the way Inductor's kernels
+are), built once per (dtype, bias or not) and process by Inductor's C++ toolchain
+(:func:`fusion_linear_kernels.compat.cpp_kernel`; cached on disk, so a later process loads it), the shape passed
+at each call. It takes one to :data:`MAX_INPUTS` input rows and reads ``block`` weight rows side by side, each
+weight row once for every input row; the candidates differ in the rows they take and the block they read:
 
-A kernel is compiled once per process for each (rows of the weight, its width, dtype, bias or not), at the first
-call that measures it, through :func:`fusion_linear_kernels.compat.inductor_compile` (Inductor's on-disk cache
-makes a later process's compile cheaper). Only weights of at least :data:`MIN_BYTES` apply: a smaller weight is
-served from the CPU's caches, where the reduction buys nothing and a compile costs a second. Where Inductor
-cannot build it (no C++ compiler on the machine, an unsupported dtype), :func:`kernel` returns None, says so
-once (:class:`RowDotUnavailableWarning`), and the layer keeps the other candidates; a stored decision naming this
-kernel then runs ``F.linear``.
+- ``row-dot`` (this module): one input row, one weight row at a time (a single stream through the weight). Over
+  a pass of copies read from memory, one row, bfloat16, on a 2-core AMD EPYC (avx512_bf16), against a float32 sum
+  of the same weights' bytes in the same run: 9728x896 43.0 GB/s (the sum 39.1), 151936x896 27.0 (25.9),
+  16384x2048 31.8 (29.4). It replaced Inductor's code for ``(W.float() * x.float()).sum(-1)``, compiled once per
+  weight shape, which read 37.5, 25.9 and 29.3 there, cost about 9 us a call around the kernel against 2 (a
+  1152x896 projection: 25.6 against 24.6 GB/s) and a compile per shape at a process's first ``generate``.
+- ``blocked-rows`` and ``few-rows`` (:mod:`fusion_linear_kernels.blocked_rows`): several weight rows side by side,
+  for wide rows and for two to four input rows.
 
-The float32 sum runs in another order than ``F.linear``'s GEMM, so its outputs differ in the last bits: it is a
-candidate only within the bound (:mod:`fusion_linear_kernels.tolerance`), never in exact mode.
+Only weights of at least :data:`MIN_BYTES` apply (:func:`gemv_weight`): a smaller weight is served from the CPU's
+caches, where the kernel buys nothing. Where the kernel cannot be built (no C++ compiler on the machine),
+:func:`kernel` returns None, says so once (:class:`RowDotUnavailableWarning`), and the layers keep the other
+candidates; a stored decision naming one of these candidates then runs ``F.linear``.
+
+The float32 sum runs in another order than ``F.linear``'s GEMM, so its outputs differ in the last bits: these
+are candidates within the bound only (:mod:`fusion_linear_kernels.tolerance`), never in exact mode.
 """
 
 from __future__ import annotations
@@ -28,109 +33,174 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn import functional as F
 
 from fusion_linear_kernels import compat
 from fusion_linear_kernels.built_kernels import BuiltKernels
 
 MIN_BYTES = 2**20
-"""The smallest weight the row-dot kernel is tried on."""
+"""The smallest weight the GEMV kernel is tried on."""
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-CHUNKED_FROM, MIN_CHUNK, MAX_CHUNK = 2048, 64, 1024
-"""Rows wider than ``CHUNKED_FROM`` are summed in chunks of ``MIN_CHUNK`` to ``MAX_CHUNK`` elements
-(:func:`chunk_of`)."""
+MAX_INPUTS = 4
+"""The most input rows one call of the kernel takes."""
+BLOCKS = (1, 4, 8)
+"""The numbers of weight rows the kernel is built to read side by side."""
+
+PROFILER_LABEL = "fusion::gemv"
+"""The name of the kernel's calls in torch's profiler (followed by the weight's shape, ``out``x``in``)."""
 
 
 class RowDotUnavailableWarning(UserWarning):
-    """A GEMV kernel (row-dot, blocked-rows) could not be built here; the layers keep the other kernels."""
+    """The GEMV kernel could not be built here; the layers keep the other kernels."""
 
 
-Key = tuple[int, int, torch.dtype, bool]
+_C_TYPES = {torch.bfloat16: "at::BFloat16", torch.float16: "at::Half", torch.float32: "float"}
+
+_SOURCE = r"""
+#include <torch/csrc/inductor/cpp_prefix.h>
+using T = @TYPE@;
+using Acc = at::vec::VectorizedN<float, 2>;
+
+static inline Acc widened(const at::BFloat16* p) {
+    return at::vec::convert<float, 2, at::BFloat16, 1>(at::vec::Vectorized<at::BFloat16>::loadu(p));
+}
+static inline Acc widened(const at::Half* p) {
+    return at::vec::convert<float, 2, at::Half, 1>(at::vec::Vectorized<at::Half>::loadu(p));
+}
+static inline Acc widened(const float* p) { return Acc::loadu(p); }
+
+// The dot products of ROWS consecutive weight rows (w, row stride k) with IN input rows (x, row stride k), in
+// float32: sums[i * stride + r] for weight row r and input row i.
+template <int ROWS, int IN>
+static inline void dots(const T* w, const T* x, int64_t k, float* sums, int64_t stride) {
+    constexpr int64_t lanes = Acc::size();
+    Acc acc[ROWS][IN];
+    for (int r = 0; r < ROWS; ++r) for (int i = 0; i < IN; ++i) acc[r][i] = Acc(0);
+    int64_t j = 0;
+    for (; j + lanes <= k; j += lanes) {
+        Acc xs[IN];
+        for (int i = 0; i < IN; ++i) xs[i] = widened(x + i * k + j);
+        for (int r = 0; r < ROWS; ++r) {
+            const Acc ws = widened(w + r * k + j);
+            for (int i = 0; i < IN; ++i) acc[r][i] = at::vec::fmadd(ws, xs[i], acc[r][i]);
+        }
+    }
+    for (int r = 0; r < ROWS; ++r) for (int i = 0; i < IN; ++i) {
+        float sum = at::vec::vec_reduce_all<float, 2>(
+            [](at::vec::Vectorized<float>& a, at::vec::Vectorized<float>& b) { return a + b; }, acc[r][i]);
+        for (int64_t t = j; t < k; ++t) sum += static_cast<float>(w[r * k + t]) * static_cast<float>(x[i * k + t]);
+        sums[i * stride + r] = sum;
+    }
+}
+
+// out[i, r] for every weight row r (n of them) and input row i, ROWS weight rows read side by side.
+template <int ROWS, int IN>
+static void gemv(const T* w, const T* x, const T* bias, T* out, int64_t n, int64_t k) {
+    const int64_t blocks = (n + ROWS - 1) / ROWS;
+    #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t r0 = b * ROWS;
+        float sums[ROWS * IN];
+        if (r0 + ROWS <= n) {
+            dots<ROWS, IN>(w + r0 * k, x, k, sums, ROWS);
+        } else {
+            for (int64_t r = r0; r < n; ++r) dots<1, IN>(w + r * k, x, k, sums + (r - r0), ROWS);
+        }
+        for (int i = 0; i < IN; ++i) {
+            for (int64_t r = r0; r < n && r < r0 + ROWS; ++r) {
+                float value = sums[i * ROWS + (r - r0)];
+                if (bias != nullptr) value += static_cast<float>(bias[r]);
+                out[i * n + r] = static_cast<T>(value);
+            }
+        }
+    }
+}
+
+extern "C" void kernel(const T* w, const T* x, @BIAS_ARG@T* out, const int64_t n, const int64_t k,
+                       const int64_t inputs, const int64_t block) {
+    const T* b = @BIAS@;
+    switch (inputs * 100 + block) {
+        @CASES@
+    }
+}
+"""
+
+Key = tuple[torch.dtype, bool]
 _KERNELS: BuiltKernels[Key] = BuiltKernels(RowDotUnavailableWarning)
 
 
-def chunk_of(width: int) -> int:
-    """How many elements of a row one inner sum takes: a row wider than :data:`CHUNKED_FROM` is summed in chunks
-    (the largest power of two that divides it, at most :data:`MAX_CHUNK`), then the chunks' sums are summed; 0 for a
-    row summed whole. Inductor keeps one accumulator per vector lane for a whole row, and a long row's reduction
-    then waits on it: over a pass of copies, 2048x8192 bfloat16 read 22.8 GB/s summed whole and 27.2 GB/s in chunks
-    of 1024, 896x4864 26.3 against 38.2 in chunks of 256; rows of 896 or 2048 gained nothing (2-core AMD EPYC)."""
-    if width <= CHUNKED_FROM:
-        return 0
-    chunk = min(MAX_CHUNK, width & -width)
-    return chunk if chunk >= MIN_CHUNK else 0
-
-
-def _dots(weight: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-    """Each weight row's dot product with ``row``, in float32 (see :func:`chunk_of`)."""
-    rows, width = weight.shape
-    chunk = chunk_of(width)
-    if not chunk:
-        return (weight.float() * row.float()).sum(-1)
-    return (weight.float().view(rows, width // chunk, chunk) * row.float().view(width // chunk, chunk)).sum(-1).sum(-1)
-
-
-def _row_dot(weight: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-    return _dots(weight, row).to(weight.dtype)
-
-
-def _row_dot_bias(weight: torch.Tensor, row: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return (_dots(weight, row) + bias.float()).to(weight.dtype)
-
-
-def fits(input: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a one-row GEMV over the dense weight may run this call: one row and a :func:`gemv_weight`."""
-    return input.numel() == input.shape[-1] and gemv_weight(weight)
+def source(dtype: torch.dtype, bias: bool) -> str:
+    """The C++ of the kernel for weights of ``dtype``, with or without a bias."""
+    cases = "\n        ".join(f"case {inputs * 100 + block}: gemv<{block}, {inputs}>(w, x, b, out, n, k); break;"
+                                for inputs in range(1, MAX_INPUTS + 1) for block in BLOCKS)
+    return (_SOURCE.replace("@TYPE@", _C_TYPES[dtype]).replace("@CASES@", cases)
+            .replace("@BIAS_ARG@", "const T* bias, " if bias else "").replace("@BIAS@", "bias" if bias else "nullptr"))
 
 
 def gemv_weight(weight: torch.Tensor) -> bool:
-    """Whether the GEMV kernels read ``weight`` (this one and :mod:`fusion_linear_kernels.blocked_rows`): a dense
-    contiguous CPU weight of torch's own of at least :data:`MIN_BYTES` in a floating dtype of :data:`DTYPES`."""
+    """Whether the kernel reads ``weight``: a dense contiguous CPU weight of torch's own of at least
+    :data:`MIN_BYTES` in a floating dtype of :data:`DTYPES`."""
     return (type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.dim() == 2 and weight.is_contiguous()
             and weight.dtype in DTYPES and weight.device.type == "cpu"
             and weight.numel() * weight.element_size() >= MIN_BYTES)
 
 
+def input_rows(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """The input's rows where the kernel can take the call, 0 where it cannot: a :func:`gemv_weight`, 1 to
+    :data:`MAX_INPUTS` rows of its width, an input and a bias (if any) of the weight's dtype, and a kernel built
+    for it."""
+    width = input.shape[-1] if input.dim() else 0
+    rows = input.numel() // width if width else 0
+    if not (0 < rows <= MAX_INPUTS and width == weight.shape[-1] and gemv_weight(weight)
+            and input.dtype == weight.dtype and (bias is None or bias.dtype == weight.dtype)):
+        return 0
+    return rows if kernel(weight.dtype, bias is not None) is not None else 0
+
+
+def gemv(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block: int) -> torch.Tensor:
+    """``F.linear(input, weight, bias)`` for an input of 1 to :data:`MAX_INPUTS` rows by the kernel, ``block``
+    weight rows side by side (one of :data:`BLOCKS`); ``F.linear`` where there is no kernel, or for more rows."""
+    rows, width = weight.shape
+    inputs = input.numel() // width
+    compiled = kernel(weight.dtype, bias is not None)
+    if compiled is None or not 0 < inputs <= MAX_INPUTS or block not in BLOCKS:
+        return F.linear(input, weight, bias)
+    x = input.reshape(inputs, width).contiguous()
+    out = torch.empty(inputs, rows, dtype=weight.dtype)
+    shape = (rows, width, inputs, block)
+    arguments = (weight, x, out, *shape) if bias is None else (weight, x, bias.contiguous(), out, *shape)
+    if compat.profiling():  # not an operator of torch's: labelled, or the profiler books it as time outside operators
+        with torch.profiler.record_function(f"{PROFILER_LABEL} {rows}x{width}"):
+            compiled(*arguments)
+    else:
+        compiled(*arguments)
+    return out.view(*input.shape[:-1], rows)
+
+
 def applies(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the kernel can run this call: one that :func:`fits`, and a kernel Inductor built for it."""
-    return fits(input, weight) and kernel(weight, bias) is not None
+    """Whether the row-dot candidate can run this call: one input row (see :func:`input_rows`)."""
+    return input_rows(input, weight, bias) == 1
 
 
 def run(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(input, weight, bias)`` for a one-row input, by the row-dot kernel (``F.linear`` where there is
-    none)."""
-    compiled = kernel(weight, bias)
-    if compiled is None:
-        return F.linear(input, weight, bias)
-    row = input.reshape(-1)
-    out = compiled(weight, row) if bias is None else compiled(weight, row, bias)
-    return out.view(*input.shape[:-1], weight.shape[0])
+    """``F.linear(input, weight, bias)`` for a one-row input, one weight row at a time (``F.linear`` where there is
+    no kernel)."""
+    return gemv(input, weight, bias, 1)
 
 
-def kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[..., torch.Tensor] | None:
-    """The compiled kernel for ``weight``'s shape and dtype (with or without a bias), built at the first call; None
-    where Inductor cannot build it."""
-    rows, width = weight.shape
-    return _KERNELS.get((rows, width, weight.dtype, bias is not None), lambda: _build(weight, bias),
-                        f"the row-dot GEMV for a {rows}x{width} {weight.dtype} weight")
+def kernel(dtype: torch.dtype, bias: bool) -> Callable[..., None] | None:
+    """The built kernel for weights of ``dtype`` (with or without a bias), built at the first call; None where it
+    cannot be built."""
+    return _KERNELS.get((dtype, bias), lambda: _build(dtype, bias), f"the GEMV kernel for {dtype} weights")
 
 
-def _build(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[..., torch.Tensor]:
-    """Inductor's kernel for this weight's shape and dtype. The graph is traced on fake tensors and the layer's own
-    weight is the compile's example (its shape and strides; nothing is copied): traced on real tensors, the float32
-    product of a whole weight was computed, and building the kernel of Qwen2-0.5B's 260 MB head grew the process's
-    peak memory by 1.3 GB."""
-    width = weight.shape[1]
-    inputs = [weight.detach(), torch.zeros(width, dtype=weight.dtype)] + ([] if bias is None else [bias.detach()])
-    with torch.inference_mode(False), torch.no_grad():
-        graph = make_fx(_row_dot if bias is None else _row_dot_bias, tracing_mode="fake")(*inputs)
-        compiled = compat.inductor_compile(graph, inputs)
-        compiled(*inputs)  # the first call loads the generated code: a failure shows here, not at decode
-    return compiled
+def _build(dtype: torch.dtype, bias: bool) -> Callable[..., None]:
+    pointer = f"const {_C_TYPES[dtype]}*"
+    argtypes = [pointer, pointer] + ([pointer] if bias else []) + [f"{_C_TYPES[dtype]}*"] + ["const int64_t"] * 4
+    return compat.cpp_kernel(argtypes, source(dtype, bias))
 
 
 def clear() -> None:
-    """Forget the compiled kernels (the next call of each shape builds it again) and whether a failed build was
-    reported (``fusion_core.reset_state()``, through the plugin's ``fusion_reset_state`` hook)."""
+    """Forget the built kernels and whether a failed build was reported (``fusion_core.reset_state()``, through the
+    plugin's ``fusion_reset_state`` hook)."""
     _KERNELS.clear()

@@ -28,12 +28,12 @@ def _layer(dtype: torch.dtype, bias: bool) -> tuple[torch.Tensor, torch.Tensor |
 
 @pytest.fixture
 def buildable():
-    skip_unless_built(lambda: blocked_rows.kernel(torch.bfloat16, False), "the blocked-rows kernel")
+    skip_unless_built(lambda: row_dot.kernel(torch.bfloat16, False), "the GEMV kernel")
 
 
 @pytest.fixture
 def fresh_kernels():
-    yield from fresh_kernels_of(blocked_rows)
+    yield from fresh_kernels_of(row_dot)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -131,7 +131,7 @@ def test_a_failed_build_leaves_the_other_candidates_and_says_so_once(fresh_kerne
         # a stored decision naming blocked-rows, on a machine where it cannot be built, runs F.linear
         assert torch.equal(kernels.BLOCKED_ROWS.run(x, weight, None), F.linear(x, weight))
     said = [w for w in caught if issubclass(w.category, row_dot.RowDotUnavailableWarning)
-            and "blocked-rows" in str(w.message)]
+            and "GEMV kernel" in str(w.message)]
     assert len(said) == 1 and "no C++ compiler found" in str(said[0].message)
 
 
@@ -139,7 +139,7 @@ def test_reset_state_forgets_the_built_kernels(buildable, fresh_kernels):
     weight, _, x = _layer(torch.bfloat16, False)
     with torch.no_grad():
         blocked_rows.run(x, weight, None)
-    assert len(blocked_rows._KERNELS)  # fresh_kernels checks they are gone after fusion_core.reset_state()
+    assert len(row_dot._KERNELS)  # fresh_kernels checks they are gone after fusion_core.reset_state()
 
 
 def test_its_calls_are_labelled_for_the_profiler(buildable):
@@ -147,4 +147,4 @@ def test_its_calls_are_labelled_for_the_profiler(buildable):
     weight, _, x = _layer(torch.bfloat16, False)
     with torch.no_grad(), torch.profiler.profile() as recorded:
         blocked_rows.run(x, weight, None)
-    assert f"{blocked_rows.PROFILER_LABEL} {SHAPE[0]}x{SHAPE[1]}" in [event.name for event in recorded.events()]
+    assert f"{row_dot.PROFILER_LABEL} {SHAPE[0]}x{SHAPE[1]}" in [event.name for event in recorded.events()]
