@@ -1,4 +1,4 @@
-"""Kernels built on this machine, once per key in a process: what the row-dot and blocked-rows GEMVs share.
+"""Kernels built on this machine, once per key in a process (the GEMV kernel's, per dtype and bias).
 
 A kernel is built at its first request and kept; a build that fails is kept as None (the layers keep the other
 candidates, and no later call tries again), and the first failure is reported once, as a warning of the owner's
