@@ -79,15 +79,16 @@ INT8 = Candidate("int8 weight-only", _int8, _int8_applies)
 ``F.linear`` dispatch."""
 
 ROW_DOT = Candidate("row-dot", row_dot.run, row_dot.applies, exact=False)
-"""Inductor's one-row GEMV over the dense weight (:mod:`fusion_linear_kernels.row_dot`), within the bound only."""
+"""The GEMV kernel (:mod:`fusion_linear_kernels.row_dot`) on one input row, one dense weight row at a time, within
+the bound only."""
 
 BLOCKED_ROWS = Candidate("blocked-rows", blocked_rows.run, blocked_rows.applies, exact=False)
-"""A one-row GEMV over eight wide dense rows at a time (:mod:`fusion_linear_kernels.blocked_rows`), within the bound
-only."""
+"""The GEMV kernel on one input row, eight wide dense rows at a time (:mod:`fusion_linear_kernels.blocked_rows`),
+within the bound only."""
 
 FEW_ROWS = Candidate("few-rows", blocked_rows.run, blocked_rows.applies_to_few_rows, exact=False)
-"""The blocked-rows kernel on two to four input rows (a small batch, beams), each weight row read once for all of
-them, within the bound only."""
+"""The GEMV kernel on two to four input rows (a small batch, beams), each weight row read once for all of them
+(:mod:`fusion_linear_kernels.blocked_rows`), within the bound only."""
 
 CANDIDATES: tuple[Candidate, ...] = (
     LINEAR,

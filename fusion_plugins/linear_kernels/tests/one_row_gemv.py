@@ -1,4 +1,4 @@
-"""What the tests of the one-row GEMV kernels (row-dot, blocked-rows) share."""
+"""What the tests of the GEMV kernel's candidates (row-dot, blocked-rows, few-rows) share."""
 
 from __future__ import annotations
 
