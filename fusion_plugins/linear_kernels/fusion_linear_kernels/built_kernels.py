@@ -21,8 +21,11 @@ class BuiltKernels(Generic[K]):
     """One owner's kernels by key: :meth:`get` builds a missing one (None where that raised), :meth:`clear` forgets
     them and whether a failure was reported."""
 
-    def __init__(self, warning: type[Warning]) -> None:
+    def __init__(self, warning: type[Warning], build: Callable[[K], Callable[..., Any]],
+                 describe: Callable[[K], str]) -> None:
         self._warning = warning
+        self._build = build
+        self._describe = describe
         self._kernels: dict[K, Callable[..., Any] | None] = {}
         self._lock = threading.Lock()
         self.warned = False
@@ -31,26 +34,27 @@ class BuiltKernels(Generic[K]):
     def __len__(self) -> int:
         return len(self._kernels)
 
-    def get(self, key: K, build: Callable[[], Callable[..., Any]], what: str) -> Callable[..., Any] | None:
-        """The kernel for ``key``, ``build()`` at its first request; None where that raised (reported once per cache
-        as ``what`` "could not be built", with the error's first line)."""
+    def get(self, key: K) -> Callable[..., Any] | None:
+        """The kernel for ``key``, ``build(key)`` at its first request; None where that raised (reported once per
+        cache as ``describe(key)`` "could not be built", with the error's first line). A call for a kernel already
+        built does no more than a dict lookup: the GEMVs ask at every call."""
         found = self._kernels.get(key, _MISSING)
         if found is not _MISSING:
             return found  # type: ignore[return-value]
         with self._lock:
             if key not in self._kernels:
-                self._kernels[key] = self._built(build, what)
+                self._kernels[key] = self._built(key)
         return self._kernels[key]
 
-    def _built(self, build: Callable[[], Callable[..., Any]], what: str) -> Callable[..., Any] | None:
+    def _built(self, key: K) -> Callable[..., Any] | None:
         try:
-            return build()
+            return self._build(key)
         except Exception as exc:  # any failure to build leaves the other candidates, never a broken layer
             if not self.warned:
                 self.warned = True
                 first = str(exc).splitlines()[0] if str(exc) else ""
-                warnings.warn(f"linear_kernels: {what} could not be built ({type(exc).__name__}: {first}); those "
-                              "layers keep the other kernels", self._warning, stacklevel=6)
+                warnings.warn(f"linear_kernels: {self._describe(key)} could not be built ({type(exc).__name__}: "
+                              f"{first}); those layers keep the other kernels", self._warning, stacklevel=6)
             return None
 
     def clear(self) -> None:

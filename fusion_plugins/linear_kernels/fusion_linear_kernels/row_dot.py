@@ -7,8 +7,9 @@ bfloat16 reorders the weight for oneDNN on every call, ``torch.mv`` runs one thr
 with C++ written with torch's own vector types (``at::vec``, vectorised for the CPU the way Inductor's kernels
 are), built once per (dtype, bias or not) and process by Inductor's C++ toolchain
 (:func:`fusion_linear_kernels.compat.cpp_kernel`; cached on disk, so a later process loads it), the shape passed
-at each call. It takes one to :data:`MAX_INPUTS` input rows and reads ``block`` weight rows side by side, each
-weight row once for every input row; the candidates differ in the rows they take and the block they read:
+at each call. It takes one to :data:`MAX_INPUTS` input rows and reads ``block`` weight rows side by side
+(:data:`BUILT`), each weight row once for every input row; the candidates differ in the rows they take and the
+block they read:
 
 - ``row-dot`` (this module): one input row, one weight row at a time (a single stream through the weight). Over
   a pass of copies read from memory, one row, bfloat16, on a 2-core AMD EPYC (avx512_bf16), against a float32 sum
@@ -43,8 +44,12 @@ MIN_BYTES = 2**20
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_INPUTS = 4
 """The most input rows one call of the kernel takes."""
-BLOCKS = (1, 4, 8)
-"""The numbers of weight rows the kernel is built to read side by side."""
+BUILT: tuple[tuple[int, int], ...] = ((1, 1), (1, 8), *((inputs, block) for inputs in range(2, MAX_INPUTS + 1)
+                                                         for block in (1, 4)))
+"""The (input rows, weight rows read side by side) the kernel is built for, each a C++ template instance: one weight
+row at a time or eight for one input row (row-dot, blocked-rows), one or four for two to four (few-rows). A build on
+a machine without the kernel cached took 9.6 s (2-core AMD EPYC; twelve pairs 10.0 s: the compiler and torch's
+headers, not the instances, take most of it)."""
 
 PROFILER_LABEL = "fusion::gemv"
 """The name of the kernel's calls in torch's profiler (followed by the weight's shape, ``out``x``in``)."""
@@ -126,13 +131,12 @@ extern "C" void kernel(const T* w, const T* x, @BIAS_ARG@T* out, const int64_t n
 """
 
 Key = tuple[torch.dtype, bool]
-_KERNELS: BuiltKernels[Key] = BuiltKernels(RowDotUnavailableWarning)
 
 
 def source(dtype: torch.dtype, bias: bool) -> str:
     """The C++ of the kernel for weights of ``dtype``, with or without a bias."""
     cases = "\n        ".join(f"case {inputs * 100 + block}: gemv<{block}, {inputs}>(w, x, b, out, n, k); break;"
-                                for inputs in range(1, MAX_INPUTS + 1) for block in BLOCKS)
+                                for inputs, block in BUILT)
     return (_SOURCE.replace("@TYPE@", _C_TYPES[dtype]).replace("@CASES@", cases)
             .replace("@BIAS_ARG@", "const T* bias, " if bias else "").replace("@BIAS@", "bias" if bias else "nullptr"))
 
@@ -159,11 +163,11 @@ def input_rows(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def gemv(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block: int) -> torch.Tensor:
     """``F.linear(input, weight, bias)`` for an input of 1 to :data:`MAX_INPUTS` rows by the kernel, ``block``
-    weight rows side by side (one of :data:`BLOCKS`); ``F.linear`` where there is no kernel, or for more rows."""
+    weight rows side by side (a pair of :data:`BUILT`); ``F.linear`` where there is no kernel, or another pair."""
     rows, width = weight.shape
     inputs = input.numel() // width
     compiled = kernel(weight.dtype, bias is not None)
-    if compiled is None or not 0 < inputs <= MAX_INPUTS or block not in BLOCKS:
+    if compiled is None or (inputs, block) not in BUILT:
         return F.linear(input, weight, bias)
     x = input.reshape(inputs, width).contiguous()
     out = torch.empty(inputs, rows, dtype=weight.dtype)
@@ -191,13 +195,18 @@ def run(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 def kernel(dtype: torch.dtype, bias: bool) -> Callable[..., None] | None:
     """The built kernel for weights of ``dtype`` (with or without a bias), built at the first call; None where it
     cannot be built."""
-    return _KERNELS.get((dtype, bias), lambda: _build(dtype, bias), f"the GEMV kernel for {dtype} weights")
+    return _KERNELS.get((dtype, bias))
 
 
-def _build(dtype: torch.dtype, bias: bool) -> Callable[..., None]:
+def _build(key: Key) -> Callable[..., None]:
+    dtype, bias = key
     pointer = f"const {_C_TYPES[dtype]}*"
     argtypes = [pointer, pointer] + ([pointer] if bias else []) + [f"{_C_TYPES[dtype]}*"] + ["const int64_t"] * 4
     return compat.cpp_kernel(argtypes, source(dtype, bias))
+
+
+_KERNELS: BuiltKernels[Key] = BuiltKernels(RowDotUnavailableWarning, _build,
+                                           lambda key: f"the GEMV kernel for {key[0]} weights")
 
 
 def clear() -> None:

@@ -81,6 +81,14 @@ def test_few_rows_are_within_the_bound_of_f_linear(buildable, dtype, bias, shape
     assert not admitted(got.flip(0), reference, bound, exact=False)  # the check bites: rows swapped
 
 
+def test_every_block_it_reads_is_one_the_kernel_is_built_for():
+    """A pair the kernel lacks would run F.linear (row_dot.gemv's guard), silently losing the kernel."""
+    for inputs in range(1, row_dot.MAX_INPUTS + 1):
+        for width in (blocked_rows.FEW_ROWS_WIDE_FROM - 1, blocked_rows.FEW_ROWS_WIDE_FROM, 8192):
+            assert (inputs, blocked_rows.block_of(inputs, width)) in row_dot.BUILT
+    assert (1, 1) in row_dot.BUILT  # row-dot's
+
+
 def test_few_rows_apply_to_two_to_four_rows_of_a_large_dense_weight(buildable):
     weight, _, _ = one_row_layer(NARROW, torch.bfloat16, False, GEN)
     rows = torch.randn(1, 5, NARROW[1]).to(torch.bfloat16)
