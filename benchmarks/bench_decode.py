@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill", type=int, default=256)
     parser.add_argument("--batch", type=int, default=1,
                         help="sequences decoded together (a step then makes this many tokens and reads the weights "
-                        "once: ms/token is per step; the prefill row stays one sequence)")
+                        "once: ms/token is per step; the prefill row stays one sequence, and 'same tokens' "
+                        "compares the first sequence's)")
     parser.add_argument("--quantize", choices=["int8wo"], default=None,
                         help="load every contender with TorchAoConfig(Int8WeightOnlyConfig()) (needs torchao)")
     parser.add_argument("--compile", action="store_true",

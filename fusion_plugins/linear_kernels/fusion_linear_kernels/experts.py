@@ -188,8 +188,8 @@ def _chosen(rows: torch.Tensor, stack: torch.Tensor, bias: torch.Tensor | None, 
 
 def routed_choice(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:
-    """:func:`routed` with each routed expert's products run by the kernel choice (:func:`_chosen`): at one row the
-    row-dot or blocked-rows GEMV where those measured fastest, which read an expert's matrix at the memory's
+    """:func:`routed` with each routed expert's products run by the kernel choice (:func:`_chosen`): the row-dot,
+    blocked-rows or few-rows GEMV where those measured fastest, which read an expert's matrix at the memory's
     bandwidth where ``torch.mv`` runs one thread's loop. The dense experts' decode when the packing decision leaves
     them dense because those kernels were faster. Within the bound only."""
     return routed(module, hidden_states, top_k_index, top_k_weights, _chosen)
