@@ -49,8 +49,9 @@ from fusion_linear_kernels import compat, kernels
 from fusion_linear_kernels.kernels import LINEAR, Candidate
 from fusion_linear_kernels.tolerance import admission_bound, admitted
 
-MAX_ROWS = 4
-"""Inputs of at most this many rows (tokens times batch) choose a kernel: decode steps, small batches."""
+MAX_ROWS = 8
+"""Inputs of at most this many rows (tokens times batch) choose a kernel: decode steps, small batches, the draft
+tokens a step of assisted generation checks."""
 
 Kind = tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...], bool, int, bool, str]
 """(device, dtype, weight shape, weight strides, has bias, rows, exact, weight class): a quantizer's int8 weight

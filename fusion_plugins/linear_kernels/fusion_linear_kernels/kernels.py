@@ -86,9 +86,14 @@ BLOCKED_ROWS = Candidate("blocked-rows", blocked_rows.run, blocked_rows.applies,
 """The GEMV kernel on one input row, eight wide dense rows at a time (:mod:`fusion_linear_kernels.blocked_rows`),
 within the bound only."""
 
-FEW_ROWS = Candidate("few-rows", blocked_rows.run, blocked_rows.applies_to_few_rows, exact=False)
-"""The GEMV kernel on two to four input rows (a small batch, beams), each weight row read once for all of them
-(:mod:`fusion_linear_kernels.blocked_rows`), within the bound only."""
+FEW_ROWS = Candidate("few-rows", blocked_rows.run_few_rows, blocked_rows.applies_to_few_rows, exact=False)
+"""The GEMV kernel on two to eight input rows (a small batch, beams, draft tokens), each weight row read once for all
+of them, one at a time (:mod:`fusion_linear_kernels.blocked_rows`), within the bound only."""
+
+FEW_ROWS_BLOCKED = Candidate("few-rows-blocked", blocked_rows.run_few_rows_blocked, blocked_rows.applies_to_few_rows,
+                             exact=False)
+"""``few-rows`` with four weight rows read side by side (faster where the input rows are wide), within the bound
+only."""
 
 CANDIDATES: tuple[Candidate, ...] = (
     LINEAR,
@@ -97,5 +102,6 @@ CANDIDATES: tuple[Candidate, ...] = (
     ROW_DOT,
     BLOCKED_ROWS,
     FEW_ROWS,
+    FEW_ROWS_BLOCKED,
 )
 """The documented candidates, ``F.linear`` first (it wins ties: it is the original's kernel)."""

@@ -1,6 +1,6 @@
 """The blocked-rows GEMV: within the bound of F.linear on wide rows (row and width tails included) for one input row
-and on rows of any width for two to four (few-rows), never tried in exact mode, and a failed build leaves the other
-candidates (and a stored decision naming it runs F.linear)."""
+and on rows of any width for two to eight (few-rows, one weight row at a time or four side by side), never tried in
+exact mode, and a failed build leaves the other candidates (and a stored decision naming it runs F.linear)."""
 
 from __future__ import annotations
 
@@ -59,21 +59,23 @@ def test_it_applies_to_one_row_of_a_large_dense_weight_with_wide_rows_only(build
     assert not blocked_rows.applies(x, weight.t().contiguous().t(), None)  # not row-major
 
 
-#: Narrower than blocked_rows.FEW_ROWS_WIDE_FROM (one weight row at a time), with a width tail.
+#: A narrow weight (rows of 1000 elements: a width tail for every vector width), the other row tail.
 NARROW = (row_dot.MIN_BYTES // 2 // 1000 + 5, 1000)
+FEW_ROWS = [kernels.FEW_ROWS, kernels.FEW_ROWS_BLOCKED]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [SHAPE, NARROW], ids=["wide", "narrow"])
-@pytest.mark.parametrize("rows", [2, 3, 4])
-def test_few_rows_are_within_the_bound_of_f_linear(buildable, dtype, bias, shape, rows):
+@pytest.mark.parametrize("rows", [2, 3, 5, 8])
+@pytest.mark.parametrize("candidate", FEW_ROWS, ids=lambda c: c.name)
+def test_few_rows_are_within_the_bound_of_f_linear(buildable, dtype, bias, shape, rows, candidate):
     weight, b, _ = one_row_layer(shape, dtype, bias, GEN)
     x = torch.randn(rows, 1, shape[1], generator=GEN).to(dtype)  # a batch of `rows` sequences at one token each
-    assert shape[0] % blocked_rows.block_of(rows, shape[1]) or blocked_rows.block_of(rows, shape[1]) == 1
+    assert shape[0] % blocked_rows.FEW_ROWS_BLOCK  # the blocked candidate's row tail runs
     with torch.no_grad():
-        assert blocked_rows.applies_to_few_rows(x, weight, b) and not blocked_rows.applies(x, weight, b)
-        got = blocked_rows.run(x, weight, b)
+        assert candidate.applies(x, weight, b) and not blocked_rows.applies(x, weight, b)
+        got = candidate.run(x, weight, b)
     reference = F.linear(x, weight, b)
     assert got.shape == reference.shape and got.dtype == reference.dtype
     bound = admission_bound(x, weight, reference)
@@ -83,31 +85,35 @@ def test_few_rows_are_within_the_bound_of_f_linear(buildable, dtype, bias, shape
 
 def test_every_block_it_reads_is_one_the_kernel_is_built_for():
     """A pair the kernel lacks would run F.linear (row_dot.gemv's guard), silently losing the kernel."""
-    for inputs in range(1, row_dot.MAX_INPUTS + 1):
-        for width in (blocked_rows.FEW_ROWS_WIDE_FROM - 1, blocked_rows.FEW_ROWS_WIDE_FROM, 8192):
-            assert (inputs, blocked_rows.block_of(inputs, width)) in row_dot.BUILT
-    assert (1, 1) in row_dot.BUILT  # row-dot's
+    used = {(1, 1), (1, blocked_rows.ROWS)} | {(inputs, block) for inputs in range(2, row_dot.MAX_INPUTS + 1)
+                                                for block in (1, blocked_rows.FEW_ROWS_BLOCK)}
+    assert used == set(row_dot.BUILT)
+    assert row_dot.MAX_INPUTS == choice.MAX_ROWS  # every row count a layer chooses for has a kernel
 
 
-def test_few_rows_apply_to_two_to_four_rows_of_a_large_dense_weight(buildable):
+def test_few_rows_apply_to_two_to_eight_rows_of_a_large_dense_weight(buildable):
     weight, _, _ = one_row_layer(NARROW, torch.bfloat16, False, GEN)
-    rows = torch.randn(1, 5, NARROW[1]).to(torch.bfloat16)
-    assert [blocked_rows.applies_to_few_rows(rows[:, :n], weight, None) for n in range(1, 6)] == [
-        False, True, True, True, False]
+    most = row_dot.MAX_INPUTS
+    rows = torch.randn(1, most + 1, NARROW[1]).to(torch.bfloat16)
+    assert [blocked_rows.applies_to_few_rows(rows[:, :n], weight, None) for n in range(1, most + 2)] == [
+        False] + [True] * (most - 1) + [False]
     assert not blocked_rows.applies_to_few_rows(rows[:, :2], weight[:8].contiguous(), None)  # served from the caches
     assert not blocked_rows.applies_to_few_rows(rows[:, :2].float(), weight, None)  # an input of another dtype
     assert not blocked_rows.applies_to_few_rows(rows[:, :2], weight, torch.zeros(NARROW[0]))  # a bias of another
     with torch.no_grad():  # more rows than it takes, asked directly: F.linear, not a kernel it was not built for
-        assert torch.equal(blocked_rows.run(rows, weight, None), F.linear(rows, weight))
+        for candidate in FEW_ROWS:
+            assert torch.equal(candidate.run(rows, weight, None), F.linear(rows, weight))
 
 
-def test_a_layer_runs_few_rows_where_it_measured_fastest_and_never_in_exact_mode(buildable, fake_times):
-    fake_times(choice, lambda ways: [1.0] * (ways - 1) + [0.1])  # the last candidate measured fastest
+@pytest.mark.parametrize("candidate", FEW_ROWS, ids=lambda c: c.name)
+def test_a_layer_runs_few_rows_where_it_measured_fastest_and_never_in_exact_mode(buildable, fake_times, candidate):
     weight, b, _ = one_row_layer(SHAPE, torch.bfloat16, True, GEN)
     x = torch.randn(2, 1, SHAPE[1], generator=GEN).to(torch.bfloat16)
     with torch.no_grad():
-        assert choice.chosen(x, weight, b, exact=False) is kernels.FEW_ROWS
-        assert choice.chosen(x, weight, b, exact=True) is not kernels.FEW_ROWS
+        taken = [c for c in kernels.CANDIDATES if c.applies(x, weight, b)]
+        fake_times(choice, lambda ways: [0.1 if c is candidate else 1.0 for c in taken][:ways])
+        assert choice.chosen(x, weight, b, exact=False) is candidate
+        assert choice.chosen(x, weight, b, exact=True) not in FEW_ROWS
         got = choice.Caller()(x, weight, b)
     reference = F.linear(x, weight, b)
     assert got.shape == reference.shape and admitted(got, reference, admission_bound(x, weight, reference), False)
