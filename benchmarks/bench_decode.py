@@ -22,6 +22,7 @@ weight, and which weight kinds it holds prepacked (oneDNN's layout) with the tim
     python benchmarks/bench_decode.py --batch 2   # two sequences decoded together (the few-rows GEMV)
     python benchmarks/bench_decode.py --as-loaded   # weights where each load put them (plain: the file mapping)
     python benchmarks/bench_decode.py --frozen      # parameters frozen (requires_grad_(False)), as PEFT leaves a base
+    python benchmarks/bench_decode.py --config path/to/config.json   # any causal LM's shape, random weights
     .venvs/quant-tf5/bin/python benchmarks/bench_decode.py --quantize int8wo   # torchao int8 weight-only loads
 """
 
@@ -79,6 +80,23 @@ def config_of(model: str, layers: int | None) -> Any:
 
     class_name, geometry, depth = MODELS[model]
     return getattr(transformers, class_name)(num_hidden_layers=layers or depth, **geometry)
+
+
+def config_from_file(path: Path, layers: int | None) -> Any:
+    """The config a ``config.json`` describes (a released model's, read with ``AutoConfig``: its ``model_type`` names
+    the class), with ``layers`` decoder layers where given. Only the shape is used: the weights are random."""
+    import transformers
+
+    if not path.is_file():
+        raise SystemExit(f"--config {path}: no such file (give a model's config.json)")
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    if layers is not None:
+        if not hasattr(config, "num_hidden_layers"):
+            raise SystemExit(f"--layers: {type(config).__name__} from {path} has no num_hidden_layers to set")
+        config.num_hidden_layers = layers
+        if isinstance(getattr(config, "layer_types", None), list):  # one per layer (sliding or full attention)
+            config.layer_types = config.layer_types[:layers]
+    return config
 
 
 def bytes_per_token(model: nn.Module) -> int:
@@ -238,6 +256,9 @@ def fresh_processes_table(argv: list[str], processes: int, log: Callable[[str], 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen2-0.5b")
+    parser.add_argument("--config", type=Path, default=None, metavar="CONFIG_JSON",
+                        help="decode at the shape of this config.json (any causal LM's, e.g. a released model's) "
+                        "instead of --model's, with random weights")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--layers", type=int, default=None, help="fewer decoder layers than the released model")
     parser.add_argument("--rounds", type=int, default=5)
@@ -279,8 +300,10 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     dtype = DTYPES[args.dtype]
-    path = build_checkpoint(config_of(args.model, args.layers), "AutoModelForCausalLM",
-                            f"decode-{args.model}-{args.layers or 'all'}", log)
+    config = config_from_file(args.config, args.layers) if args.config else config_of(args.model, args.layers)
+    shape = f"{args.config}" if args.config else args.model
+    path = build_checkpoint(config, "AutoModelForCausalLM",
+                            f"decode-{config.model_type if args.config else args.model}-{args.layers or 'all'}", log)
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
     # A name that is no contender above is a "+"-joined list of families (moe_experts, moe_experts+linear_kernels).
     models = {name: load_contender(path, CONTENDERS.get(name, name), dtype, args.quantize) for name in names}
@@ -320,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
 
     mode = ("compiled" if args.compile else "eager") + (f", {args.quantize}" if args.quantize else "") + (
         ", weights as loaded" if args.as_loaded else "") + (", weights frozen" if args.frozen else "")
-    table = Table(f"Decode and prefill, {args.model} ({args.layers or MODELS[args.model][2]} layers), {args.dtype}, "
+    table = Table(f"Decode and prefill, {shape} ({getattr(config, 'num_hidden_layers', '?')} layers), {args.dtype}, "
                   f"{mode}, batch {args.batch}", ["contender", "decode ms/token", "x floor", "x its round's floor",
                                        "decode vs plain",
                                        "decode vs qkv+gate_up", f"prefill {args.prefill} ms", "prefill vs plain",

@@ -216,6 +216,24 @@ def test_the_decode_split_finds_every_weight_kind_a_step_reads(llama: Path, fami
     assert {"other operators", "outside operators"} <= set(split) and all(s >= 0 for s in split.values())
 
 
+def test_decode_measures_the_shape_of_any_config_json(tmp_path: Path) -> None:
+    """``bench_decode.py --config``: the class is the one the file's ``model_type`` names, ``--layers`` cuts the depth
+    (and a per-layer list such as Gemma 2's ``layer_types`` with it), and a missing file says so."""
+    from transformers import Gemma2Config
+
+    _on_benchmark_path()
+    from bench_decode import config_from_file
+
+    Gemma2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 num_hidden_layers=6, vocab_size=256).save_pretrained(tmp_path)
+    whole = config_from_file(tmp_path / "config.json", None)
+    assert type(whole) is Gemma2Config and (whole.hidden_size, whole.num_hidden_layers) == (64, 6)
+    cut = config_from_file(tmp_path / "config.json", 2)
+    assert cut.num_hidden_layers == 2 and len(cut.layer_types) == 2
+    with pytest.raises(SystemExit, match="no such file"):
+        config_from_file(tmp_path / "missing.json", None)
+
+
 def test_a_timed_generate_makes_every_token_though_the_model_ends_its_text_at_once() -> None:
     """``bench_e2e.generate_call`` times exactly the tokens it asks for, as the decode rows assume, without
     ``min_new_tokens`` (its logits processors are no part of a plain ``generate``): here the head makes the
