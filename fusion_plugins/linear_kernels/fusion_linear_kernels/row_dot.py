@@ -87,51 +87,7 @@ static inline Acc widened(const at::Half* p) {
 }
 static inline Acc widened(const float* p) { return Acc::loadu(p); }
 
-// Compilers that know AVX512-BF16's intrinsics (GCC 10, Clang 9 on); any other builds the widening path only.
-#if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 9 : (defined(__GNUC__) && __GNUC__ >= 10))
-#include <immintrin.h>
-#define FUSION_PAIRED_DOTS 1
-// dots() for bfloat16 on CPUs with AVX512-BF16: one instruction (vdpbf16ps) multiplies 32 bfloat16 pairs and adds
-// them into 16 float32 lanes, where the widening path converts and multiplies in four. Compiled for that ISA
-// whatever flags the file gets, and run only where the CPU has it (paired_dots_run).
-template <int ROWS, int IN>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-static void paired_dots(const at::BFloat16* w, const at::BFloat16* x, int64_t k, float* sums, int64_t stride) {
-    constexpr int U = ROWS * IN <= 2 ? 2 : 1;  // independent sums per output where there are few
-    __m512 acc[U][ROWS][IN];
-    for (int u = 0; u < U; ++u) for (int r = 0; r < ROWS; ++r) for (int i = 0; i < IN; ++i) {
-        acc[u][r][i] = _mm512_setzero_ps();
-    }
-    int64_t j = 0;
-    for (; j + 32 * U <= k; j += 32 * U) {
-        for (int u = 0; u < U; ++u) {
-            __m512bh xs[IN];
-            for (int i = 0; i < IN; ++i) xs[i] = (__m512bh)_mm512_loadu_si512(x + i * k + j + 32 * u);
-            for (int r = 0; r < ROWS; ++r) {
-                const __m512bh ws = (__m512bh)_mm512_loadu_si512(w + r * k + j + 32 * u);
-                for (int i = 0; i < IN; ++i) acc[u][r][i] = _mm512_dpbf16_ps(acc[u][r][i], ws, xs[i]);
-            }
-        }
-    }
-    for (; j < k; j += 32) {  // the width's tail, masked (the lanes past it read as zeros)
-        const int64_t left = k - j;
-        const __mmask32 mask = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1u);
-        __m512bh xs[IN];
-        for (int i = 0; i < IN; ++i) xs[i] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * k + j);
-        for (int r = 0; r < ROWS; ++r) {
-            const __m512bh ws = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * k + j);
-            for (int i = 0; i < IN; ++i) acc[0][r][i] = _mm512_dpbf16_ps(acc[0][r][i], ws, xs[i]);
-        }
-    }
-    for (int r = 0; r < ROWS; ++r) for (int i = 0; i < IN; ++i) {
-        __m512 total = acc[0][r][i];
-        for (int u = 1; u < U; ++u) total = _mm512_add_ps(total, acc[u][r][i]);
-        sums[i * stride + r] = _mm512_reduce_add_ps(total);
-    }
-}
-static const bool paired_dots_run = (__builtin_cpu_init(), __builtin_cpu_supports("avx512bf16"));
-#endif
-
+@PAIRED_DOTS@
 // The dot products of ROWS consecutive weight rows (w, row stride k) with IN input rows (x, row stride k), in
 // float32: sums[i * stride + r] for weight row r and input row i.
 template <int ROWS, int IN>
@@ -193,14 +149,64 @@ extern "C" void kernel(const T* w, const T* x, @BIAS_ARG@T* out, const int64_t n
 }
 """
 
+_PAIRED_DOTS = r"""
+// Compilers that know AVX512-BF16's intrinsics (GCC 10, Clang 9 on); any other builds the widening path only.
+#if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 9 : (defined(__GNUC__) && __GNUC__ >= 10))
+#include <immintrin.h>
+#define FUSION_PAIRED_DOTS 1
+// dots() for bfloat16 on CPUs with AVX512-BF16: one instruction (vdpbf16ps) multiplies 32 bfloat16 pairs and adds
+// them into 16 float32 lanes, where the widening path converts and multiplies in four. Compiled for that ISA
+// whatever flags the file gets, and run only where the CPU has it (paired_dots_run).
+template <int ROWS, int IN>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+static void paired_dots(const at::BFloat16* w, const at::BFloat16* x, int64_t k, float* sums, int64_t stride) {
+    constexpr int U = ROWS * IN <= 2 ? 2 : 1;  // independent sums per output where there are few
+    __m512 acc[U][ROWS][IN];
+    for (int u = 0; u < U; ++u) for (int r = 0; r < ROWS; ++r) for (int i = 0; i < IN; ++i) {
+        acc[u][r][i] = _mm512_setzero_ps();
+    }
+    int64_t j = 0;
+    for (; j + 32 * U <= k; j += 32 * U) {
+        for (int u = 0; u < U; ++u) {
+            __m512bh xs[IN];
+            for (int i = 0; i < IN; ++i) xs[i] = (__m512bh)_mm512_loadu_si512(x + i * k + j + 32 * u);
+            for (int r = 0; r < ROWS; ++r) {
+                const __m512bh ws = (__m512bh)_mm512_loadu_si512(w + r * k + j + 32 * u);
+                for (int i = 0; i < IN; ++i) acc[u][r][i] = _mm512_dpbf16_ps(acc[u][r][i], ws, xs[i]);
+            }
+        }
+    }
+    for (; j < k; j += 32) {  // the width's tail, masked (the lanes past it read as zeros)
+        const int64_t left = k - j;
+        const __mmask32 mask = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1u);
+        __m512bh xs[IN];
+        for (int i = 0; i < IN; ++i) xs[i] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * k + j);
+        for (int r = 0; r < ROWS; ++r) {
+            const __m512bh ws = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * k + j);
+            for (int i = 0; i < IN; ++i) acc[0][r][i] = _mm512_dpbf16_ps(acc[0][r][i], ws, xs[i]);
+        }
+    }
+    for (int r = 0; r < ROWS; ++r) for (int i = 0; i < IN; ++i) {
+        __m512 total = acc[0][r][i];
+        for (int u = 1; u < U; ++u) total = _mm512_add_ps(total, acc[u][r][i]);
+        sums[i * stride + r] = _mm512_reduce_add_ps(total);
+    }
+}
+static const bool paired_dots_run = (__builtin_cpu_init(), __builtin_cpu_supports("avx512bf16"));
+#endif
+"""
+
+
 Key = tuple[torch.dtype, bool]
 
 
-def source(dtype: torch.dtype, bias: bool) -> str:
-    """The C++ of the kernel for weights of ``dtype``, with or without a bias."""
+def source(dtype: torch.dtype, bias: bool, paired: bool = True) -> str:
+    """The C++ of the kernel for weights of ``dtype``, with or without a bias; without the paired dot products where
+    not ``paired`` (what a CPU without AVX512-BF16 runs, whatever the CPU at hand)."""
     cases = "\n        ".join(f"case {inputs * 100 + block}: gemv<{block}, {inputs}>(w, x, b, out, n, k); break;"
                                 for inputs, block in BUILT)
-    return (_SOURCE.replace("@TYPE@", _C_TYPES[dtype]).replace("@CASES@", cases)
+    return (_SOURCE.replace("@PAIRED_DOTS@", _PAIRED_DOTS if paired else "")
+            .replace("@TYPE@", _C_TYPES[dtype]).replace("@CASES@", cases)
             .replace("@BIAS_ARG@", "const T* bias, " if bias else "").replace("@BIAS@", "bias" if bias else "nullptr"))
 
 
@@ -261,11 +267,15 @@ def kernel(dtype: torch.dtype, bias: bool) -> Callable[..., None] | None:
     return _KERNELS.get((dtype, bias))
 
 
+def argument_types(dtype: torch.dtype, bias: bool) -> list[str]:
+    """The C++ types of the kernel's arguments: weight, input, (bias,) output, then n, k, input rows and block."""
+    pointer = f"const {_C_TYPES[dtype]}*"
+    return [pointer, pointer] + ([pointer] if bias else []) + [f"{_C_TYPES[dtype]}*"] + ["const int64_t"] * 4
+
+
 def _build(key: Key) -> Callable[..., None]:
     dtype, bias = key
-    pointer = f"const {_C_TYPES[dtype]}*"
-    argtypes = [pointer, pointer] + ([pointer] if bias else []) + [f"{_C_TYPES[dtype]}*"] + ["const int64_t"] * 4
-    return compat.cpp_kernel(argtypes, source(dtype, bias))
+    return compat.cpp_kernel(argument_types(dtype, bias), source(dtype, bias))
 
 
 _KERNELS: BuiltKernels[Key] = BuiltKernels(RowDotUnavailableWarning, _build,

@@ -83,6 +83,25 @@ def test_few_rows_are_within_the_bound_of_f_linear(buildable, dtype, bias, shape
     assert not admitted(got.flip(0), reference, bound, exact=False)  # the check bites: rows swapped
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_without_paired_dot_products_is_within_the_bound_too(buildable, bias):
+    """A CPU without AVX512-BF16 runs the widening path for bfloat16 at every block and row count: built here from
+    the source without the paired dot products, it stays within the bound (and the two builds differ, where this CPU
+    has them, only by the order of their sums)."""
+    widening = compat.cpp_kernel(row_dot.argument_types(torch.bfloat16, bias),
+                                 row_dot.source(torch.bfloat16, bias, paired=False))
+    assert "vdpbf16" not in row_dot.source(torch.bfloat16, bias, paired=False)
+    assert "_mm512_dpbf16_ps" in row_dot.source(torch.bfloat16, bias)
+    for shape in (SHAPE, NARROW):
+        weight, b, _ = one_row_layer(shape, torch.bfloat16, bias, GEN)
+        for inputs, block in row_dot.BUILT:
+            x = torch.randn(inputs, shape[1], generator=GEN).to(torch.bfloat16)
+            out = torch.empty(inputs, shape[0], dtype=torch.bfloat16)
+            widening(weight, x, *((b,) if bias else ()), out, *shape, inputs, block)
+            reference = F.linear(x, weight, b)
+            assert admitted(out, reference, admission_bound(x, weight, reference), exact=False), (shape, inputs, block)
+
+
 def test_every_block_it_reads_is_one_the_kernel_is_built_for():
     """A pair the kernel lacks would run F.linear (row_dot.gemv's guard), silently losing the kernel."""
     used = {(1, 1), (1, blocked_rows.ROWS)} | {(inputs, block) for inputs in range(2, row_dot.MAX_INPUTS + 1)
