@@ -24,9 +24,9 @@ a pass of routings to other experts (:func:`timed_routings`: weights read from m
 them) and keeps the fastest (the configured one unless another is faster beyond the facility's
 margin). No weight moves: the module's tensors, ``state_dict`` and checkpoint are the original ones.
 
-The configured implementation runs unchanged for more than :data:`MAX_TOKENS` tokens (prefill), with autograd
-recording, on other devices, for tensor subclasses (a quantizer's experts), for other call signatures, and under
-``torch.compile`` (the traced code is the original's).
+The configured implementation runs unchanged for more than :data:`~fusion_linear_kernels.choice.MAX_ROWS`
+rows (prefill), with autograd recording, on other devices, for tensor subclasses (a quantizer's
+experts), for other call signatures, and under ``torch.compile`` (the traced code is the original's).
 """
 
 from __future__ import annotations
@@ -41,15 +41,13 @@ from torch import nn
 from fusion_core import FusedModule
 from fusion_core.plugin import Decisions, apply_gate, experts_implementation, is_expert_parallel, pass_size
 from fusion_linear_kernels import choice
+from fusion_linear_kernels.choice import MAX_ROWS
 from fusion_linear_kernels.tolerance import admitted
 
 CANDIDATES = ("eager", "grouped_mm", "batched_mm", "routed_gemv", "routed_choice")
 """The implementations tried: transformers' own where this transformers registers them (``eager``: the class's
 loop), :func:`routed_gemv`, and within the bound only :func:`routed_choice`."""
 WITHIN_BOUND_ONLY = ("routed_choice",)
-MAX_TOKENS = 4
-"""Calls of at most this many tokens choose an implementation (decode, a small batch): the routed candidates were
-measured up to here, not at the up to :data:`~fusion_linear_kernels.choice.MAX_ROWS` rows a dense layer chooses for."""
 """The :data:`CANDIDATES` never tried in exact mode (their float32 sums run in another order)."""
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -236,7 +234,7 @@ def applies(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.T
     if torch.is_grad_enabled() and (hidden_states.requires_grad or any(w.requires_grad for w in weights)):
         return False
     rows = hidden_states.numel() // max(int(hidden_states.shape[-1]), 1)
-    return hidden_states.dim() == 2 and top_k_index.dim() == 2 and 0 < rows <= MAX_TOKENS
+    return hidden_states.dim() == 2 and top_k_index.dim() == 2 and 0 < rows <= MAX_ROWS
 
 
 def kind_of(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, exact: bool) -> ExpertsKind:

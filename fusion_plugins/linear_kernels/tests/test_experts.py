@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from fusion_linear_kernels import experts, packed_experts, packing
+from fusion_linear_kernels import choice, experts, packed_experts, packing
 from fusion_linear_kernels.family import ExpertsKernelsMixin
 from transformers import AutoModelForCausalLM
 
@@ -216,7 +216,7 @@ def test_every_candidate_computes_the_configured_output(checkpoints, name, dtype
     top_k = model.config.num_experts_per_tok
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for rows in range(1, 5):
+        for rows in range(1, choice.MAX_ROWS + 1):
             hidden = torch.randn(rows, model.config.hidden_size, generator=generator).to(dtype)
             index = torch.stack([torch.randperm(model.config.num_experts, generator=generator)[:top_k]
                                  for _ in range(rows)])
