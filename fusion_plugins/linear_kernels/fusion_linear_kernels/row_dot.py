@@ -17,8 +17,8 @@ block they read:
   16384x2048 31.8 (29.4). It replaced Inductor's code for ``(W.float() * x.float()).sum(-1)``, compiled once per
   weight shape, which read 37.5, 25.9 and 29.3 there, cost about 9 us a call around the kernel against 2 (a
   1152x896 projection: 25.6 against 24.6 GB/s) and a compile per shape at a process's first ``generate``.
-- ``blocked-rows`` and ``few-rows`` (:mod:`fusion_linear_kernels.blocked_rows`): several weight rows side by side,
-  for wide rows and for two to four input rows.
+- ``blocked-rows``, ``few-rows`` and ``few-rows-blocked`` (:mod:`fusion_linear_kernels.blocked_rows`): eight weight
+  rows side by side for one wide input row; one or four for two to eight input rows.
 
 **Paired dot products.** On CPUs with AVX512-BF16 (``avx512_bf16``: AMD Zen 4 on, Intel Cooper Lake and Sapphire
 Rapids on), a bfloat16 call that takes more than one input row or reads more than one weight row at a time multiplies
@@ -195,7 +195,6 @@ static void paired_dots(const at::BFloat16* w, const at::BFloat16* x, int64_t k,
 static const bool paired_dots_run = (__builtin_cpu_init(), __builtin_cpu_supports("avx512bf16"));
 #endif
 """
-
 
 Key = tuple[torch.dtype, bool]
 
