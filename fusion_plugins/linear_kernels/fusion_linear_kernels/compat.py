@@ -40,10 +40,12 @@ autograd inside another operator (a traced backward must not look inside): :func
 clears the excluded keys for that block with ``torch._C._ForceDispatchKeyGuard`` (the thread's include set
 kept, nothing excluded), as torch's own ``torch._C._AutoDispatchBelowAutograd`` guard sets them.
 
-The GEMV kernel (:mod:`fusion_linear_kernels.row_dot`: the row-dot, blocked-rows and few-rows candidates) is C++
+The GEMV kernel (:mod:`fusion_linear_kernels.row_dot`: the row-dot, blocked-rows and both few-rows candidates) is C++
 of its own, written with torch's vector types (``at::vec``), which :func:`cpp_kernel` builds with the toolchain and
 flags Inductor builds its own kernels with (``torch._inductor.codecache.CppPythonBindingsCodeCache.load_pybinding``:
-a Python binding that takes tensors as pointers and integers, cached on disk by the source's hash). Its calls are
+a Python binding that takes tensors as pointers and integers, cached on disk by the source's hash). A later process
+loads that binding's file directly (:func:`load_kernel`, reading the environment variable Inductor's binding reads
+when it initialises), where the file :func:`library_of` gave is stored for the machine. Its calls are
 no operator of torch's, so the profiler sees them only where they label themselves, which they do while
 :func:`profiling` (torch's own flag, ``torch.autograd.profiler._is_profiler_enabled``) is set.
 
@@ -57,8 +59,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
+import os
 import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -184,4 +189,29 @@ def cpp_kernel(argtypes: list[str], source: str) -> Callable[..., None]:
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
     kernel: Callable[..., None] = CppPythonBindingsCodeCache.load_pybinding(argtypes, source)
+    return kernel
+
+
+def library_of(kernel: Callable[..., None]) -> str | None:
+    """The file of the extension module :func:`cpp_kernel`'s function came from (Inductor's cache), if it says."""
+    found = getattr(getattr(kernel, "__self__", None), "__file__", None)
+    return found if isinstance(found, str) else None
+
+
+def load_kernel(library: str) -> Callable[..., None]:
+    """The function ``kernel`` of an extension module :func:`cpp_kernel` built before, loaded from its file without
+    importing Inductor (importing ``torch._inductor.codecache`` and its lookup took about 2.5 s on a 2-core AMD EPYC;
+    this takes milliseconds). Inductor's binding reads, when its module initialises, the address of torch's function
+    that gives a tensor's data pointer from the environment variable ``_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR``
+    (``torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr``), and its initialiser is
+    ``PyInit_kernel``; Inductor's own loader (``CppPythonBindingsCodeCache._load_library_inner``) does the same."""
+    os.environ["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = str(
+        torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr)
+    name = "fusion_linear_kernels_built_" + Path(library).stem.replace(".", "_")
+    spec = importlib.util.spec_from_file_location(f"{name}.kernel", library)  # its initialiser: PyInit_kernel
+    if spec is None or spec.loader is None:
+        raise ImportError(f"no extension module at {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kernel: Callable[..., None] = module.kernel
     return kernel

@@ -43,11 +43,14 @@ are candidates within the bound only (:mod:`fusion_linear_kernels.tolerance`), n
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F
 
+from fusion_core.plugin import Decisions
 from fusion_linear_kernels import compat
 from fusion_linear_kernels.built_kernels import BuiltKernels
 
@@ -272,9 +275,34 @@ def argument_types(dtype: torch.dtype, bias: bool) -> list[str]:
     return [pointer, pointer] + ([pointer] if bias else []) + [f"{_C_TYPES[dtype]}*"] + ["const int64_t"] * 4
 
 
+def _existing(library: object) -> str | None:
+    """A stored library file that is still there (None: built again)."""
+    return library if isinstance(library, str) and os.path.isfile(library) else None
+
+
+_LIBRARIES: Decisions[tuple[str, str], str | None] = Decisions("linear_kernels.gemv_library", load=_existing)
+"""The file of the kernel each source was built into, per machine and software (a
+:class:`~fusion_core.plugin.Decisions` table, stored like every decision): a later process loads it directly
+(:func:`~fusion_linear_kernels.compat.load_kernel`, milliseconds) instead of through Inductor's toolchain, whose
+import and lookup took about 2.5 s of a fresh process's first ``generate`` on a 2-core AMD EPYC."""
+
+
 def _build(key: Key) -> Callable[..., None]:
     dtype, bias = key
-    return compat.cpp_kernel(argument_types(dtype, bias), source(dtype, bias))
+    argtypes, code = argument_types(dtype, bias), source(dtype, bias)
+    built: list[Callable[..., None]] = []
+
+    def build() -> str | None:
+        built.append(compat.cpp_kernel(argtypes, code))
+        return compat.library_of(built[0])
+
+    library = _LIBRARIES.decide((str(dtype), hashlib.sha256(code.encode()).hexdigest()), build)
+    if built:
+        return built[0]
+    try:
+        return compat.load_kernel(library) if library is not None else compat.cpp_kernel(argtypes, code)
+    except Exception:  # the stored file does not load (replaced, another build's): built (or found) again
+        return compat.cpp_kernel(argtypes, code)
 
 
 _KERNELS: BuiltKernels[Key] = BuiltKernels(RowDotUnavailableWarning, _build,
@@ -283,5 +311,6 @@ _KERNELS: BuiltKernels[Key] = BuiltKernels(RowDotUnavailableWarning, _build,
 
 def clear() -> None:
     """Forget the built kernels and whether a failed build was reported (``fusion_core.reset_state()``, through the
-    plugin's ``fusion_reset_state`` hook)."""
+    plugin's ``fusion_reset_state`` hook); the stored library files are kept, as every stored decision is."""
     _KERNELS.clear()
+    _LIBRARIES.clear()

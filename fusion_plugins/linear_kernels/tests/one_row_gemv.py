@@ -38,3 +38,16 @@ def fresh_kernels_of(module: ModuleType) -> Iterator[None]:
     yield
     fusion_core.reset_state()
     assert not len(module._KERNELS) and not module._KERNELS.warned
+
+
+def without_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine without a C++ compiler, which never built the kernel: every build raises, and no stored library
+    file is read (decisions off; the built kernels and their files in this process are forgotten by the caller's
+    ``fresh_kernels``)."""
+    from fusion_linear_kernels import compat
+
+    def no_compiler(argtypes: list[str], source: str) -> None:
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(compat, "cpp_kernel", no_compiler)
+    monkeypatch.setenv("FUSION_CORE_DECISIONS", "off")

@@ -11,7 +11,7 @@ import torch
 from fusion_linear_kernels import blocked_rows, choice, compat, kernels, row_dot
 from fusion_linear_kernels.kernels import Candidate
 from fusion_linear_kernels.tolerance import admission_bound, admitted
-from one_row_gemv import fresh_kernels_of, one_row_layer, skip_unless_built
+from one_row_gemv import fresh_kernels_of, one_row_layer, skip_unless_built, without_a_compiler
 from torch.nn import functional as F
 
 from fusion_core.testing.decisions import original_slowest
@@ -151,10 +151,7 @@ def test_within_the_bound_the_choice_measures_it_and_exact_mode_never_tries_it(b
 
 
 def test_a_failed_build_leaves_the_other_candidates_and_says_so_once(fresh_kernels, fake_times, monkeypatch):
-    def no_compiler(argtypes, source):
-        raise RuntimeError("no C++ compiler found")
-
-    monkeypatch.setattr(compat, "cpp_kernel", no_compiler)
+    without_a_compiler(monkeypatch)
     fake_times(choice, original_slowest)
     weight, _, x = _layer(torch.bfloat16, False)
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:

@@ -3,14 +3,19 @@ failed build leaves the other candidates (and a stored decision naming it runs F
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
-from fusion_linear_kernels import choice, compat, kernels, row_dot
+from fusion_linear_kernels import choice, kernels, row_dot
 from fusion_linear_kernels.kernels import Candidate
 from fusion_linear_kernels.tolerance import admission_bound, admitted
-from one_row_gemv import fresh_kernels_of, one_row_layer, skip_unless_built
+from one_row_gemv import fresh_kernels_of, one_row_layer, skip_unless_built, without_a_compiler
 from torch.nn import functional as F
 
 from fusion_core.testing.decisions import original_slowest
@@ -71,10 +76,7 @@ def test_within_the_bound_the_choice_measures_it_and_exact_mode_never_tries_it(b
 
 
 def test_a_failed_build_leaves_the_other_candidates_and_says_so_once(fresh_kernels, fake_times, monkeypatch):
-    def no_compiler(argtypes, source):
-        raise RuntimeError("no C++ compiler found")
-
-    monkeypatch.setattr(compat, "cpp_kernel", no_compiler)
+    without_a_compiler(monkeypatch)
     fake_times(choice, original_slowest)
     weight, _, x = _layer(torch.bfloat16, False)
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
@@ -85,6 +87,42 @@ def test_a_failed_build_leaves_the_other_candidates_and_says_so_once(fresh_kerne
         assert torch.equal(kernels.ROW_DOT.run(x, weight, None), F.linear(x, weight))
     said = [w for w in caught if issubclass(w.category, row_dot.RowDotUnavailableWarning)]
     assert len(said) == 1 and "no C++ compiler found" in str(said[0].message)
+
+
+_LATER_PROCESS = """
+import json, sys, torch
+from torch.nn import functional as F
+from fusion_linear_kernels import row_dot
+weight, x = torch.randn(4096, 512).to(torch.bfloat16), torch.randn(3, 512).to(torch.bfloat16)
+got, reference = row_dot.gemv(x, weight, None, 4).float(), F.linear(x, weight).float()
+print(json.dumps({"inductor": "torch._inductor.codecache" in sys.modules,
+                  "error": float((got - reference).abs().max()), "scale": float(reference.abs().max())}))
+"""
+
+
+def test_a_later_process_loads_the_built_kernel_from_its_file_without_inductor(buildable, tmp_path):
+    """The first process builds through Inductor's toolchain and stores the file per machine; the next loads that
+    file directly (Inductor's import and lookup took about 2.5 s of a first ``generate``)."""
+    env = {**os.environ, "FUSION_CORE_CACHE_DIR": str(tmp_path), "FUSION_CORE_DECISIONS": "stored"}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", _LATER_PROCESS], env=env, check=True, text=True,
+                                      capture_output=True).stdout.splitlines()[-1]) for _ in range(2)]
+    assert runs[0]["inductor"] and not runs[1]["inductor"]
+    assert all(run["error"] <= 0.02 * run["scale"] for run in runs), runs  # the kernel ran: F.linear's output
+    assert "linear_kernels.gemv_library" in (tmp_path / "decisions.json").read_text()
+
+
+def test_a_stored_library_that_is_gone_or_does_not_load_is_built_again(buildable, fresh_kernels, tmp_path):
+    broken = tmp_path / "broken.so"
+    broken.write_bytes(b"not a library")
+    assert row_dot._existing(str(tmp_path / "gone.so")) is None and row_dot._existing(str(broken)) == str(broken)
+    digest = hashlib.sha256(row_dot.source(torch.bfloat16, False).encode()).hexdigest()
+    row_dot._LIBRARIES[(str(torch.bfloat16), digest)] = str(broken)  # as if a process had stored it
+    weight, _, x = _layer(torch.bfloat16, False)
+    with torch.no_grad():
+        assert row_dot.applies(x, weight, None)  # built again, not left without a kernel
+        got = row_dot.run(x, weight, None)
+    reference = F.linear(x, weight)
+    assert admitted(got, reference, admission_bound(x, weight, reference), exact=False)
 
 
 def test_a_long_row_is_within_the_bound(buildable):
