@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
 
     dtype = DTYPES[args.dtype]
     config = config_from_file(args.config, args.layers) if args.config else config_of(args.model, args.layers)
-    shape = f"{args.config}" if args.config else args.model
+    shape = str(args.config) if args.config else args.model
     path = build_checkpoint(config, "AutoModelForCausalLM",
                             f"decode-{config.model_type if args.config else args.model}-{args.layers or 'all'}", log)
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
