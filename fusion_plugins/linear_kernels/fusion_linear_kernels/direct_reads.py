@@ -21,6 +21,7 @@ import ast
 import functools
 import inspect
 import linecache
+import sys
 
 from torch import nn
 
@@ -38,19 +39,21 @@ def attributes_read(cls: type) -> frozenset[tuple[str, str]]:
         except TypeError:  # a built-in class
             continue
         if filename is not None:  # None: no readable source (built dynamically)
-            pairs |= _pairs_by_class(filename).get(klass.__qualname__, frozenset())
+            pairs |= _pairs_by_class(filename, klass.__module__).get(klass.__qualname__, frozenset())
     return frozenset(pairs)
 
 
 @functools.cache
-def _pairs_by_class(filename: str) -> dict[str, frozenset[tuple[str, str]]]:
+def _pairs_by_class(filename: str, module: str) -> dict[str, frozenset[tuple[str, str]]]:
     """For each class a source file defines, by qualified name, the ``(n, leaf)`` of every ``<expression>.n.leaf``
     in its body. Each file is parsed once: ``inspect.getsource`` parses a class's whole file again for every class
     it finds, and a Qwen2 model's MROs span ``modeling_utils.py`` and ``generation/utils.py`` (under cProfile a fused
     Qwen2-0.5B load with ``linear_kernels`` spent 1.6 of its 2.9 s there; parsing each file once, the load took
     1.9 s). A class defined twice under one name (in two branches) gets the union."""
     try:
-        tree = ast.parse("".join(linecache.getlines(filename)))
+        # the module's globals let linecache read a source its loader holds (a zip import), as inspect does
+        loaded = sys.modules.get(module)
+        tree = ast.parse("".join(linecache.getlines(filename, vars(loaded) if loaded is not None else None)))
     except (SyntaxError, ValueError):
         return {}
     found: dict[str, set[tuple[str, str]]] = {}
