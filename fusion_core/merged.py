@@ -103,7 +103,11 @@ class MergedLinear:
     kernel: LinearKernel | None = None
     """The extension point for the eager GEMMs of a plain container: None runs ``F.linear``; a family that picks
     faster kernels (``linear_kernels``) sets a picklable callable computing the same projection. Never called
-    under ``torch.compile``, nor for a container a quantizer replaced by its own module."""
+    under ``torch.compile`` (see :attr:`traced_kernel`), nor for a container a quantizer replaced by its own module."""
+    traced_kernel: LinearKernel | None = None
+    """The extension point for the parts' GEMMs of a plain container under ``torch.compile``: None runs ``F.linear``;
+    a family may set a picklable callable that dynamo can trace (operators with fake implementations), computing the
+    same projection."""
 
     def __init__(self, owner: nn.Module, sizes: tuple[int, ...], parent: nn.Module | None = None,
                  container: str | None = None) -> None:
@@ -173,7 +177,8 @@ class MergedLinear:
             # container a quantizer replaced is called as the module it now is).
             if type(owner) is not MergedProjection:
                 return self._traced_through(owner, index, input)
-            return F.linear(input, self.rows(self.weight, index), self.part(self.bias, index))
+            traced = self.traced_kernel or F.linear
+            return traced(input, self.rows(self.weight, index), self.part(self.bias, index))
         if not _runs_plain(owner):
             return self._through(owner, index, input)
         cache = self._cache

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM
 
 import fusion_core
+from fusion_core.plugin import MergedLinear
 
 ALL_TEXT = {"qkv": True, "gate_up": True}
 IDS = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
@@ -51,6 +52,35 @@ def test_fullgraph_inductor_matches_the_unfused_model(llama):
     with torch.no_grad():
         fused(input_ids=IDS)
     assert projection.merged_gemms == before + 1
+
+
+def test_merged_kernels_extension_points_run_eager_and_traced(llama):
+    """``MergedLinear.kernel`` computes a plain container's GEMMs in eager code and ``traced_kernel`` the parts' GEMMs
+    under ``torch.compile`` (neither is called where the other mode runs), with the unfused model's outputs."""
+    plain = AutoModelForCausalLM.from_pretrained(llama).eval()
+    fused = fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL_TEXT).eval()
+    calls = {"eager": 0, "traced": 0}
+
+    def counted(mode: str) -> Any:
+        def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            calls[mode] += 1
+            return torch.nn.functional.linear(input, weight, bias)
+        return linear
+
+    merged = [m.fused_projection for m in fused.modules() if isinstance(getattr(m, "fused_projection", None),
+                                                                     MergedLinear)]
+    parts = sum(len(m.sizes) for m in merged)
+    assert merged and parts > len(merged)
+    for projection in merged:
+        projection.kernel, projection.traced_kernel = counted("eager"), counted("traced")
+    with torch.no_grad():
+        expected = plain(input_ids=IDS).logits
+        torch.testing.assert_close(fused(input_ids=IDS).logits, expected, rtol=1e-4, atol=1e-5)
+        assert calls == {"eager": len(merged), "traced": 0}  # one merged GEMM per container
+        torch._dynamo.reset()
+        got = torch.compile(fused, fullgraph=True, backend="eager")(input_ids=IDS).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert calls == {"eager": len(merged), "traced": parts}  # traced once per part, run by the traced graph
 
 
 def test_torch_export_matches_the_unfused_model(llama):

@@ -156,6 +156,33 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return _shaped(candidate.run(rows, weight, bias), input, rows)
 
 
+@torch.library.custom_op("fusion_linear_kernels::chosen_linear", mutates_args=(),
+                         schema="(Tensor input, Tensor weight, Tensor? bias, bool exact) -> Tensor")
+def chosen_linear_op(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, exact: bool) -> torch.Tensor:
+    """:func:`linear` as one operator, for compiled code (:func:`traced_linear`): the kind is worked out, and measured
+    at its first call, when the compiled code runs, on the real tensors (traced code has only fake ones)."""
+    return linear(input, weight, bias, exact)
+
+
+@chosen_linear_op.register_fake
+def _chosen_linear_fake(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        exact: bool) -> torch.Tensor:
+    return input.new_empty((*input.shape[:-1], weight.shape[0]))
+
+
+def traced_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  exact: bool = False) -> torch.Tensor:
+    """What ``torch.compile``'s traced code runs for ``F.linear(input, weight, bias)``: the chosen kernel's operator
+    (:func:`chosen_linear_op`) where an eager call would choose, so that compiled decode reads the weights as eager
+    decode does; ``F.linear`` itself wherever eager runs the original without choosing (:func:`runs_original`: what
+    the trace sees of grad mode, autocast, devices, dtypes and rows is what its guards hold), and under
+    ``torch.export``, whose programs stay of torch's own operators (other runtimes read them)."""
+    if torch.compiler.is_exporting() or runs_original(input, weight, bias):
+        return F.linear(input, weight, bias)
+    out: torch.Tensor = chosen_linear_op(input, weight, bias, exact)
+    return out
+
+
 def _shaped(out: torch.Tensor, input: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``out``, computed on ``rows`` (:func:`as_rows`), in the shape ``F.linear(input, ...)`` has."""
     return out if rows is input else out.view(*input.shape[:-1], out.shape[-1])

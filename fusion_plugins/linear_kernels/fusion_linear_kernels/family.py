@@ -17,7 +17,8 @@ numerical bound of ``F.linear`` (:mod:`fusion_linear_kernels.tolerance`), or bit
   and the forward calls the packed kernel at every row count;
 - **the kernel** (:func:`fusion_linear_kernels.choice.linear`), for a weight left dense: chosen once
   per kind of call on the real input at few rows; prefill, training, other devices and quantized
-  weights run ``F.linear``; under ``torch.compile`` the forward is ``F.linear`` itself.
+  weights run ``F.linear``; under ``torch.compile`` the same choice is one custom operator in the graph
+  (:func:`fusion_linear_kernels.choice.traced_linear`).
 
 Where a load left a weight these run as a view of the checkpoint's file mapping (transformers does, for a
 checkpoint loaded in its stored dtype), the plugin reads it into the process's own memory after the conversion:
@@ -41,7 +42,6 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field
 from torch import nn
-from torch.nn import functional as F
 
 from fusion_core import FamilyOptions, FusedModule, FusionFamily, ModulePlan, WeightTransform
 from fusion_core.plugin import (
@@ -54,7 +54,7 @@ from fusion_core.plugin import (
     standing_for,
 )
 from fusion_linear_kernels import data_parallel, experts, packed_experts, packing
-from fusion_linear_kernels.choice import Caller, autocast_dtype
+from fusion_linear_kernels.choice import Caller, autocast_dtype, traced_linear
 from fusion_linear_kernels.dense_view import DenseView
 from fusion_linear_kernels.packed_experts import PrepackExperts, is_packed_experts
 from fusion_linear_kernels.packing import PrepackLinearWeight, ineligible, is_packed, packs, unpack
@@ -197,7 +197,7 @@ class LinearKernelsMixin(PackedParametersMixin):
             # packed or unpacked decides, and the custom operator checks the layout again when it runs.
             if self.__dict__.get(PACKED_FLAG):
                 return packing.linear(input, weight, self.bias, self.fusion_path)
-            return F.linear(input, weight, self.bias)
+            return traced_linear(input, weight, self.bias, self.exact)
         if is_packed(weight):
             return packing.linear(input, weight, self.bias, self.fusion_path)
         caller = self.__dict__.get(CALLER_KEY)

@@ -35,6 +35,7 @@ already reported.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Generator, Mapping, MutableSequence
 from typing import Any
@@ -44,7 +45,7 @@ from torch import nn
 from fusion_core import ModulePlan, SaveError, hookimpl
 from fusion_core.plugin import MergedLinear, fuse_instance, merged_projection, presenting_fused
 from fusion_linear_kernels import row_dot
-from fusion_linear_kernels.choice import Caller
+from fusion_linear_kernels.choice import Caller, traced_linear
 from fusion_linear_kernels.direct_reads import read_directly
 from fusion_linear_kernels.experts import is_experts
 from fusion_linear_kernels.family import (
@@ -90,6 +91,7 @@ def fusion_convert_loaded(
             merged = merged_projection(module)
             if merged is not None:
                 merged.kernel = Caller(exact)  # each its own: a Caller remembers its last call
+                merged.traced_kernel = functools.partial(traced_linear, exact=exact)
                 pack_merged(module, plan, merged, exact, shared, verified)
     if not any(isinstance(module, PackedParametersMixin) and module.exact for module, _ in built):
         # Exact mode keeps each weight where the load put it: a GEMM's bits can depend on the weight's address (on

@@ -138,16 +138,61 @@ def test_training_runs_the_original_kernel_and_gradients_match(checkpoints, monk
         assert torch.equal(a.grad, b.grad), key
 
 
+#: How a traced graph names the chosen kernel's operator (``fusion_linear_kernels.choice.chosen_linear_op``).
+CHOSEN_OPERATOR = "fusion_linear_kernels.chosen_linear.default"
+
+
+def _graph_recorder(graphs: list[torch.fx.GraphModule]) -> Any:
+    """A ``torch.compile`` backend that keeps each graph dynamo traced and runs it as traced."""
+    def backend(graph: torch.fx.GraphModule, inputs: Any) -> Any:
+        graphs.append(graph)
+        return graph.forward
+    return backend
+
+
+def _operators(graphs: list[torch.fx.GraphModule]) -> list[str]:
+    return [str(node.target) for graph in graphs for node in graph.graph.nodes if node.op == "call_function"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("others", [{}, MERGED], ids=["alone", "with-qkv-gate_up"])
-def test_compiles_with_fullgraph(checkpoints, others):
-    directory = checkpoints[("qwen2", True, torch.float32)]
+def test_compiles_with_fullgraph_through_the_chosen_kernels(checkpoints, others, dtype):
+    """Compiled decode runs the kernel chosen for each layer, as eager decode does: every linear call of a decode step
+    (each part of a merged projection, the tied head) is the chosen kernel's operator in the graph, with no break, and
+    the compiled logits are eager's, bit for bit (the same kernels on the same rows)."""
+    directory = checkpoints[("qwen2", True, dtype)]
     fused = _load(directory, {**others, "linear_kernels": True})
+    graphs: list[torch.fx.GraphModule] = []
     torch._dynamo.reset()
-    compiled = torch.compile(fused, fullgraph=True, backend="eager")  # a graph break raises here
+    compiled = torch.compile(fused, fullgraph=True, backend=_graph_recorder(graphs))  # a graph break raises here
     with torch.no_grad():
         expected = fused(input_ids=IDS[:, :1]).logits
         got = compiled(input_ids=IDS[:, :1]).logits
-    assert torch.allclose(got, expected, atol=TOLERANCES[torch.float32] * (float(expected.abs().max()) + 1))
+    linears = sum(isinstance(m, nn.Linear) for m in _load(directory, None).modules())
+    operators = _operators(graphs)
+    assert operators.count(CHOSEN_OPERATOR) == linears and "<built-in function linear>" not in operators
+    assert torch.equal(got, expected)
+
+
+def test_compiled_prefill_training_and_export_keep_f_linear(checkpoints):
+    """Where eager runs ``F.linear`` without choosing, so does the graph: more rows than a decision covers (prefill),
+    autograd (training: the gradients are plain's), and ``torch.export``, whose programs other runtimes read."""
+    directory = checkpoints[("qwen2", True, torch.float32)]
+    plain, fused = _load(directory, None), _load(directory, {"linear_kernels": True})
+    long_ids = torch.arange(choice.MAX_ROWS + 1).unsqueeze(0) + 3
+    graphs: list[torch.fx.GraphModule] = []
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, fullgraph=True, backend=_graph_recorder(graphs))
+    with torch.no_grad():
+        compiled(input_ids=long_ids)
+    compiled(input_ids=IDS, labels=IDS).loss.backward()
+    plain(input_ids=IDS, labels=IDS).loss.backward()
+    assert len(graphs) == 2 and CHOSEN_OPERATOR not in _operators(graphs)
+    for (key, a), (_, b) in zip(plain.named_parameters(), fused.named_parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6), key
+    with torch.no_grad():  # as an inference program is exported: eager would choose here
+        exported = torch.export.export(fused, (), {"input_ids": IDS[:, :1], "use_cache": False}, strict=True)
+    assert not any("chosen_linear" in str(node.target) for node in exported.graph.nodes)
 
 
 def test_pickles_copies_and_unfuses(checkpoints):
