@@ -9,9 +9,11 @@ slice of the input is loaded and widened to float32 once, then multiplied into e
 (eight independent streams, which the CPU's prefetchers follow). Measured on a 2-core AMD EPYC (avx512_bf16), one
 row, bfloat16, over a pass of copies read from memory, against a float32 sum of the weights' own bytes in the same
 run: 2048x11008 29.5 GB/s (Inductor's one-row reduction 21.0, the sum 27.6), 2048x8192 28.5 (24.1; 28.0),
-3584x18944 30.4 (22.9; 28.1); on rows of 2048 or fewer it was slower (151936x896 17.6 against 37.9), so for one
-row it is a candidate only for rows wider than :data:`MIN_WIDTH`, and the choice measures it against the others
-(:mod:`fusion_linear_kernels.choice`).
+3584x18944 30.4 (22.9; 28.1). It is a candidate at every width, and the choice measures it against the others
+(:mod:`fusion_linear_kernels.choice`): before the paired dot products it was slower on narrow rows there (151936x896
+17.6 against 37.9), and for a while was tried only on rows wider than 2048; with them, on a 2-core Xeon (AMX-BF16)
+where ``torch.mv`` read faster than row-dot, it read 896x896 at 19.4 GB/s (``mv`` 15.5, row-dot 16.8) and 1152x896
+at 19.5 (17.4, 15.3), and 151936x896 at 22.6 against ``mv``'s 24.5.
 
 **Two to eight input rows** (a batch of sequences, beams, the draft tokens a step of assisted generation checks:
 ``few-rows`` and ``few-rows-blocked``). ``F.linear`` there runs a GEMM that reads the weight at half the memory's
@@ -35,16 +37,14 @@ from fusion_linear_kernels import row_dot
 
 ROWS = 8
 """Weight rows a single input row reads side by side (``blocked-rows``)."""
-MIN_WIDTH = 2048
-"""``blocked-rows`` is tried on rows wider than this; narrower rows read faster one at a time (row-dot)."""
 FEW_ROWS_BLOCK = 4
 """Weight rows ``few-rows-blocked`` reads side by side for two or more input rows."""
 
 
 def applies(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether ``blocked-rows`` can run this call: one input row, rows wider than :data:`MIN_WIDTH` (see
-    :func:`~fusion_linear_kernels.row_dot.input_rows` for the rest)."""
-    return input.numel() == input.shape[-1] > MIN_WIDTH and row_dot.input_rows(input, weight, bias) == 1
+    """Whether ``blocked-rows`` can run this call: one input row (see :func:`~fusion_linear_kernels.row_dot.input_rows`
+    for the rest)."""
+    return input.numel() == input.shape[-1] and row_dot.input_rows(input, weight, bias) == 1
 
 
 def applies_to_few_rows(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -38,9 +38,11 @@ def fresh_kernels():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_blocked_rows_gemv_is_within_the_bound_of_f_linear(buildable, dtype, bias):
-    weight, b, x = _layer(dtype, bias)
-    assert SHAPE[0] % blocked_rows.ROWS and SHAPE[1] % 64  # the kernel's row and width tails run
+@pytest.mark.parametrize("shape", ["wide", "narrow"])
+def test_the_blocked_rows_gemv_is_within_the_bound_of_f_linear(buildable, dtype, bias, shape):
+    size = SHAPE if shape == "wide" else NARROW
+    weight, b, x = one_row_layer(size, dtype, bias, GEN)
+    assert size[0] % blocked_rows.ROWS and size[1] % 64  # the kernel's row and width tails run
     with torch.no_grad():
         assert blocked_rows.applies(x, weight, b)
         got = blocked_rows.run(x, weight, b)
@@ -50,11 +52,12 @@ def test_the_blocked_rows_gemv_is_within_the_bound_of_f_linear(buildable, dtype,
     assert not admitted(got.flip(-1), reference, admission_bound(x, weight, reference), exact=False)  # the check bites
 
 
-def test_it_applies_to_one_row_of_a_large_dense_weight_with_wide_rows_only(buildable):
+def test_it_applies_to_one_row_of_a_large_dense_weight_of_any_width(buildable):
     weight, _, x = _layer(torch.bfloat16, False)
     assert not blocked_rows.applies(torch.randn(1, 2, SHAPE[1]).to(torch.bfloat16), weight, None)  # two rows
     assert not blocked_rows.applies(x, weight[:8].contiguous(), None)  # served from the caches
-    assert not blocked_rows.applies(x, weight[:, :blocked_rows.MIN_WIDTH].contiguous(), None)  # rows not wide
+    narrow = torch.randn(*NARROW, generator=GEN).to(torch.bfloat16)  # rows of 1000: measured against the others
+    assert blocked_rows.applies(torch.randn(1, NARROW[1], generator=GEN).to(torch.bfloat16), narrow, None)
     assert not blocked_rows.applies(x.float(), weight, None)  # an input of another dtype
     assert not blocked_rows.applies(x, weight.t().contiguous().t(), None)  # not row-major
 
