@@ -105,9 +105,10 @@ class MergedLinear:
     faster kernels (``linear_kernels``) sets a picklable callable computing the same projection. Never called
     under ``torch.compile`` (see :attr:`traced_kernel`), nor for a container a quantizer replaced by its own module."""
     traced_kernel: LinearKernel | None = None
-    """The extension point for the parts' GEMMs of a plain container under ``torch.compile``: None runs ``F.linear``;
-    a family may set a picklable callable that dynamo can trace (operators with fake implementations), computing the
-    same projection."""
+    """The extension point for a plain container under ``torch.compile``: None runs each part's own ``F.linear`` on
+    its rows; a family may set a picklable callable that dynamo can trace (operators with fake implementations),
+    computing ``F.linear(input, weight, bias)``: the traced code calls it once on the merged weight and gives each
+    part its columns (as :meth:`_traced_through` does for a replaced container)."""
 
     def __init__(self, owner: nn.Module, sizes: tuple[int, ...], parent: nn.Module | None = None,
                  container: str | None = None) -> None:
@@ -177,8 +178,10 @@ class MergedLinear:
             # container a quantizer replaced is called as the module it now is).
             if type(owner) is not MergedProjection:
                 return self._traced_through(owner, index, input)
-            traced = self.traced_kernel or F.linear
-            return traced(input, self.rows(self.weight, index), self.part(self.bias, index))
+            traced = self.traced_kernel
+            if traced is not None:  # one call of the family's kernel on the merged weight, its columns for the parts
+                return self._traced_columns(index, input, lambda: traced(input, self.weight, self.bias))
+            return F.linear(input, self.rows(self.weight, index), self.part(self.bias, index))
         if not _runs_plain(owner):
             return self._through(owner, index, input)
         cache = self._cache
@@ -234,11 +237,15 @@ class MergedLinear:
         return columns[index]
 
     def _traced_through(self, owner: nn.Module, index: int, input: torch.Tensor) -> torch.Tensor:
-        """:meth:`_through` as traced code: a replaced container runs the merged GEMM once for the siblings that read
-        the same traced input, and its columns answer them.
+        """:meth:`_through` as traced code: a replaced container has no rows to run per part (a quantizer's module, a
+        weight in an opaque packed layout), so it runs once for the siblings (:meth:`_traced_columns`)."""
+        return self._traced_columns(index, input, lambda: cast(torch.Tensor, owner(input)))
 
-        Such a container has no rows to run per part (a quantizer's module, a weight in an opaque packed layout), so
-        without this each sibling would run the whole merged GEMM, and nothing in the compiled graph merges identical
+    def _traced_columns(self, index: int, input: torch.Tensor, merged: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Part ``index`` as traced code, from one merged call (``merged()``) for the siblings that read the same
+        traced input: its columns answer them.
+
+        Without this each sibling would run the whole merged call, and nothing in the compiled graph merges identical
         calls of an opaque kernel. The cache holds traced tensors within one traced forward only (dynamo replays the
         attribute writes; the last sibling empties it); unlike :meth:`_through`, it cannot see an in-place write to
         the input between two siblings, which no attention or MLP forward makes."""
@@ -248,7 +255,7 @@ class MergedLinear:
             self._traced = (input, cache[1], pending) if pending else None
             cached: torch.Tensor = cache[1][index]
             return cached
-        output = cast(torch.Tensor, owner(input))
+        output = merged()
         columns = [output.narrow(-1, start, stop - start) for start, stop in self.bounds]
         pending = self._all & ~(1 << index)
         self._traced = (input, columns, pending) if pending else None

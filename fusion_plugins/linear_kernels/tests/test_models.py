@@ -158,8 +158,8 @@ def _operators(graphs: list[torch.fx.GraphModule]) -> list[str]:
 @pytest.mark.parametrize("others", [{}, MERGED], ids=["alone", "with-qkv-gate_up"])
 def test_compiles_with_fullgraph_through_the_chosen_kernels(checkpoints, others, dtype):
     """Compiled decode runs the kernel chosen for each layer, as eager decode does: every linear call of a decode step
-    (each part of a merged projection, the tied head) is the chosen kernel's operator in the graph, with no break, and
-    the compiled logits are eager's, bit for bit (the same kernels on the same rows)."""
+    (a merged projection once for its parts, the tied head) is the chosen kernel's operator in the graph, with no
+    break, and the compiled logits are eager's, bit for bit (the same kernels on the same rows)."""
     directory = checkpoints[("qwen2", True, dtype)]
     fused = _load(directory, {**others, "linear_kernels": True})
     graphs: list[torch.fx.GraphModule] = []
@@ -169,8 +169,12 @@ def test_compiles_with_fullgraph_through_the_chosen_kernels(checkpoints, others,
         expected = fused(input_ids=IDS[:, :1]).logits
         got = compiled(input_ids=IDS[:, :1]).logits
     linears = sum(isinstance(m, nn.Linear) for m in _load(directory, None).modules())
+    merged = [m.fused_projection for m in fused.modules() if isinstance(getattr(m, "fused_projection", None),
+                                                                     MergedLinear)]
+    assert bool(merged) == bool(others)
+    calls = linears - sum(len(projection.sizes) - 1 for projection in merged)  # one call per merged projection
     operators = _operators(graphs)
-    assert operators.count(CHOSEN_OPERATOR) == linears and "<built-in function linear>" not in operators
+    assert operators.count(CHOSEN_OPERATOR) == calls and "<built-in function linear>" not in operators
     assert torch.equal(got, expected)
 
 
