@@ -32,6 +32,15 @@ kernel asks the CPU when it is loaded (``__builtin_cpu_supports``) and compiles 
 whatever flags Inductor's toolchain passes; other CPUs and compilers, float16 and float32 keep the widening path.
 The instruction treats subnormal inputs as zero: within the bound, like every other difference of these candidates.
 
+**Reading ahead.** While it reads a block of weight rows, the kernel asks the CPU to fetch the same place of the
+next block (``__builtin_prefetch``, one request per 64-byte line, a hint that never faults). The rows of a block lie
+back to back, so the requests run one block ahead of the reads, a short linear stream the CPU's own prefetchers do
+not start: a block of eight 896-wide rows is eight streams of 28 lines each. The sums are unchanged (the same
+bits). Measured on a 2-core Xeon VM (AMX-BF16), over a pass of copies, GB/s, before / after (input rows x block):
+bfloat16 9728x896 1x8 23.1 / 27.5, 1x1 18.0 / 20.7, 4x4 10.9 / 21.5, 8x4 8.0 / 17.3; 151936x896 1x8 23.9 / 27.8;
+896x4864 1x8 27.8 / 29.9, 4x1 15.3 / 13.6 (the one pair slower; the choice measures the others beside it);
+float32 9728x896 1x1 25.6 / 29.2. Qwen2-0.5B's eager decode, every family on: 58.97 / 51.41 ms a token.
+
 Only weights of at least :data:`MIN_BYTES` apply (:func:`gemv_weight`): a smaller weight is served from the CPU's
 caches, where the kernel buys nothing. Where the kernel cannot be built (no C++ compiler on the machine),
 :func:`kernel` returns None, says so once (:class:`RowDotUnavailableWarning`), and the layers keep the other
@@ -109,6 +118,9 @@ static inline void dots(const T* w, const T* x, int64_t k, float* sums, int64_t 
         Acc xs[IN];
         for (int i = 0; i < IN; ++i) xs[i] = widened(x + i * k + j);
         for (int r = 0; r < ROWS; ++r) {
+            for (int64_t line = 0; line < lanes * int64_t(sizeof(T)); line += 64) {
+                __builtin_prefetch(reinterpret_cast<const char*>(w + (r + ROWS) * k + j) + line);
+            }
             const Acc ws = widened(w + r * k + j);
             for (int i = 0; i < IN; ++i) acc[r][i] = at::vec::fmadd(ws, xs[i], acc[r][i]);
         }
@@ -175,6 +187,7 @@ static void paired_dots(const at::BFloat16* w, const at::BFloat16* x, int64_t k,
             __m512bh xs[IN];
             for (int i = 0; i < IN; ++i) xs[i] = (__m512bh)_mm512_loadu_si512(x + i * k + j + 32 * u);
             for (int r = 0; r < ROWS; ++r) {
+                __builtin_prefetch(w + (r + ROWS) * k + j + 32 * u);
                 const __m512bh ws = (__m512bh)_mm512_loadu_si512(w + r * k + j + 32 * u);
                 for (int i = 0; i < IN; ++i) acc[u][r][i] = _mm512_dpbf16_ps(acc[u][r][i], ws, xs[i]);
             }
