@@ -1,9 +1,10 @@
 """Decode at the memory-bandwidth floor: plain vs fused with and without ``linear_kernels``, beside the floor.
 
 Greedy decode reads every weight once per token, so its floor is the bytes a step reads over the
-read bandwidth of this machine, measured in the same run (two ways: a reduction over a cold 1 GiB
-buffer, and one ``torch.mv`` over each of the plain model's own linear weights in turn, the decode's
-own read pattern; the floor uses the faster). Contenders, loaded from one checkpoint and run in
+read bandwidth of this machine, measured in the same run (three ways: a reduction over a cold 1 GiB
+buffer, the same on transparent huge pages where the system lends them (:func:`reduction_buffers`), and one
+``torch.mv`` over each of the plain model's own linear weights in turn, the decode's own read pattern; the floor
+uses the fastest). Contenders, loaded from one checkpoint and run in
 interleaved rounds whose order rotates (see :mod:`bench_common`):
 
 - ``plain`` and ``plain (2nd load)`` (the A/A control: the same operators, so its ratio shows the noise);
@@ -29,8 +30,10 @@ weight, and which weight kinds it holds prepacked (oneDNN's layout) with the tim
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
+import mmap
 import statistics
 import subprocess
 import sys
@@ -127,45 +130,91 @@ def stored_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def reduction_buffers(nbytes: int) -> dict[str, torch.Tensor]:
+    """The float32 buffers of ``nbytes`` the floor's reduction reads: torch's own memory (small pages), and where the
+    system lends them, memory on transparent huge pages.
+
+    A weight read from huge pages reads faster: on the 2-core Xeon VM (its host maps the guest's memory again, so
+    every miss of the small-page TLB walks two page tables) a reduction over 942 MB read 21-26 GB/s on small pages
+    and 35-36 GB/s on huge ones (a throwaway probe). The floor is the machine's best read, so both are measured and the
+    faster is taken, whether or not a contender's weights lie on huge pages. The reduction is a maximum over the bytes
+    as 16-bit integers (:func:`read_once`).
+    """
+    buffers = {"reduction": torch.ones(nbytes // 4, dtype=torch.float32)}
+    huge = huge_page_floats(nbytes)
+    if huge is not None:
+        buffers["reduction on huge pages"] = huge
+    return buffers
+
+
+def read_once(buffer: torch.Tensor) -> None:
+    """Read every byte of ``buffer`` once: the maximum of its bytes as 16-bit integers, the fastest of torch's
+    reductions tried on the Xeon VM (942 MB, GB/s, small / huge pages: this 25.1 / 35.7, a float32 sum 23.9 / 30.0, a
+    float32 maximum 19.0 / 36.0; a throwaway probe)."""
+    buffer.view(torch.int16).max()
+
+
+def huge_page_floats(nbytes: int) -> torch.Tensor | None:
+    """``nbytes`` of ones (float32) in an anonymous mapping advised for transparent huge pages
+    (``madvise(MADV_HUGEPAGE)``, Linux); None where that cannot be asked."""
+    align = 2 << 20
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        region = mmap.mmap(-1, nbytes + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        aligned = (start + align - 1) // align * align
+        if libc.madvise(aligned, nbytes, 14) != 0:  # MADV_HUGEPAGE
+            return None
+    except (AttributeError, OSError, ValueError):
+        return None
+    # frombuffer keeps the ctypes array, and the array keeps the mapping, alive while the tensor lives.
+    array = (ctypes.c_char * nbytes).from_address(aligned)
+    array._region = region  # type: ignore[attr-defined]
+    return torch.frombuffer(array, dtype=torch.float32).fill_(1.0)
+
+
 def read_bandwidth(model: nn.Module, rounds: int = 3) -> dict[str, float]:
-    """Bytes per second read from memory, two ways (see the module docs); best of ``rounds`` each."""
-    buffer = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB, far beyond any cache
+    """Bytes per second read from memory, three ways (see the module docs); best of ``rounds`` each."""
+    buffers = reduction_buffers(1 << 30)  # 1 GiB, far beyond any cache
     weights = [m.weight for m in model.modules()  # torch's own weights (a quantizer's do not run torch.mv)
                if isinstance(m, nn.Linear) and type(m.weight) in (torch.Tensor, nn.Parameter)]
     vectors = {w.shape[1]: torch.randn(w.shape[1], dtype=w.dtype) for w in weights}
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
-    best = {"reduction": float("inf"), "mv over the weights": float("inf")}
+    best = {name: float("inf") for name in (*buffers, "mv over the weights")}
     with torch.inference_mode():
         for _ in range(rounds + 1):
-            start = time.perf_counter()
-            buffer.sum()
-            best["reduction"] = min(best["reduction"], time.perf_counter() - start)
+            for name, buffer in buffers.items():
+                start = time.perf_counter()
+                read_once(buffer)
+                best[name] = min(best[name], time.perf_counter() - start)
             start = time.perf_counter()
             for w in weights:
                 torch.mv(w, vectors[w.shape[1]])
             best["mv over the weights"] = min(best["mv over the weights"], time.perf_counter() - start)
-    del buffer
-    measured = {"reduction": (1 << 30) / best["reduction"]}
+    measured = {name: (1 << 30) / best[name] for name in buffers}
+    del buffers
     if weights:
         measured["mv over the weights"] = weight_bytes / best["mv over the weights"]
     return measured
 
 
 def round_floor(per_token: int) -> Callable[[], dict[str, float]]:
-    """A pseudo-contender that measures the floor again in its place in every round: the reduction of
-    :func:`read_bandwidth`, best of three, over a 512 MiB buffer (still far beyond any cache). The read bandwidth of a
-    shared machine moves from minute to minute (on the 2-core AMD EPYC of docs/benchmarks.md, 25 to 67 GB/s within an
-    hour), so the run's best moment alone sets a floor that rounds taken at slower moments cannot reach; each round's
-    decode is also set against the floor of its own moment."""
-    buffer = torch.ones(1 << 27, dtype=torch.float32)
+    """A pseudo-contender that measures the floor again in its place in every round: the reductions of
+    :func:`read_bandwidth`, best of three each, over 512 MiB buffers (still far beyond any cache). The read bandwidth
+    of a shared machine moves from minute to minute (on the 2-core AMD EPYC of docs/benchmarks.md, 25 to 67 GB/s
+    within an hour), so the run's best moment alone sets a floor that rounds taken at slower moments cannot reach; each
+    round's decode is also set against the floor of its own moment."""
+    buffers = list(reduction_buffers(1 << 29).values())
 
     def call() -> dict[str, float]:
         best = float("inf")
         for _ in range(3):
-            start = time.perf_counter()
-            buffer.sum()
-            best = min(best, time.perf_counter() - start)
-        return {"decode": per_token * best / (buffer.numel() * buffer.element_size()), "prefill": float("nan")}
+            for buffer in buffers:
+                start = time.perf_counter()
+                read_once(buffer)
+                best = min(best, time.perf_counter() - start)
+        return {"decode": per_token * best / (1 << 29), "prefill": float("nan")}
 
     return call
 
@@ -361,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
         ])
     table.notes += [
         f"floor {floor_ms:.1f} ms/token: {per_token / 1e9:.3f} GB read per token over "
-        + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bandwidth.items()) + " (the faster), measured in this run",
+        + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bandwidth.items()) + " (the fastest), measured in this run",
         "x its round's floor: each round's decode over the floor measured in that round (the reduction, its place in "
         "the rotation like a contender's; see round_floor), median [min-max]; that floor per round (ms/token): "
         + ", ".join(f"{s['decode'] * 1e3:.1f}" for s in samples[FLOOR]),
