@@ -50,6 +50,8 @@ from bench_models import QWEN2_05B, build_checkpoint
 from decode_split import decode_split, split_rows
 from torch import nn
 
+from fusion_core.mapped_files import MappedFiles
+
 #: Llama-3.2-1B's geometry (hidden 2048, 32/8 heads, MLP 8192, vocabulary 128256, tied embeddings).
 LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
                    head_dim=64, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=8192,
@@ -249,10 +251,12 @@ def own_memory(model: nn.Module) -> nn.Module:
     Copying every contender's parameters (tied ones stay tied: the shared Parameter is copied once)
     compares kernels; ``--as-loaded`` skips it and compares what users get.
     """
+    files = MappedFiles.snapshot()
     with torch.no_grad():
         for param in model.parameters():
-            # A prepacked weight (linear_kernels) or a quantizer's tensor is the process's own memory already.
-            if not param.is_mkldnn and type(param.data) is torch.Tensor:
+            # A prepacked weight (linear_kernels) or a quantizer's tensor is the process's own memory already, and so
+            # is a weight linear_kernels moved there (on huge pages, which a copy would lose).
+            if not param.is_mkldnn and type(param.data) is torch.Tensor and files.file_extent(param.data) is not None:
                 param.data = param.data.clone()
     return model
 

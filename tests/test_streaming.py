@@ -267,3 +267,38 @@ def test_process_memory_copies_reads_mapped_tensors_from_the_file_and_declines_t
     assert declined == [None, None]
     assert copy is not None and same_bits(copy, mapped) and MappedFiles.snapshot().file_extent(copy) is None
     assert sum(reads) == mapped.numel() * mapped.element_size()  # read from the file, not through the mapping
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of this process's mapping that holds ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(bound, 16) for bound in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
+                    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
+                    reason="transparent huge pages are Linux's, and this system turned them off")
+def test_process_memory_copies_on_huge_pages_advise_only_when_asked(tmp_path: Path) -> None:
+    path = tmp_path / "weight.bin"
+    source = torch.randn(2048, 2048, dtype=torch.bfloat16)  # 8 MiB: three or four whole 2 MiB pages
+    path.write_bytes(source.view(torch.uint8).numpy().tobytes())
+    mapped = torch.from_file(str(path), shared=False, size=source.numel(), dtype=torch.bfloat16).view(2048, 2048)
+    assert MappedFiles.snapshot().file_extent(mapped) is not None
+    huge, small = (streaming.process_memory_copies([mapped], huge_pages=flag)[0] for flag in (True, False))
+    for copy in (huge, small):
+        assert copy is not None and same_bits(copy, source)
+    assert "hg" in _vm_flags(_first_whole_huge_page(huge))  # madvise(MADV_HUGEPAGE) marks the mapping "hg"
+    assert "hg" not in _vm_flags(_first_whole_huge_page(small))
+
+
+def _first_whole_huge_page(tensor: torch.Tensor) -> int:
+    page = 2 << 20
+    return -(-tensor.data_ptr() // page) * page

@@ -123,3 +123,20 @@ def test_a_weight_whose_bytes_another_parameter_covers_stays_in_the_mapping(tmp_
     assert _file_mapped(model.a.weight) and _file_mapped(model.b.weight) and not _file_mapped(model.c.weight)
     assert model.c.weight is weights[2]  # the same parameter object, another storage
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize(("value", "asked"), [(None, True), ("1", True), ("0", False), (" 0 ", False)])
+def test_moved_weights_ask_for_huge_pages_unless_the_environment_says_0(
+        value: str | None, asked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusion_linear_kernels import residence
+
+    if value is None:
+        monkeypatch.delenv(residence.HUGE_PAGES_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(residence.HUGE_PAGES_VARIABLE, value)
+    seen: list[bool] = []
+    monkeypatch.setattr(residence, "process_memory_copies",
+                        lambda tensors, huge_pages=False: (seen.append(huge_pages), [None] * len(tensors))[1])
+    layer = nn.Linear(4, 4)
+    assert move_into_process_memory(nn.Sequential(layer), [layer.weight]) == 0
+    assert seen == [asked]
