@@ -168,7 +168,7 @@ def huge_page_floats(nbytes: int) -> torch.Tensor | None:
         aligned = (start + align - 1) // align * align
         if libc.madvise(aligned, nbytes, 14) != 0:  # MADV_HUGEPAGE
             return None
-    except (AttributeError, OSError, ValueError):
+    except (AttributeError, OSError, TypeError, ValueError):  # no libc to ask, no anonymous mapping
         return None
     # frombuffer keeps the ctypes array, and the array keeps the mapping, alive while the tensor lives.
     array = (ctypes.c_char * nbytes).from_address(aligned)

@@ -33,6 +33,7 @@ import ctypes
 import functools
 import math
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -133,7 +134,9 @@ _MADV_HUGEPAGE = 14
 
 @functools.cache
 def _madvise() -> Callable[[int, int, int], int] | None:
-    """libc's ``madvise``, or None where there is none to call (not Linux)."""
+    """libc's ``madvise``, or None where there is none to call (not Linux: ``MADV_HUGEPAGE`` is Linux's number)."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
         function = ctypes.CDLL(None, use_errno=True).madvise
     except (AttributeError, OSError):
