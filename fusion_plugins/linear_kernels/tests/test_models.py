@@ -178,6 +178,22 @@ def test_compiles_with_fullgraph_through_the_chosen_kernels(checkpoints, others,
     assert torch.equal(got, expected)
 
 
+def test_compiled_steps_remember_each_weights_kind(checkpoints, monkeypatch):
+    """The operator keeps a Caller per weight, as an eager layer does: after a compiled step has chosen, a step like it
+    works no kind out again, and its logits are the first step's."""
+    fused = _load(checkpoints[("qwen2", True, torch.float32)], {**MERGED, "linear_kernels": True})
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, fullgraph=True, backend=_graph_recorder([]))
+    with torch.no_grad():
+        first = compiled(input_ids=IDS[:, :1]).logits
+        worked_out: list[tuple[int, ...]] = []
+        real_chosen = choice.chosen
+        monkeypatch.setattr(choice, "chosen", lambda rows, weight, *rest: (
+            worked_out.append(tuple(weight.shape)), real_chosen(rows, weight, *rest))[1])
+        again = compiled(input_ids=IDS[:, :1]).logits
+    assert worked_out == [] and torch.equal(again, first)
+
+
 def test_compiled_prefill_training_and_export_keep_f_linear(checkpoints):
     """Where eager runs ``F.linear`` without choosing, so does the graph: more rows than a decision covers (prefill),
     autograd (training: the gradients are plain's), and ``torch.export``, whose programs other runtimes read."""
