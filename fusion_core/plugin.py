@@ -31,7 +31,8 @@ The names, by what they serve:
   :func:`self_call`, :func:`value_of`.
 - **tensors** (:mod:`fusion_core.wrapped`, :mod:`fusion_core.streaming`): :func:`concat` (merging parts, tensor
   subclasses included), :func:`is_torch_tensor`, :func:`same_bits`, :func:`process_memory_copies` (a loaded
-  weight's bytes read from its checkpoint file into memory the process owns, where transformers left it mapped).
+  weight's bytes read from its checkpoint file into memory the process owns, where transformers left it mapped;
+  on transparent huge pages if asked).
 - **measured decisions** (:mod:`fusion_core.decisions`), for a choice of the faster way per kind of call:
   :class:`Decisions` (one topic's table: measured once per kind, stored per machine and software, forgotten
   by ``reset_state``), :func:`best_times` (the timer), :func:`faster` (the one tie rule), :func:`device_key`

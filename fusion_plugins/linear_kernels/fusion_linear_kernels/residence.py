@@ -28,8 +28,9 @@ from the same weight in an aligned copy), and exact mode promises plain's bits.
 (:func:`fusion_core.plugin.process_memory_copies` with ``huge_pages``): a GEMV streaming a weight misses the TLB once
 per page, and on small pages that costs bandwidth, most in a virtual machine. Measured on the 2-core Xeon VM (bf16,
 the GEMV kernel over a pass of copies, GB/s, small / huge pages): 9728x896 27.5 / 32.3, 896x896 26.9 / 31.7,
-151936x896 28.0 / 35.0, 896x4864 32.9 / 35.4; Qwen2-0.5B loaded with every family on, 33 greedy tokens after a
-16-token prompt, best of 3, 3 fresh processes each: 62.9-65.4 against 55.0-57.4 ms a token (760 MB on huge pages).
+151936x896 28.0 / 35.0, 896x4864 32.9 / 35.4; Qwen2-0.5B loaded with every family on, a greedy ``generate`` of
+33 tokens after a 16-token prompt (prefill included), best of 3, over 33, 3 fresh processes each: 62.9-65.4 against
+55.0-57.4 ms a token (760 MB on huge pages).
 The cost is at load, when the pages are first written: 2.35-2.53 s against 3.24-3.38 s there. That VM's host backs
 a free 2 MiB block of the guest's memory only when it is touched again (nothing was compacted: ``compact_stall``
 stayed 0), so on other machines it is less. ``FUSION_LINEAR_KERNELS_HUGE_PAGES=0`` in the environment keeps the
