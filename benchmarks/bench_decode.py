@@ -30,10 +30,8 @@ weight, and which weight kinds it holds prepacked (oneDNN's layout) with the tim
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
-import mmap
 import statistics
 import subprocess
 import sys
@@ -51,6 +49,7 @@ from decode_split import decode_split, split_rows
 from torch import nn
 
 from fusion_core.mapped_files import MappedFiles
+from fusion_core.streaming import advise_huge_pages
 
 #: Llama-3.2-1B's geometry (hidden 2048, 32/8 heads, MLP 8192, vocabulary 128256, tied embeddings).
 LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
@@ -143,9 +142,9 @@ def reduction_buffers(nbytes: int) -> dict[str, torch.Tensor]:
     as 16-bit integers (:func:`read_once`).
     """
     buffers = {"reduction": torch.ones(nbytes // 4, dtype=torch.float32)}
-    huge = huge_page_floats(nbytes)
-    if huge is not None:
-        buffers["reduction on huge pages"] = huge
+    huge = torch.empty(nbytes // 4, dtype=torch.float32)  # nothing written yet: the advice comes before the pages
+    if advise_huge_pages(huge):
+        buffers["reduction on huge pages"] = huge.fill_(1.0)
     return buffers
 
 
@@ -154,26 +153,6 @@ def read_once(buffer: torch.Tensor) -> None:
     reductions tried on the Xeon VM (942 MB, GB/s, small / huge pages: this 25.1 / 35.7, a float32 sum 23.9 / 30.0, a
     float32 maximum 19.0 / 36.0; a throwaway probe)."""
     buffer.view(torch.int16).max()
-
-
-def huge_page_floats(nbytes: int) -> torch.Tensor | None:
-    """``nbytes`` of ones (float32) in an anonymous mapping advised for transparent huge pages
-    (``madvise(MADV_HUGEPAGE)``, Linux); None where that cannot be asked."""
-    align = 2 << 20
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        region = mmap.mmap(-1, nbytes + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        start = ctypes.addressof(ctypes.c_char.from_buffer(region))
-        aligned = (start + align - 1) // align * align
-        if libc.madvise(aligned, nbytes, 14) != 0:  # MADV_HUGEPAGE
-            return None
-    except (AttributeError, OSError, TypeError, ValueError):  # no libc to ask, no anonymous mapping
-        return None
-    # frombuffer keeps the ctypes array, and the array keeps the mapping, alive while the tensor lives.
-    array = (ctypes.c_char * nbytes).from_address(aligned)
-    array._region = region  # type: ignore[attr-defined]
-    return torch.frombuffer(array, dtype=torch.float32).fill_(1.0)
 
 
 def read_bandwidth(model: nn.Module, rounds: int = 3) -> dict[str, float]:

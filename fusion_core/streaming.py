@@ -105,7 +105,7 @@ def process_memory_copies(tensors: Sequence[torch.Tensor], huge_pages: bool = Fa
     back to back in the file leaves the merged tensor a view of the mapping.
 
     With ``huge_pages``, each copy asks Linux to back its memory with transparent huge pages before it is read into
-    (:func:`_advise_huge_pages`)."""
+    (:func:`advise_huge_pages`)."""
     if in_process_group():
         return [None] * len(tensors)
     files = MappedFiles.snapshot()
@@ -121,7 +121,7 @@ def process_memory_copies(tensors: Sequence[torch.Tensor], huge_pages: bool = Fa
                 continue
             copy = torch.empty(tensor.shape, dtype=tensor.dtype)
             if huge_pages:
-                _advise_huge_pages(copy)
+                advise_huge_pages(copy)
             jobs.extend(_reads(fd, extent, copy.data_ptr()))
             copies.append(copy)
         _run(jobs)
@@ -146,7 +146,7 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     return function
 
 
-def _advise_huge_pages(tensor: torch.Tensor) -> bool:
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
     """Ask Linux to back the whole 2 MiB pages inside a new CPU tensor's memory with transparent huge pages
     (``madvise(MADV_HUGEPAGE)``), before anything is written there; whether the system took the advice.
 
