@@ -26,7 +26,8 @@ from the same weight in an aligned copy), and exact mode promises plain's bits.
 
 **Huge pages.** Each copy asks Linux for transparent huge pages before it is read into
 (:func:`fusion_core.plugin.process_memory_copies` with ``huge_pages``): a GEMV streaming a weight misses the TLB once
-per page, and on small pages that costs bandwidth, most in a virtual machine. Measured on the 2-core Xeon VM (bf16,
+per page, and on small pages that costs bandwidth, most in a virtual machine. Measured on the 2-core Xeon VM with
+throwaway probes, not in the repository (bf16,
 the GEMV kernel over a pass of copies, GB/s, small / huge pages): 9728x896 27.5 / 32.3, 896x896 26.9 / 31.7,
 151936x896 28.0 / 35.0, 896x4864 32.9 / 35.4; Qwen2-0.5B loaded with every family on, a greedy ``generate`` of
 33 tokens after a 16-token prompt (prefill included), best of 3, over 33, 3 fresh processes each: 62.9-65.4 against

@@ -37,10 +37,12 @@ next block (``__builtin_prefetch`` where the compiler has it, one request per 64
 faults). The rows of a block lie
 back to back, so the requests run one block ahead of the reads, a short linear stream the CPU's own prefetchers do
 not start: a block of eight 896-wide rows is eight streams of 28 lines each. The sums are unchanged (the same
-bits). Measured on a 2-core Xeon VM (AMX-BF16), over a pass of copies, GB/s, before / after (input rows x block):
+bits). Measured on a 2-core Xeon VM (AMX-BF16), over a pass of copies, GB/s, before / after (input rows x block; a
+throwaway probe that built both sources side by side, not in the repository):
 bfloat16 9728x896 1x8 23.1 / 27.5, 1x1 18.0 / 20.7, 4x4 10.9 / 21.5, 8x4 8.0 / 17.3; 151936x896 1x8 23.9 / 27.8;
 896x4864 1x8 27.8 / 29.9, 4x1 15.3 / 13.6 (the one pair slower; the choice measures the others beside it);
-float32 9728x896 1x1 25.6 / 29.2. Qwen2-0.5B's eager decode, every family on: 58.97 / 51.41 ms a token.
+float32 9728x896 1x1 25.6 / 29.2. Qwen2-0.5B's eager decode, every family on: 58.97 / 51.41 ms a token
+(``benchmarks/bench_decode.py``, each code in a run of its own).
 
 Only weights of at least :data:`MIN_BYTES` apply (:func:`gemv_weight`): a smaller weight is served from the CPU's
 caches, where the kernel buys nothing. Where the kernel cannot be built (no C++ compiler on the machine),
