@@ -220,6 +220,20 @@ def chosen(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return _DECISIONS.get(kind) or _DECISIONS.decide(kind, lambda: choose(input, weight, bias, exact))
 
 
+def decided(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Candidate | None:
+    """The candidate decided within the bound for this kind of call, without measuring one: None where none is decided
+    yet, or where the call runs ``F.linear`` without choosing (:func:`chosen` decides)."""
+    if runs_original(input, weight, bias) or not folds(input):
+        return None
+    return _DECISIONS.get(kind_of(input, weight, bias, False))
+
+
+def generation() -> int:
+    """The decisions' generation: it changes whenever they are forgotten (:func:`clear_decisions`,
+    ``fusion_core.reset_state()``), so whatever was derived from them is worked out again."""
+    return _DECISIONS.generation
+
+
 class Caller:
     """:func:`linear` for one caller (a layer, a merged projection), remembering its last chosen call.
 

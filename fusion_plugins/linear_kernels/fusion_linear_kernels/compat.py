@@ -68,6 +68,7 @@ from typing import Any
 
 import torch
 import torch.autograd.profiler
+from torch.nn.modules import module as torch_module
 
 
 @functools.cache
@@ -181,6 +182,14 @@ def profiling() -> bool:
     ``profile`` context sets): a kernel called outside torch's operators labels its calls only then. Read at every
     such call: the module is imported once, with this one."""
     return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+def global_forward_hooks() -> bool:
+    """Whether a forward hook is registered for every module (``nn.modules.module.register_module_forward_hook`` and
+    ``..._pre_hook`` keep them in ``_global_forward_hooks`` and ``_global_forward_pre_hooks``): a call that skips
+    modules' own calls must not skip them. Read at every decode step of a layer
+    (:mod:`fusion_linear_kernels.decode_layer`)."""
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
 
 
 def cpp_kernel(argtypes: list[str], source: str) -> Callable[..., None]:

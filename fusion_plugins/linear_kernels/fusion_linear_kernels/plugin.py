@@ -44,8 +44,9 @@ from torch import nn
 
 from fusion_core import ModulePlan, SaveError, hookimpl
 from fusion_core.plugin import MergedLinear, fuse_instance, merged_projection, presenting_fused
-from fusion_linear_kernels import row_dot
+from fusion_linear_kernels import decode_layer, row_dot
 from fusion_linear_kernels.choice import Caller, traced_linear
+from fusion_linear_kernels.decode_layer import FORM_KEY, switch_layers
 from fusion_linear_kernels.direct_reads import read_directly
 from fusion_linear_kernels.experts import is_experts
 from fusion_linear_kernels.family import (
@@ -71,6 +72,7 @@ def register_fusion_families(register: Callable[[Any], None]) -> None:
 @hookimpl
 def fusion_reset_state() -> None:
     row_dot.clear()
+    decode_layer.clear()
 
 
 @hookimpl(wrapper=True, tryfirst=True)
@@ -84,7 +86,7 @@ def fusion_convert_loaded(
         return result
     modes = {module.exact for module, _ in built if isinstance(module, LinearKernelsMixin)}
     if len(modes) == 1:
-        exact = modes.pop()
+        (exact,) = modes
         shared = _shared_parameters(model)
         verified: set[tuple[object, ...]] = set()
         for module, plan in built:
@@ -98,6 +100,8 @@ def fusion_convert_loaded(
         # an AMD EPYC, F.linear of a float32 32x32 weight 24 bytes past a 64-byte boundary differs from the same
         # weight 64-byte aligned), and the copy would be aligned where plain's file view is not.
         move_into_process_memory(model, decode_weights(built))
+    if modes == {False}:
+        switch_layers(model, LinearKernelsFamily.name)
     return result
 
 
@@ -155,7 +159,7 @@ def fusion_module_fused(module: nn.Module, plan: ModulePlan) -> None:
 def fusion_module_unfused(module: nn.Module, plan: ModulePlan) -> None:
     if plan.family != LinearKernelsFamily.name:
         return
-    for derived in (PACKED_FLAG, OPERATOR_KEY, CALLER_KEY):
+    for derived in (PACKED_FLAG, OPERATOR_KEY, CALLER_KEY, FORM_KEY):
         module.__dict__.pop(derived, None)
     order = {name: index for index, name in enumerate(plan.original_leaves)}
     parameters = module._parameters

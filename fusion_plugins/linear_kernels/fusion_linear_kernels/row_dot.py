@@ -88,7 +88,7 @@ class RowDotUnavailableWarning(UserWarning):
     """The GEMV kernel could not be built here; the layers keep the other kernels."""
 
 
-_C_TYPES = {torch.bfloat16: "at::BFloat16", torch.float16: "at::Half", torch.float32: "float"}
+C_TYPES = {torch.bfloat16: "at::BFloat16", torch.float16: "at::Half", torch.float32: "float"}
 
 _SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
@@ -175,6 +175,8 @@ extern "C" void kernel(const T* w, const T* x, @BIAS_ARG@T* out, const int64_t n
 }
 """
 
+_ENTRY = 'extern "C" void kernel('
+
 _PAIRED_DOTS = r"""
 // Compilers that know AVX512-BF16's intrinsics (GCC 10, Clang 9 on); any other builds the widening path only.
 #if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 9 : (defined(__GNUC__) && __GNUC__ >= 10))
@@ -231,9 +233,16 @@ def source(dtype: torch.dtype, bias: bool, paired: bool = True) -> str:
     not ``paired`` (what a CPU without AVX512-BF16 runs, whatever the CPU at hand)."""
     cases = "\n        ".join(f"case {inputs * 100 + block}: gemv<{block}, {inputs}>(w, x, b, out, n, k); break;"
                                 for inputs, block in BUILT)
-    return (_SOURCE.replace("@PAIRED_DOTS@", _PAIRED_DOTS if paired else "")
-            .replace("@TYPE@", _C_TYPES[dtype]).replace("@CASES@", cases)
+    return (templates(dtype, paired) + _SOURCE[_SOURCE.index(_ENTRY):].replace("@CASES@", cases)
             .replace("@BIAS_ARG@", "const T* bias, " if bias else "").replace("@BIAS@", "bias" if bias else "nullptr"))
+
+
+def templates(dtype: torch.dtype, paired: bool = True) -> str:
+    """The kernel's C++ without its entry point: ``T`` (the C++ type of ``dtype``) and the templates
+    ``gemv<ROWS, IN>(w, x, bias, out, n, k)`` and ``dots``, for other kernels built on the same GEMV
+    (:mod:`fusion_linear_kernels.decode_layer`)."""
+    head = _SOURCE[:_SOURCE.index(_ENTRY)]
+    return head.replace("@PAIRED_DOTS@", _PAIRED_DOTS if paired else "").replace("@TYPE@", C_TYPES[dtype])
 
 
 def gemv_weight(weight: torch.Tensor) -> bool:
@@ -295,8 +304,8 @@ def kernel(dtype: torch.dtype, bias: bool) -> Callable[..., None] | None:
 
 def argument_types(dtype: torch.dtype, bias: bool) -> list[str]:
     """The C++ types of the kernel's arguments: weight, input, (bias,) output, then n, k, input rows and block."""
-    pointer = f"const {_C_TYPES[dtype]}*"
-    return [pointer, pointer] + ([pointer] if bias else []) + [f"{_C_TYPES[dtype]}*"] + ["const int64_t"] * 4
+    pointer = f"const {C_TYPES[dtype]}*"
+    return [pointer, pointer] + ([pointer] if bias else []) + [f"{C_TYPES[dtype]}*"] + ["const int64_t"] * 4
 
 
 def _existing(library: object) -> str | None:
@@ -313,14 +322,20 @@ import and lookup took about 2.5 s of a fresh process's first ``generate`` on a 
 
 def _build(key: Key) -> Callable[..., None]:
     dtype, bias = key
-    argtypes, code = argument_types(dtype, bias), source(dtype, bias)
+    return built_kernel(str(dtype), argument_types(dtype, bias), source(dtype, bias))
+
+
+def built_kernel(label: str, argtypes: list[str], code: str) -> Callable[..., None]:
+    """The function ``kernel`` of the C++ ``code`` taking ``argtypes``: loaded from the file stored for this machine
+    under ``label`` and the code's hash where one was built before (:data:`_LIBRARIES`), else built by Inductor's
+    toolchain and its file stored."""
     built: list[Callable[..., None]] = []
 
     def build() -> str | None:
         built.append(compat.cpp_kernel(argtypes, code))
         return compat.library_of(built[0])
 
-    library = _LIBRARIES.decide((str(dtype), hashlib.sha256(code.encode()).hexdigest()), build)
+    library = _LIBRARIES.decide((label, hashlib.sha256(code.encode()).hexdigest()), build)
     if built:
         return built[0]
     try:

@@ -1,0 +1,472 @@
+"""A decoder layer's one-token decode step with its norms, MLP and residuals in one kernel call each side of the
+attention.
+
+Eager decode pays for every operator and module call between the GEMVs in Python and torch's dispatch, once per layer
+per token: transformers' pre-norm layer runs an RMSNorm (six operators), the attention, a residual add, a second
+RMSNorm, the MLP (two or three projections, the activation, a product) and a second residual add. On a 2-core Xeon VM
+(AMX-BF16, transformers 5.25.0, bf16) that was about 0.5 ms a layer around the kernels, a third of Qwen2-0.5B's step
+with every family on. Here a layer ``linear_kernels`` recognises runs, at a one-token decode step:
+
+1. one call of a C++ kernel for the input RMSNorm;
+2. the layer's own attention module, called as the original forward calls it (its projections, RoPE, the KV cache
+   and the attention function stay the model's own code, of whatever transformers release);
+3. one call for the rest: the residual add, the second RMSNorm, the gate and up GEMVs, SiLU and the product, the down
+   GEMV and the second residual add.
+
+The GEMVs are the ones :mod:`fusion_linear_kernels.row_dot` builds (the same C++ templates, compiled into this
+kernel), run with the block each projection's kind decided (:func:`~fusion_linear_kernels.choice.decided`:
+``row-dot`` or ``blocked-rows``), so they give the bits the layer's own modules give. The norms, the activation and
+the residuals round to the model's dtype where transformers' operators do (a float32 mean of squares, the normalised
+input rounded, times the weight; ``silu(gate)`` rounded, times ``up``); the mean sums in another order than torch's,
+so a result may differ in its last bit: within the bound (:mod:`fusion_linear_kernels.tolerance`), and never in exact
+mode, where no layer is switched.
+
+**Which layers.** A module with the children ``input_layernorm``, ``self_attn``, ``post_attention_layernorm`` and
+``mlp``, whose norms hold a 1-D weight and an epsilon (``variance_epsilon`` or ``eps``), whose MLP has ``down_proj``
+and either ``gate_proj`` and ``up_proj`` (plain ``nn.Linear`` layers) or the ``gate_up`` family's merged projection,
+with dense weights in a float dtype (Llama, Mistral, Qwen2 and Qwen3 and the many models built the same way). Names
+are only the pre-filter: each such layer's form is verified once per load on its real weights (:func:`refusal`),
+with a stand-in attention that records what it is passed: the original forward and the decode step must compute the
+same output within the bound, and pass the attention the same arguments. A layer that does not (Gemma's ``1 + w``
+norms, Granite's residual multipliers, a GELU MLP, extra norms around the blocks) keeps its class.
+
+**When it runs.** Only for a one-token decode step that the original would run the same way: grad mode off, not
+traced, not training, a contiguous CPU input of the weights' dtype, no positional arguments but the hidden states, no
+forward hooks on the layer's norms and MLP (nor global ones), the verified module types in place (a LoRA adapter or a
+quantizer's layer there, a packed weight, turns it off) and a kind decided for each GEMV. Any other call runs the
+original forward, which decides the kinds on its first call.
+
+Measured on the 2-core Xeon VM (AMX-BF16), torch 2.13.0, transformers 5.25.0, bf16, Qwen2-0.5B with every family on,
+greedy decode ms a token, the same model switched between both forwards in alternating rounds (a throwaway probe
+before this module): 64.9 with the modules, 56.4 with this step (and 49.2 with the attention in C++ too, not done).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusion_core import FusedModule, ModulePlan
+from fusion_core.plugin import attached_plan, fuse_instance, fused_subclass, merged_projection
+from fusion_linear_kernels import compat, row_dot
+from fusion_linear_kernels.built_kernels import BuiltKernels
+from fusion_linear_kernels.choice import decided, generation
+from fusion_linear_kernels.kernels import BLOCKED_ROWS, ROW_DOT
+from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
+
+FORM_KEY = "_fusion_decode_form"
+"""Where a switched layer keeps its verified :class:`LayerForm` (its ``__dict__``)."""
+
+CHILDREN = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+"""The children a layer must have to be considered (the pre-filter; the form is verified on the weights)."""
+
+_MLP, _GATE_UP_BIAS, _DOWN_BIAS, _GATE_UP_BLOCKED, _DOWN_BLOCKED, _GATE_UP_MERGED = 1, 2, 4, 8, 16, 32
+_BLOCKS = {ROW_DOT: 0, BLOCKED_ROWS: 1}
+"""The GEMV candidates the kernel runs, and whether each reads eight weight rows side by side."""
+
+_SOURCE = r"""
+static inline T rounded(float v) { return static_cast<T>(v); }
+static inline float wide(T v) { return static_cast<float>(v); }
+
+// transformers' RMSNorm: the mean of the squares in float32, the normalised input rounded to T, times the weight (a
+// product of two T values, rounded to T).
+static void rms_norm(const T* h, const T* weight, T* out, float eps, int64_t n) {
+    double squares = 0.0;
+    for (int64_t i = 0; i < n; ++i) { const double v = wide(h[i]); squares += v * v; }
+    const float scale = 1.0f / std::sqrt(static_cast<float>(squares / static_cast<double>(n)) + eps);
+    for (int64_t i = 0; i < n; ++i) out[i] = rounded(wide(weight[i]) * wide(rounded(wide(h[i]) * scale)));
+}
+
+static void rows_gemv(const T* w, const T* x, const T* bias, T* out, int64_t n, int64_t k, bool blocked) {
+    if (blocked) gemv<8, 1>(w, x, bias, out, n, k); else gemv<1, 1>(w, x, bias, out, n, k);
+}
+
+// silu(gate) rounded to T, times up, rounded to T: torch's SiLU (x / (1 + exp(-x)) in float32 vectors) and product.
+static void silu_product(T* g, int64_t n) {
+    using V = at::vec::Vectorized<float>;
+    constexpr int64_t lanes = V::size();
+    float z[lanes];
+    int64_t i = 0;
+    for (; i < n; i += lanes) {
+        const int64_t count = n - i < lanes ? n - i : lanes;
+        for (int64_t t = 0; t < count; ++t) z[t] = wide(g[i + t]);
+        const V v = V::loadu(z, count);
+        (v / (V(1.0f) + v.neg().exp())).store(z, count);
+        for (int64_t t = 0; t < count; ++t) g[i + t] = rounded(wide(rounded(z[t])) * wide(g[n + i + t]));
+    }
+}
+
+extern "C" void kernel(const T* h, const T* attention, const T* norm, const T* gate, const T* up, const T* down,
+                       const T* gate_bias, const T* up_bias, const T* down_bias, T* x, T* g, T* out,
+                       const float eps, const int64_t hidden, const int64_t intermediate, const int64_t flags) {
+    if (!(flags & @MLP@)) { rms_norm(h, norm, out, eps, hidden); return; }
+    for (int64_t i = 0; i < hidden; ++i) out[i] = rounded(wide(h[i]) + wide(attention[i]));
+    rms_norm(out, norm, x, eps, hidden);
+    if (flags & @GATE_UP_MERGED@) { up = gate + intermediate * hidden; up_bias = gate_bias + intermediate; }
+    const bool biased = flags & @GATE_UP_BIAS@, blocked = flags & @GATE_UP_BLOCKED@;
+    rows_gemv(gate, x, biased ? gate_bias : nullptr, g, intermediate, hidden, blocked);
+    rows_gemv(up, x, biased ? up_bias : nullptr, g + intermediate, intermediate, hidden, blocked);
+    silu_product(g, intermediate);
+    rows_gemv(down, g, flags & @DOWN_BIAS@ ? down_bias : nullptr, x, hidden, intermediate, flags & @DOWN_BLOCKED@);
+    for (int64_t i = 0; i < hidden; ++i) out[i] = rounded(wide(out[i]) + wide(x[i]));
+}
+"""
+
+
+def source(dtype: torch.dtype) -> str:
+    """The C++ of the layer kernel for a model of ``dtype``: the GEMV's templates (:func:`row_dot.templates`), then
+    the norms, the activation and the entry point."""
+    flags = {"@MLP@": _MLP, "@GATE_UP_BIAS@": _GATE_UP_BIAS, "@DOWN_BIAS@": _DOWN_BIAS,
+             "@GATE_UP_BLOCKED@": _GATE_UP_BLOCKED, "@DOWN_BLOCKED@": _DOWN_BLOCKED,
+             "@GATE_UP_MERGED@": _GATE_UP_MERGED}
+    code = _SOURCE
+    for name, value in flags.items():
+        code = code.replace(name, str(value))
+    return row_dot.templates(dtype) + code
+
+
+def _build(dtype: torch.dtype) -> Any:
+    pointer = f"const {row_dot.C_TYPES[dtype]}*"
+    out = f"{row_dot.C_TYPES[dtype]}*"
+    argtypes = [pointer] * 9 + [out] * 3 + ["const float"] + ["const int64_t"] * 3
+    return row_dot.built_kernel(f"decode layer {dtype}", argtypes, source(dtype))
+
+
+_KERNELS: BuiltKernels[torch.dtype] = BuiltKernels(RowDotUnavailableWarning, _build,
+                                                   lambda dtype: f"the decode layer kernel for {dtype} models")
+
+
+def kernel(dtype: torch.dtype) -> Any:
+    """The built layer kernel for ``dtype``, None where it cannot be built (nor the GEMV kernel it is built on)."""
+    if dtype not in row_dot.DTYPES or row_dot.kernel(dtype, False) is None:
+        return None
+    return _KERNELS.get(dtype)
+
+
+def clear() -> None:
+    """Forget the built kernels (``fusion_core.reset_state()``: the plugin's ``fusion_reset_state`` hook)."""
+    _KERNELS.clear()
+
+
+def _epsilon(norm: nn.Module) -> float | None:
+    for name in ("variance_epsilon", "eps"):
+        value = norm.__dict__.get(name)
+        if isinstance(value, float | int) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+class LayerForm:
+    """What a recognised layer's decode step reads: the widths, the norms' epsilon, the dtype, whether the MLP's
+    gate and up are one merged projection, the types of the modules the step stands in for (verified once per
+    load), and the GEMV blocks worked out from the decisions of their generation."""
+
+    __slots__ = ("_blocks", "dtype", "eps", "hidden", "intermediate", "merged", "types")
+
+    def __init__(self, hidden: int, intermediate: int, eps: float, dtype: torch.dtype, merged: bool,
+                 types: tuple[type, ...]) -> None:
+        self.hidden, self.intermediate, self.eps, self.dtype = hidden, intermediate, eps, dtype
+        self.merged, self.types = merged, types
+        self._blocks: tuple[int, int] | None = None  # (decisions' generation, flags)
+
+    def __getstate__(self) -> tuple[Any, ...]:  # the blocks follow this process's decisions: worked out again
+        return self.hidden, self.intermediate, self.eps, self.dtype, self.merged, self.types
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self.__init__(*state)  # type: ignore[misc]
+
+    @staticmethod
+    def parts(layer: nn.Module) -> tuple[nn.Module, ...] | None:
+        """The modules the step stands in for (input norm, post-attention norm, MLP, gate, up, down, activation;
+        a merged gate/up container twice), or None where the layer has not that shape."""
+        modules = layer._modules
+        norm1, norm2, mlp = (modules.get(name) for name in ("input_layernorm", "post_attention_layernorm", "mlp"))
+        if norm1 is None or norm2 is None or mlp is None or "self_attn" not in modules:
+            return None
+        children = mlp._modules
+        down, act = children.get("down_proj"), children.get("act_fn")
+        merged = merged_projection(mlp)
+        if merged is not None:
+            container = merged.owner
+            gate = up = container if len(merged.sizes) == 2 and merged.sizes[0] == merged.sizes[1] else None
+        else:
+            gate, up = children.get("gate_proj"), children.get("up_proj")
+        if gate is None or up is None or down is None or act is None:
+            return None
+        return norm1, norm2, mlp, gate, up, down, act
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> LayerForm | str:
+        """The form of ``layer`` as it is now, or why it has none."""
+        parts = cls.parts(layer)
+        if parts is None:
+            return ("not a pre-norm decoder layer with a gated MLP (input_layernorm, self_attn, "
+                    "post_attention_layernorm, mlp with gate, up and down projections and act_fn)")
+        norm1, norm2, _, gate, up, down, _ = parts
+        eps = _epsilon(norm1)
+        if eps is None or _epsilon(norm2) != eps:
+            return "its norms hold no epsilon (variance_epsilon or eps), or two different ones"
+        weights = [m._parameters.get("weight") for m in (norm1, norm2, gate, up, down)]
+        if any(not isinstance(w, torch.Tensor) for w in weights):
+            return "a norm or projection holds no weight tensor"
+        dtype = weights[0].dtype  # type: ignore[union-attr]
+        hidden, intermediate = down.weight.shape[0], down.weight.shape[1]
+        if any(not isinstance(m, nn.Linear) for m in (gate, up, down)):
+            return "its MLP projections are not nn.Linear layers (a quantizer's or an adapter's)"
+        rows = 2 * intermediate if gate is up else intermediate
+        shapes = [(hidden,), (hidden,), (rows, hidden), (rows, hidden), (hidden, intermediate)]
+        if [tuple(w.shape) for w in weights] != shapes:  # type: ignore[union-attr]
+            return "its norm and projection weights are not of one hidden and one intermediate width"
+        if kernel(dtype) is None:
+            return f"no decode layer kernel for {dtype} here"
+        return cls(hidden, intermediate, eps, dtype, gate is up, tuple(type(m) for m in parts))
+
+    def arguments(self, layer: nn.Module, hidden: torch.Tensor) -> tuple[Any, ...] | None:
+        """The tensors and flags of the kernel's calls for ``hidden`` on ``layer`` as it is now, or None where the
+        step does not apply (see the module docs), or a kind is not decided yet."""
+        if not (type(hidden) is torch.Tensor and hidden.dtype is self.dtype and hidden.numel() == self.hidden
+                and hidden.is_cpu and hidden.is_contiguous()):
+            return None
+        parts = self.parts(layer)
+        if parts is None or tuple(type(m) for m in parts) != self.types or _hooked(parts):
+            return None
+        norm1, norm2, _, gate, up, down, _ = parts
+        gate_weight, down_weight = gate._parameters["weight"], down._parameters["weight"]
+        gate_bias, down_bias = gate._parameters.get("bias"), down._parameters.get("bias")
+        up_weight, up_bias = (gate_weight, gate_bias) if self.merged else (up._parameters["weight"],
+                                                                           up._parameters.get("bias"))
+        tensors = (norm1._parameters["weight"], norm2._parameters["weight"], gate_weight, up_weight, down_weight)
+        biases = (gate_bias, up_bias, down_bias)
+        if any(not _dense(t, self.dtype) for t in tensors) or any(b is not None and not _dense(b, self.dtype)
+                                                                  for b in biases):
+            return None
+        if (gate_bias is None) != (up_bias is None):
+            return None
+        flags = self._flags(hidden, gate_weight, gate_bias, down_weight, down_bias)
+        if flags is None:
+            return None
+        flags |= (_GATE_UP_BIAS if gate_bias is not None else 0) | (_DOWN_BIAS if down_bias is not None else 0)
+        flags |= _GATE_UP_MERGED if self.merged else 0
+        return tensors, biases, flags
+
+    def _flags(self, hidden: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None, down: torch.Tensor,
+               down_bias: torch.Tensor | None) -> int | None:
+        """The blocks decided for the gate/up and down GEMVs as flags (kept for the decisions' generation), or None
+        where a kind is undecided or decided for a kernel this one does not run."""
+        current = generation()
+        if self._blocks is not None and self._blocks[0] == current:
+            return self._blocks[1]
+        row = hidden.reshape(1, self.hidden)
+        gate_up = decided(row, gate, gate_bias)
+        down_kind = decided(hidden.new_empty(1, self.intermediate), down, down_bias)
+        if gate_up not in _BLOCKS or down_kind not in _BLOCKS:
+            return None
+        flags = _MLP | (_GATE_UP_BLOCKED if _BLOCKS[gate_up] else 0) | (_DOWN_BLOCKED if _BLOCKS[down_kind] else 0)
+        self._blocks = (current, flags)
+        return flags
+
+    def run(self, layer: nn.Module, hidden: torch.Tensor, arguments: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> torch.Tensor:
+        """The layer's output: the input norm, the layer's attention called as the original calls it, the rest."""
+        (norm1, norm2, gate, up, down), (gate_bias, up_bias, down_bias), flags = arguments
+        compiled = _KERNELS.get(self.dtype)
+        normed = torch.empty_like(hidden)
+        compiled(hidden, hidden, norm1, gate, up, down, gate, up, down, normed, normed, normed, self.eps,
+                 self.hidden, self.intermediate, 0)
+        attention = layer._modules["self_attn"](hidden_states=normed, **kwargs)[0]
+        if not (type(attention) is torch.Tensor and attention.dtype is self.dtype
+                and attention.numel() == self.hidden):  # not what verification saw: the verified form's tail
+            residual = hidden + attention
+            mlp, norm = layer._modules["mlp"], layer._modules["post_attention_layernorm"]
+            return residual + mlp(norm(residual))
+        attention = attention.contiguous()
+        gated = hidden.new_empty(2 * self.intermediate)
+        scratch, out = torch.empty_like(hidden), torch.empty_like(hidden)  # the attention may hold its input
+        compiled(hidden, attention, norm2, gate, up, down, _or(gate_bias, gate), _or(up_bias, up),
+                 _or(down_bias, down), scratch, gated, out, self.eps, self.hidden, self.intermediate, flags)
+        return out
+
+
+def _or(tensor: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
+    return other if tensor is None else tensor
+
+
+def _dense(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    return (type(tensor) in (torch.Tensor, nn.Parameter) and tensor.dtype is dtype and tensor.is_cpu
+            and tensor.layout is torch.strided and tensor.is_contiguous())
+
+
+def _hooked(modules: tuple[nn.Module, ...]) -> bool:
+    """Whether a forward hook could see a call of one of ``modules`` (the step calls none of them)."""
+    return compat.global_forward_hooks() or any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+class DecodeLayerMixin(FusedModule):
+    """A decoder layer whose one-token decode step runs its norms, MLP and residuals in one kernel call each side of
+    the attention (:mod:`fusion_linear_kernels.decode_layer`); every other call runs the original forward."""
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        form = self.__dict__.get(FORM_KEY)
+        if (form is not None and not args and not torch.is_grad_enabled() and not self.training
+                and not torch.compiler.is_compiling()):
+            arguments = form.arguments(self, hidden_states)
+            if arguments is not None:
+                return form.run(self, hidden_states, arguments, kwargs)
+        return super().forward(hidden_states, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return "decode step: norms and MLP in one kernel call each side of the attention"
+
+
+def fused_layer_class(original_cls: type[nn.Module]) -> type[nn.Module]:
+    """The switched class of a decoder layer class."""
+    return fused_subclass(DecodeLayerMixin, original_cls)
+
+
+class _Marker:
+    """An argument the verification passes the layer, to see that it reaches the attention as it is."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<argument {self.name}>"
+
+
+class _StandIn(nn.Module):
+    """Stands in for a layer's attention or MLP while its form is verified: returns a fixed function of its input (its
+    features reversed, times a power of two: exact in every dtype), alone or as the attention's pair, and records what
+    it was passed."""
+
+    def __init__(self, scale: float, pair: bool) -> None:
+        super().__init__()
+        self.scale, self.pair = scale, pair
+        self.calls: list[dict[str, Any]] = []
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if not isinstance(hidden, torch.Tensor):
+            raise TypeError("no hidden states reached the stand-in")
+        self.calls.append({**dict(enumerate(args)), **kwargs, "hidden_states": hidden.clone()})
+        out = hidden.flip(-1) * self.scale
+        return (out, None) if self.pair else out
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """The largest difference from the original allowed at verification, relative to the largest element: two
+    steps of the dtype's precision (a last-bit difference of a norm carried through the down GEMV)."""
+    return max(2 * torch.finfo(dtype).eps, 1e-5)
+
+
+def _is_silu(act: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether ``act`` computes ``F.silu``'s bits (what the kernel computes) on inputs across its range."""
+    z = torch.linspace(-12.0, 12.0, 2049).to(dtype)
+    try:
+        with torch.no_grad():
+            return torch.equal(act(z), torch.nn.functional.silu(z))
+    except Exception:  # an activation that cannot run on a vector is not SiLU
+        return False
+
+
+@contextlib.contextmanager
+def _swapped(layer: nn.Module, **children: nn.Module) -> Iterator[None]:
+    """``layer``'s children replaced by ``children`` for the block (restored whatever happens)."""
+    saved = {name: layer._modules[name] for name in children}
+    layer._modules.update(children)
+    try:
+        yield
+    finally:
+        layer._modules.update(saved)
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max()) / (float(a.float().abs().max()) or 1.0)
+
+
+def refusal(layer: nn.Module) -> str | None:
+    """Why ``layer`` (on its loaded weights, in eval mode) does not get the decode step, or None (see the module docs).
+
+    Three checks on a random one-token input, with the forward of the layer's original class:
+
+    - the composition, on no weights: with stand-ins for the attention and the MLP, the forward computes
+      ``r = h + attn(norm1(h)); r + mlp(norm2(r))`` with the layer's own norms, bit for bit, and passes the attention
+      every argument it was given, as it is;
+    - the activation: ``act_fn`` gives ``F.silu``'s bits;
+    - the arithmetic, on the loaded weights: with a stand-in attention, the step's output and its input norm are within
+      two steps of the dtype's precision of the forward's (inputs small beside the MLP's output, which then dominates).
+    """
+    form = LayerForm.of(layer)
+    if isinstance(form, str):
+        return form
+    plan = attached_plan(layer, ModulePlan) if isinstance(layer, DecodeLayerMixin) else None
+    forward = (plan.original_class if plan is not None else type(layer)).forward
+    names = [name for name, p in list(inspect.signature(forward).parameters.items())[2:]  # self, hidden states
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    markers: dict[str, Any] = {name: _Marker(name) for name in [*names, "fusion_probe"]}  # fusion_probe: **kwargs
+    generator = torch.Generator().manual_seed(0)
+    scale = 2.0**-6
+    hidden = (torch.randn(1, 1, form.hidden, generator=generator) * scale).to(form.dtype)
+    norm1, norm2 = layer._modules["input_layernorm"], layer._modules["post_attention_layernorm"]
+    attention, mlp = _StandIn(scale, pair=True), _StandIn(0.5, pair=False)
+    with torch.no_grad(), _swapped(layer, self_attn=attention, mlp=mlp):
+        try:
+            composed = forward(layer, hidden, **markers)
+        except Exception as exc:  # any failure means the form is not this one
+            return f"its forward does not run with the attention's arguments passed through ({exc!r:.120})"
+        residual = hidden + norm1(hidden).flip(-1) * scale
+        reference = residual + norm2(residual).flip(-1) * 0.5
+    if not isinstance(composed, torch.Tensor) or not torch.equal(composed, reference):
+        return "its forward is not h + attn(norm1(h)), then r + mlp(norm2(r)) (other residuals, norms or outputs)"
+    (passed,) = attention.calls
+    passed.pop("hidden_states")
+    if passed.keys() != markers.keys() or any(passed[key] is not markers[key] for key in markers):
+        return "its forward does not pass the attention the arguments it was given, as they are"
+    if not _is_silu(layer._modules["mlp"]._modules["act_fn"], form.dtype):
+        return "its MLP's activation is not SiLU"
+    attention = _StandIn(scale, pair=True)
+    with torch.no_grad(), _swapped(layer, self_attn=attention):
+        expected = forward(layer, hidden, **markers)
+        arguments = form.arguments(layer, hidden)  # the original forward decided each GEMV's kind
+        if arguments is None:
+            return "its MLP's GEMVs run kernels the decode step does not (F.linear, packed weights), or are hooked"
+        got = form.run(layer, hidden, arguments, dict(markers))
+    for name, (a, b) in (("input norm", (attention.calls[0]["hidden_states"], attention.calls[1]["hidden_states"])),
+                         ("output", (expected, got))):
+        difference = _relative(a, b)
+        if difference > _tolerance(form.dtype):
+            return f"the decode step's {name} differs from the forward's by {difference:.3g} of its largest element"
+    return None
+
+
+def candidates(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """The modules of ``model`` shaped like a pre-norm decoder layer (:data:`CHILDREN`), not switched by a family."""
+    for path, module in model.named_modules():
+        if all(name in module._modules for name in CHILDREN) and attached_plan(module, ModulePlan) is None:
+            yield path, module
+
+
+def switch_layers(model: nn.Module, family: str) -> int:
+    """Give each decoder layer of ``model`` whose form verifies (:func:`refusal`, once per form) the decode step:
+    its class switched through a plan of ``family`` (so ``unfuse`` restores it). Returns how many were switched."""
+    verdicts: dict[tuple[Any, ...], str | None] = {}
+    switched = 0
+    for path, layer in candidates(model):
+        form = LayerForm.of(layer)
+        if isinstance(form, str):
+            continue
+        key = (type(layer), form.types, form.dtype, form.hidden, form.intermediate, form.eps, form.merged)
+        if key not in verdicts:
+            verdicts[key] = refusal(layer)
+        if verdicts[key] is not None:
+            continue
+        plan = ModulePlan(family=family, path=path, original_class=type(layer),
+                          fused_class=fused_layer_class(type(layer)), transforms=())
+        fuse_instance(layer, plan)
+        layer.__dict__[FORM_KEY] = form
+        switched += 1
+    return switched

@@ -1,0 +1,215 @@
+"""The decode step of the decoder layers ``linear_kernels`` recognises (``fusion_linear_kernels.decode_layer``): the
+layers it verifies take it at one-token decode steps and give the tokens and logits their own modules give; layers of
+another form keep their class, with the reason; every call the step cannot take as the original would runs the
+original forward; and the switched layers unfuse and pickle.
+
+Every kernel choice is decided by a fake clock on which ``blocked-rows`` measures fastest (or ``row-dot``), so the
+layers' GEMVs run the kernels the step runs. The widths are the smallest the GEMV kernel takes (weights of 1 MiB).
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from fusion_linear_kernels import choice, decode_layer, packing
+from fusion_linear_kernels.decode_layer import FORM_KEY, DecodeLayerMixin, LayerForm, refusal
+from torch import nn
+from transformers import AutoModelForCausalLM, GemmaConfig, GraniteConfig, LlamaConfig, Qwen2Config
+
+import fusion_core
+from fusion_core.testing.decisions import original_fastest
+
+pytestmark = pytest.mark.slow
+
+IDS = torch.tensor([[5, 17, 42, 9]])
+MERGED = {"qkv": True, "gate_up": True, "linear_kernels": True}
+ALONE = {"linear_kernels": True}
+CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "granite": GraniteConfig, "gemma": GemmaConfig}
+
+
+def _model(kind: str, **extra: Any) -> nn.Module:
+    """A bf16 decoder of ``kind`` with two layers, its norms' weights random around 1 as trained ones are."""
+    config = CONFIGS[kind](hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=8,
+                           num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=256, **extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 1:
+                parameter.normal_(0.0 if kind == "gemma" else 1.0, 0.2)
+    return model
+
+
+def _fastest(index: int) -> Callable[[int], list[float]]:
+    """Times on which the way at ``index`` (from the end where negative) measures fastest."""
+    def times(ways: int) -> list[float]:
+        out = [1.0] * ways
+        out[index] = 0.25
+        return out
+    return times
+
+
+@pytest.fixture(params=["blocked-rows", "row-dot"])
+def step_kernels(request: pytest.FixtureRequest, fake_times: Callable[[Any, Any], None]) -> str:
+    """The one-row GEMVs decided for ``blocked-rows`` (the last one-row candidate) or ``row-dot`` (the one before);
+    weights stay dense."""
+    fake_times(choice, _fastest(-1 if request.param == "blocked-rows" else -2))
+    fake_times(packing, original_fastest)
+    return str(request.param)
+
+
+@pytest.fixture
+def steps(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[nn.Module]]:
+    """The layers each decode step ran on, in order."""
+    ran: list[nn.Module] = []
+    run = LayerForm.run
+
+    def counted(self: LayerForm, layer: nn.Module, *args: Any) -> torch.Tensor:
+        ran.append(layer)
+        return run(self, layer, *args)
+
+    monkeypatch.setattr(LayerForm, "run", counted)
+    yield ran
+
+
+def _generate(model: nn.Module, tokens: int = 6) -> Any:
+    with torch.no_grad():
+        return model.generate(IDS, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True)
+
+
+def _modules_only(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose layers run their modules (the step's form dropped)."""
+    copied = copy.deepcopy(model)
+    for module in copied.modules():
+        module.__dict__.pop(FORM_KEY, None)
+    return copied
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    bound = 2 * torch.finfo(expected.dtype).eps * float(expected.float().abs().max())
+    return float((got.float() - expected.float()).abs().max()) <= bound
+
+
+@pytest.mark.usefixtures("step_kernels")
+@pytest.mark.parametrize(("kind", "families"), [("llama", MERGED), ("llama", ALONE), ("qwen2", MERGED)],
+                         ids=["llama-merged", "llama-alone", "qwen2-merged"])
+def test_recognised_layers_decode_as_their_modules_do(kind: str, families: dict[str, bool],
+                                                      steps: list[nn.Module]) -> None:
+    fused = fusion_core.fuse(_model(kind), families)
+    steps.clear()  # the verification's
+    layers = list(fused.model.layers)
+    assert all(isinstance(layer, DecodeLayerMixin) and FORM_KEY in layer.__dict__ for layer in layers)
+    assert "decode step" in repr(layers[0])
+    reference = _generate(_modules_only(fused))
+    assert not steps
+    out = _generate(fused)
+    assert steps == layers * 5  # six new tokens: the prefill, then five one-token steps through both layers
+    assert torch.equal(out.sequences, reference.sequences)
+    assert all(_close(got, expected) for got, expected in zip(out.logits, reference.logits, strict=True))
+
+
+@pytest.mark.usefixtures("step_kernels")
+@pytest.mark.parametrize(("kind", "extra", "reason"), [
+    ("granite", {"residual_multiplier": 0.5}, "its forward is not h + attn(norm1(h))"),
+    ("llama", {"hidden_act": "gelu"}, "activation is not SiLU"),
+    ("gemma", {}, "activation is not SiLU"),
+], ids=["residual-multiplier", "gelu", "gemma"])
+def test_layers_of_another_form_keep_their_class(kind: str, extra: dict[str, Any], reason: str) -> None:
+    plain = _model(kind, **extra)
+    fused = fusion_core.fuse(copy.deepcopy(plain), MERGED)
+    layer = fused.model.layers[0]
+    assert type(layer) is type(plain.model.layers[0])
+    found = refusal(layer)
+    assert found is not None and reason in found
+
+
+class _DropsPositions(nn.Module):
+    """A decoder layer's forward that does not pass the attention its position ids (built by class switch)."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, position_ids: Any = None,
+                **kwargs: Any) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
+                                          attention_mask=attention_mask, **kwargs)
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+@pytest.mark.usefixtures("step_kernels")
+def test_a_layer_that_changes_the_attentions_arguments_keeps_its_class() -> None:
+    model = _model("llama")
+    for layer in model.model.layers:
+        layer.__class__ = type("EditedLayer", (_DropsPositions, type(layer)), {})
+    fused = fusion_core.fuse(model, MERGED)
+    assert not any(isinstance(layer, DecodeLayerMixin) for layer in fused.model.layers)
+    assert "does not pass the attention the arguments" in str(refusal(fused.model.layers[0]))
+
+
+@pytest.mark.usefixtures("step_kernels")
+def test_calls_the_step_cannot_take_as_the_original_would_run_the_original(steps: list[nn.Module]) -> None:
+    fused = fusion_core.fuse(_model("llama"), MERGED)
+    steps.clear()  # the verification's
+    reference = _modules_only(fused)
+    token = IDS[:, :1]
+    with torch.no_grad():
+        got, expected = fused(token).logits, reference(token).logits
+    assert _close(got, expected) and len(steps) == 2
+    steps.clear()
+    assert _close(fused(token).logits.detach(), reference(token).logits.detach())  # grad mode on
+    fused.train()
+    with torch.no_grad():
+        fused(token)
+    fused.eval()
+    seen: list[nn.Module] = []
+    handle = fused.model.layers[0].mlp.register_forward_hook(lambda module, args, out: seen.append(module))
+    with torch.no_grad():
+        fused(token)
+    handle.remove()
+    assert seen == [fused.model.layers[0].mlp] and steps == [fused.model.layers[1]]
+    steps.clear()
+    with torch.no_grad():
+        fused(IDS)  # four tokens: a prefill
+    assert not steps
+
+
+@pytest.mark.usefixtures("step_kernels")
+def test_an_adapter_on_the_mlp_turns_the_step_off(steps: list[nn.Module]) -> None:
+    peft = pytest.importorskip("peft")
+    fused = fusion_core.fuse(_model("llama"), MERGED)
+    steps.clear()  # the verification's
+    torch.manual_seed(0)
+    adapted = peft.get_peft_model(fused, peft.LoraConfig(r=4, target_modules=["down_proj"], init_lora_weights=False))
+    with torch.no_grad():
+        adapted(input_ids=IDS[:, :1])
+    assert not steps
+
+
+@pytest.mark.usefixtures("step_kernels")
+def test_exact_mode_switches_no_layer() -> None:
+    fused = fusion_core.fuse(_model("llama"), {"qkv": True, "gate_up": True, "linear_kernels": {"exact": True}})
+    assert not any(isinstance(layer, DecodeLayerMixin) for layer in fused.model.layers)
+
+
+@pytest.mark.usefixtures("step_kernels")
+def test_switched_layers_unfuse_and_pickle(steps: list[nn.Module]) -> None:
+    plain = _model("llama")
+    fused = fusion_core.fuse(copy.deepcopy(plain), MERGED)
+    steps.clear()  # the verification's
+    original = type(plain.model.layers[0])
+    loaded = pickle.loads(pickle.dumps(fused))
+    assert all(isinstance(layer, DecodeLayerMixin) for layer in loaded.model.layers)
+    assert torch.equal(_generate(loaded).sequences, _generate(fused).sequences)
+    assert len(steps) == 2 * 2 * 5
+    fusion_core.unfuse(fused)
+    assert all(type(layer) is original and FORM_KEY not in layer.__dict__ for layer in fused.model.layers)
+    assert fused.state_dict().keys() == plain.state_dict().keys()
+
+
+def test_the_kernel_is_not_built_for_dtypes_the_gemv_does_not_take() -> None:
+    assert decode_layer.kernel(torch.float64) is None
