@@ -431,6 +431,17 @@ def main(argv: list[str] | None = None) -> None:
         packed.rows.append([str(kind_dtype)[6:], "x".join(map(str, shape)), str(exact),
                             "prepacked" if is_packed else "dense", why])
     log(packed.text())
+    from fusion_linear_kernels.decode_layer import DecodeLayerMixin, candidates, refusal
+
+    steps = Table("linear_kernels decode step (decoder layers: norms and MLP in one kernel call each side of the "
+                  "attention)", ["contender", "layers with the step", "why not (the first other layer)"])
+    for name, model in models.items():
+        if "linear_kernels" in name:
+            switched = sum(isinstance(module, DecodeLayerMixin) for module in model.modules())
+            others = [layer for _, layer in candidates(model)]
+            steps.rows.append([name, f"{switched} of {switched + len(others)}",
+                               (refusal(others[0]) or "-") if others else "-"])
+    log(steps.text())
     from fusion_linear_kernels.experts import decisions as experts_decisions
 
     if experts_decisions():

@@ -49,6 +49,11 @@ when it initialises), where the file :func:`library_of` gave is stored for the m
 no operator of torch's, so the profiler sees them only where they label themselves, which they do while
 :func:`profiling` (torch's own flag, ``torch.autograd.profiler._is_profiler_enabled``) is set.
 
+A decoder layer's decode step (:mod:`fusion_linear_kernels.decode_layer`) computes its norms and MLP without calling
+those modules, so it must see whether a forward hook would have seen those calls: :func:`forward_hooks` reads each
+module's ``_forward_hooks`` and ``_forward_pre_hooks`` and the global ones in ``torch.nn.modules.module`` (where
+``register_forward_hook`` and ``register_module_forward_hook`` keep them; torch has no public way to ask).
+
 One private method of ``nn.Module`` is overridden, not called from here: the fused class's
 ``_apply`` (what ``.to()``, ``.half()``, ``.cuda()`` call on every module; unchanged since torch 1.0)
 unpacks the weight before ``nn.Module._apply`` runs and packs it again only where it still may be
@@ -62,12 +67,13 @@ import functools
 import importlib.util
 import os
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.autograd.profiler
+from torch import nn
 from torch.nn.modules import module as torch_module
 
 
@@ -184,12 +190,15 @@ def profiling() -> bool:
     return bool(torch.autograd.profiler._is_profiler_enabled)
 
 
-def global_forward_hooks() -> bool:
-    """Whether a forward hook is registered for every module (``nn.modules.module.register_module_forward_hook`` and
-    ``..._pre_hook`` keep them in ``_global_forward_hooks`` and ``_global_forward_pre_hooks``): a call that skips
-    modules' own calls must not skip them. Read at every decode step of a layer
-    (:mod:`fusion_linear_kernels.decode_layer`)."""
-    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
+def forward_hooks(modules: Iterable[nn.Module]) -> bool:
+    """Whether a forward hook could see a call of one of ``modules``: one of their own (``_forward_hooks``,
+    ``_forward_pre_hooks``) or one registered for every module (``register_module_forward_hook`` and its pre-hook
+    keep them in ``nn.modules.module._global_forward_hooks`` and ``_global_forward_pre_hooks``). A decode step that
+    runs these modules' computation without calling them (:mod:`fusion_linear_kernels.decode_layer`) reads this at
+    every call, and gives way where it is true."""
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 def cpp_kernel(argtypes: list[str], source: str) -> Callable[..., None]:

@@ -222,6 +222,8 @@ class LayerForm:
         shapes = [(hidden,), (hidden,), (rows, hidden), (rows, hidden), (hidden, intermediate)]
         if [tuple(w.shape) for w in weights] != shapes:  # type: ignore[union-attr]
             return "its norm and projection weights are not of one hidden and one intermediate width"
+        if not all(row_dot.gemv_weight(w) for w in weights[2:]):  # type: ignore[arg-type]
+            return f"its MLP's weights are not ones the GEMV kernel reads (dense {row_dot.MIN_BYTES} bytes or more)"
         if kernel(dtype) is None:
             return f"no decode layer kernel for {dtype} here"
         return cls(hidden, intermediate, eps, dtype, gate is up, tuple(type(m) for m in parts))
@@ -233,7 +235,7 @@ class LayerForm:
                 and hidden.is_cpu and hidden.is_contiguous()):
             return None
         parts = self.parts(layer)
-        if parts is None or tuple(type(m) for m in parts) != self.types or _hooked(parts):
+        if parts is None or tuple(type(m) for m in parts) != self.types or compat.forward_hooks(parts):
             return None
         norm1, norm2, _, gate, up, down, _ = parts
         gate_weight, down_weight = gate._parameters["weight"], down._parameters["weight"]
@@ -299,11 +301,6 @@ def _or(tensor: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
 def _dense(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
     return (type(tensor) in (torch.Tensor, nn.Parameter) and tensor.dtype is dtype and tensor.is_cpu
             and tensor.layout is torch.strided and tensor.is_contiguous())
-
-
-def _hooked(modules: tuple[nn.Module, ...]) -> bool:
-    """Whether a forward hook could see a call of one of ``modules`` (the step calls none of them)."""
-    return compat.global_forward_hooks() or any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 class DecodeLayerMixin(FusedModule):

@@ -39,7 +39,7 @@ def _model(kind: str, **extra: Any) -> nn.Module:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
     with torch.no_grad():
-        for name, parameter in model.named_parameters():
+        for parameter in model.parameters():
             if parameter.dim() == 1:
                 parameter.normal_(0.0 if kind == "gemma" else 1.0, 0.2)
     return model
