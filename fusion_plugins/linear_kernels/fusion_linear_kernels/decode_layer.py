@@ -1,11 +1,12 @@
-"""A decoder layer's one-token decode step with its norms, MLP and residuals in one kernel call each side of the
-attention.
+"""A decoder layer's decode step (one to eight rows) with its norms, MLP and residuals in one kernel call each side of
+the attention.
 
 Eager decode pays for every operator and module call between the GEMVs in Python and torch's dispatch, once per layer
 per token: transformers' pre-norm layer runs an RMSNorm (six operators), the attention, a residual add, a second
 RMSNorm, the MLP (two or three projections, the activation, a product) and a second residual add. On a 2-core Xeon VM
 (AMX-BF16, transformers 5.25.0, bf16) that was about 0.5 ms a layer around the kernels, a third of Qwen2-0.5B's step
-with every family on. Here a layer ``linear_kernels`` recognises runs, at a one-token decode step:
+with every family on. Here a layer ``linear_kernels`` recognises runs, at a step of one to eight rows (a token of one
+to eight sequences, a short prompt, the draft tokens assisted generation checks):
 
 1. one call of a C++ kernel for the input RMSNorm;
 2. the layer's own attention module, called as the original forward calls it (its projections, RoPE, the KV cache
@@ -15,7 +16,8 @@ with every family on. Here a layer ``linear_kernels`` recognises runs, at a one-
 
 The GEMVs are the ones :mod:`fusion_linear_kernels.row_dot` builds (the same C++ templates, compiled into this
 kernel), run with the block each projection's kind decided (:func:`~fusion_linear_kernels.choice.decided`:
-``row-dot`` or ``blocked-rows``), so they give the bits the layer's own modules give. The norms, the activation and
+``row-dot``, ``blocked-rows``, ``few-rows`` or ``few-rows-blocked``), so they give the bits the layer's own modules
+give. The norms, the activation and
 the residuals round to the model's dtype where transformers' operators do (a float32 mean of squares, the normalised
 input rounded, times the weight; ``silu(gate)`` rounded, times ``up``); the mean sums in another order than torch's,
 so a result may differ in its last bit: within the bound (:mod:`fusion_linear_kernels.tolerance`), and never in exact
@@ -30,7 +32,7 @@ with a stand-in attention that records what it is passed: the original forward a
 same output within the bound, and pass the attention the same arguments. A layer that does not (Gemma's ``1 + w``
 norms, Granite's residual multipliers, a GELU MLP, extra norms around the blocks) keeps its class.
 
-**When it runs.** Only for a one-token decode step that the original would run the same way: grad mode off, not
+**When it runs.** Only for a step of one to eight rows that the original would run the same way: grad mode off, not
 traced, not training, a contiguous CPU input of the weights' dtype, no positional arguments but the hidden states, no
 forward hooks on the layer's norms and MLP (nor global ones), the verified module types in place (a LoRA adapter or a
 quantizer's layer there, a packed weight, turns it off) and a kind decided for each GEMV. Any other call runs the
@@ -56,7 +58,7 @@ from fusion_core.plugin import attached_plan, fuse_instance, fused_subclass, mer
 from fusion_linear_kernels import compat, row_dot
 from fusion_linear_kernels.built_kernels import BuiltKernels
 from fusion_linear_kernels.choice import decided, generation
-from fusion_linear_kernels.kernels import BLOCKED_ROWS, ROW_DOT
+from fusion_linear_kernels.kernels import BLOCKED_ROWS, FEW_ROWS, FEW_ROWS_BLOCKED, ROW_DOT
 from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
 
 FORM_KEY = "_fusion_decode_form"
@@ -65,9 +67,10 @@ FORM_KEY = "_fusion_decode_form"
 CHILDREN = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 """The children a layer must have to be considered (the pre-filter; the form is verified on the weights)."""
 
-_MLP, _GATE_UP_BIAS, _DOWN_BIAS, _GATE_UP_BLOCKED, _DOWN_BLOCKED, _GATE_UP_MERGED = 1, 2, 4, 8, 16, 32
-_BLOCKS = {ROW_DOT: 0, BLOCKED_ROWS: 1}
-"""The GEMV candidates the kernel runs, and whether each reads eight weight rows side by side."""
+_MLP, _GATE_UP_BIAS, _DOWN_BIAS, _GATE_UP_MERGED = 1, 2, 4, 8
+_BLOCKS = {ROW_DOT: 1, BLOCKED_ROWS: 8, FEW_ROWS: 1, FEW_ROWS_BLOCKED: 4}
+"""The GEMV candidates the kernel runs, and the weight rows each reads side by side (see
+:mod:`fusion_linear_kernels.blocked_rows`)."""
 
 _SOURCE = r"""
 static inline T rounded(float v) { return static_cast<T>(v); }
@@ -82,11 +85,17 @@ static void rms_norm(const T* h, const T* weight, T* out, float eps, int64_t n) 
     for (int64_t i = 0; i < n; ++i) out[i] = rounded(wide(weight[i]) * wide(rounded(wide(h[i]) * scale)));
 }
 
-static void rows_gemv(const T* w, const T* x, const T* bias, T* out, int64_t n, int64_t k, bool blocked) {
-    if (blocked) gemv<8, 1>(w, x, bias, out, n, k); else gemv<1, 1>(w, x, bias, out, n, k);
+// out[i, r] = w[r] . x[i] (+ bias[r]) for each of the inputs' rows, block weight rows side by side: the GEMV's
+// instances (row_dot.BUILT).
+static void rows_gemv(const T* w, const T* x, const T* bias, T* out, int64_t n, int64_t k, int64_t inputs,
+                      int64_t block) {
+    switch (inputs * 100 + block) {
+        @CASES@
+    }
 }
 
-// silu(gate) rounded to T, times up, rounded to T: torch's SiLU (x / (1 + exp(-x)) in float32 vectors) and product.
+// silu(gate) rounded to T, times up (n elements further), rounded to T: torch's SiLU (x / (1 + exp(-x)) in float32
+// vectors) and product.
 static void silu_product(T* g, int64_t n) {
     using V = at::vec::Vectorized<float>;
     constexpr int64_t lanes = V::size();
@@ -103,17 +112,22 @@ static void silu_product(T* g, int64_t n) {
 
 extern "C" void kernel(const T* h, const T* attention, const T* norm, const T* gate, const T* up, const T* down,
                        const T* gate_bias, const T* up_bias, const T* down_bias, T* x, T* g, T* out,
-                       const float eps, const int64_t hidden, const int64_t intermediate, const int64_t flags) {
-    if (!(flags & @MLP@)) { rms_norm(h, norm, out, eps, hidden); return; }
-    for (int64_t i = 0; i < hidden; ++i) out[i] = rounded(wide(h[i]) + wide(attention[i]));
-    rms_norm(out, norm, x, eps, hidden);
+                       const float eps, const int64_t hidden, const int64_t intermediate, const int64_t rows,
+                       const int64_t flags, const int64_t gate_up_block, const int64_t down_block) {
+    if (!(flags & @MLP@)) {
+        for (int64_t r = 0; r < rows; ++r) rms_norm(h + r * hidden, norm, out + r * hidden, eps, hidden);
+        return;
+    }
+    for (int64_t i = 0; i < rows * hidden; ++i) out[i] = rounded(wide(h[i]) + wide(attention[i]));
+    for (int64_t r = 0; r < rows; ++r) rms_norm(out + r * hidden, norm, x + r * hidden, eps, hidden);
     if (flags & @GATE_UP_MERGED@) { up = gate + intermediate * hidden; up_bias = gate_bias + intermediate; }
-    const bool biased = flags & @GATE_UP_BIAS@, blocked = flags & @GATE_UP_BLOCKED@;
-    rows_gemv(gate, x, biased ? gate_bias : nullptr, g, intermediate, hidden, blocked);
-    rows_gemv(up, x, biased ? up_bias : nullptr, g + intermediate, intermediate, hidden, blocked);
-    silu_product(g, intermediate);
-    rows_gemv(down, g, flags & @DOWN_BIAS@ ? down_bias : nullptr, x, hidden, intermediate, flags & @DOWN_BLOCKED@);
-    for (int64_t i = 0; i < hidden; ++i) out[i] = rounded(wide(out[i]) + wide(x[i]));
+    const bool biased = flags & @GATE_UP_BIAS@;
+    T* ups = g + rows * intermediate;
+    rows_gemv(gate, x, biased ? gate_bias : nullptr, g, intermediate, hidden, rows, gate_up_block);
+    rows_gemv(up, x, biased ? up_bias : nullptr, ups, intermediate, hidden, rows, gate_up_block);
+    silu_product(g, rows * intermediate);
+    rows_gemv(down, g, flags & @DOWN_BIAS@ ? down_bias : nullptr, x, hidden, intermediate, rows, down_block);
+    for (int64_t i = 0; i < rows * hidden; ++i) out[i] = rounded(wide(out[i]) + wide(x[i]));
 }
 """
 
@@ -121,9 +135,10 @@ extern "C" void kernel(const T* h, const T* attention, const T* norm, const T* g
 def source(dtype: torch.dtype) -> str:
     """The C++ of the layer kernel for a model of ``dtype``: the GEMV's templates (:func:`row_dot.templates`), then
     the norms, the activation and the entry point."""
+    cases = "\n        ".join(f"case {inputs * 100 + block}: gemv<{block}, {inputs}>(w, x, bias, out, n, k); break;"
+                                for inputs, block in row_dot.BUILT)
     flags = {"@MLP@": _MLP, "@GATE_UP_BIAS@": _GATE_UP_BIAS, "@DOWN_BIAS@": _DOWN_BIAS,
-             "@GATE_UP_BLOCKED@": _GATE_UP_BLOCKED, "@DOWN_BLOCKED@": _DOWN_BLOCKED,
-             "@GATE_UP_MERGED@": _GATE_UP_MERGED}
+             "@GATE_UP_MERGED@": _GATE_UP_MERGED, "@CASES@": cases}
     code = _SOURCE
     for name, value in flags.items():
         code = code.replace(name, str(value))
@@ -133,7 +148,7 @@ def source(dtype: torch.dtype) -> str:
 def _build(dtype: torch.dtype) -> Any:
     pointer = f"const {row_dot.C_TYPES[dtype]}*"
     out = f"{row_dot.C_TYPES[dtype]}*"
-    argtypes = [pointer] * 9 + [out] * 3 + ["const float"] + ["const int64_t"] * 3
+    argtypes = [pointer] * 9 + [out] * 3 + ["const float"] + ["const int64_t"] * 6
     return row_dot.built_kernel(f"decode layer {dtype}", argtypes, source(dtype))
 
 
@@ -172,7 +187,7 @@ class LayerForm:
                  types: tuple[type, ...]) -> None:
         self.hidden, self.intermediate, self.eps, self.dtype = hidden, intermediate, eps, dtype
         self.merged, self.types = merged, types
-        self._blocks: tuple[int, int] | None = None  # (decisions' generation, flags)
+        self._blocks: dict[int, tuple[int, tuple[int, int]]] = {}  # rows -> (decisions' generation, blocks)
 
     def __getstate__(self) -> tuple[Any, ...]:  # the blocks follow this process's decisions: worked out again
         return self.hidden, self.intermediate, self.eps, self.dtype, self.merged, self.types
@@ -231,8 +246,9 @@ class LayerForm:
     def arguments(self, layer: nn.Module, hidden: torch.Tensor) -> tuple[Any, ...] | None:
         """The tensors and flags of the kernel's calls for ``hidden`` on ``layer`` as it is now, or None where the
         step does not apply (see the module docs), or a kind is not decided yet."""
-        if not (type(hidden) is torch.Tensor and hidden.dtype is self.dtype and hidden.numel() == self.hidden
-                and hidden.is_cpu and hidden.is_contiguous()):
+        rows = hidden.numel() // self.hidden
+        if not (type(hidden) is torch.Tensor and hidden.dtype is self.dtype and hidden.shape[-1] == self.hidden
+                and 0 < rows <= row_dot.MAX_INPUTS and hidden.is_cpu and hidden.is_contiguous()):
             return None
         parts = self.parts(layer)
         if parts is None or tuple(type(m) for m in parts) != self.types or compat.forward_hooks(parts):
@@ -249,48 +265,50 @@ class LayerForm:
             return None
         if (gate_bias is None) != (up_bias is None):
             return None
-        flags = self._flags(hidden, gate_weight, gate_bias, down_weight, down_bias)
-        if flags is None:
+        blocks = self._decided_blocks(rows, hidden, gate_weight, gate_bias, down_weight, down_bias)
+        if blocks is None:
             return None
-        flags |= (_GATE_UP_BIAS if gate_bias is not None else 0) | (_DOWN_BIAS if down_bias is not None else 0)
-        flags |= _GATE_UP_MERGED if self.merged else 0
-        return tensors, biases, flags
+        flags = (_MLP | (_GATE_UP_BIAS if gate_bias is not None else 0) | (_DOWN_BIAS if down_bias is not None else 0)
+                 | (_GATE_UP_MERGED if self.merged else 0))
+        return tensors, biases, rows, flags, blocks
 
-    def _flags(self, hidden: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None, down: torch.Tensor,
-               down_bias: torch.Tensor | None) -> int | None:
-        """The blocks decided for the gate/up and down GEMVs as flags (kept for the decisions' generation), or None
-        where a kind is undecided or decided for a kernel this one does not run."""
+    def _decided_blocks(self, rows: int, hidden: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None,
+                        down: torch.Tensor, down_bias: torch.Tensor | None) -> tuple[int, int] | None:
+        """The weight rows read side by side that the gate/up and the down GEMVs' kinds decided at ``rows`` input
+        rows (kept for the decisions' generation), or None where a kind is undecided or decided for a kernel this
+        one does not run."""
         current = generation()
-        if self._blocks is not None and self._blocks[0] == current:
-            return self._blocks[1]
-        row = hidden.reshape(1, self.hidden)
-        gate_up = decided(row, gate, gate_bias)
-        down_kind = decided(hidden.new_empty(1, self.intermediate), down, down_bias)
+        kept = self._blocks.get(rows)
+        if kept is not None and kept[0] == current:
+            return kept[1]
+        gate_up = decided(hidden.reshape(rows, self.hidden), gate, gate_bias)
+        down_kind = decided(hidden.new_empty(rows, self.intermediate), down, down_bias)
         if gate_up not in _BLOCKS or down_kind not in _BLOCKS:
             return None
-        flags = _MLP | (_GATE_UP_BLOCKED if _BLOCKS[gate_up] else 0) | (_DOWN_BLOCKED if _BLOCKS[down_kind] else 0)
-        self._blocks = (current, flags)
-        return flags
+        blocks = (_BLOCKS[gate_up], _BLOCKS[down_kind])
+        self._blocks[rows] = (current, blocks)
+        return blocks
 
     def run(self, layer: nn.Module, hidden: torch.Tensor, arguments: tuple[Any, ...],
             kwargs: dict[str, Any]) -> torch.Tensor:
         """The layer's output: the input norm, the layer's attention called as the original calls it, the rest."""
-        (norm1, norm2, gate, up, down), (gate_bias, up_bias, down_bias), flags = arguments
+        (norm1, norm2, gate, up, down), (gate_bias, up_bias, down_bias), rows, flags, blocks = arguments
         compiled = _KERNELS.get(self.dtype)
         normed = torch.empty_like(hidden)
         compiled(hidden, hidden, norm1, gate, up, down, gate, up, down, normed, normed, normed, self.eps,
-                 self.hidden, self.intermediate, 0)
+                 self.hidden, self.intermediate, rows, 0, *blocks)
         attention = layer._modules["self_attn"](hidden_states=normed, **kwargs)[0]
         if not (type(attention) is torch.Tensor and attention.dtype is self.dtype
-                and attention.numel() == self.hidden):  # not what verification saw: the verified form's tail
+                and attention.shape == hidden.shape):  # not what verification saw: the verified form's tail
             residual = hidden + attention
             mlp, norm = layer._modules["mlp"], layer._modules["post_attention_layernorm"]
             return residual + mlp(norm(residual))
         attention = attention.contiguous()
-        gated = hidden.new_empty(2 * self.intermediate)
+        gated = hidden.new_empty(2 * rows * self.intermediate)
         scratch, out = torch.empty_like(hidden), torch.empty_like(hidden)  # the attention may hold its input
         compiled(hidden, attention, norm2, gate, up, down, _or(gate_bias, gate), _or(up_bias, up),
-                 _or(down_bias, down), scratch, gated, out, self.eps, self.hidden, self.intermediate, flags)
+                 _or(down_bias, down), scratch, gated, out, self.eps, self.hidden, self.intermediate, rows, flags,
+                 *blocks)
         return out
 
 
@@ -304,8 +322,8 @@ def _dense(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 class DecodeLayerMixin(FusedModule):
-    """A decoder layer whose one-token decode step runs its norms, MLP and residuals in one kernel call each side of
-    the attention (:mod:`fusion_linear_kernels.decode_layer`); every other call runs the original forward."""
+    """A decoder layer whose decode steps (one to eight rows) run its norms, MLP and residuals in one kernel call each
+    side of the attention (:mod:`fusion_linear_kernels.decode_layer`); every other call runs the original forward."""
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         form = self.__dict__.get(FORM_KEY)

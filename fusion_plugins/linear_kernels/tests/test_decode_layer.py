@@ -1,7 +1,7 @@
 """The decode step of the decoder layers ``linear_kernels`` recognises (``fusion_linear_kernels.decode_layer``): the
-layers it verifies take it at one-token decode steps and give the tokens and logits their own modules give; layers of
-another form keep their class, with the reason; every call the step cannot take as the original would runs the
-original forward; and the switched layers unfuse and pickle.
+layers it verifies take it at steps of one to eight rows and give the tokens and logits their own modules give;
+layers of another form keep their class, with the reason; every call the step cannot take as the original would
+runs the original forward; and the switched layers unfuse and pickle.
 
 Every kernel choice is decided by a fake clock on which ``blocked-rows`` measures fastest (or ``row-dot``), so the
 layers' GEMVs run the kernels the step runs. The widths are the smallest the GEMV kernel takes (weights of 1 MiB).
@@ -109,7 +109,22 @@ def test_recognised_layers_decode_as_their_modules_do(kind: str, families: dict[
     reference = _generate(_modules_only(fused))
     assert not steps
     out = _generate(fused)
-    assert steps == layers * 5  # six new tokens: the prefill, then five one-token steps through both layers
+    assert steps == layers * 6  # six new tokens: the four-token prefill, then five one-token steps
+    assert torch.equal(out.sequences, reference.sequences)
+    assert all(_close(got, expected) for got, expected in zip(out.logits, reference.logits, strict=True))
+
+
+@pytest.mark.usefixtures("step_kernels")
+def test_a_batch_of_sequences_decodes_as_the_modules_do(steps: list[nn.Module]) -> None:
+    fused = fusion_core.fuse(_model("qwen2"), MERGED)
+    steps.clear()  # the verification's
+    batch = torch.cat([IDS, IDS.flip(-1), IDS + 1])
+    with torch.no_grad():  # the modules first: they decide the kernels of each kind of call
+        reference = _modules_only(fused).generate(batch, max_new_tokens=4, do_sample=False, output_logits=True,
+                                                  return_dict_in_generate=True)
+        out = fused.generate(batch, max_new_tokens=4, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    assert len(steps) == 2 * 3  # three one-token steps of three rows (the twelve-row prefill runs the modules)
     assert torch.equal(out.sequences, reference.sequences)
     assert all(_close(got, expected) for got, expected in zip(out.logits, reference.logits, strict=True))
 
@@ -174,7 +189,7 @@ def test_calls_the_step_cannot_take_as_the_original_would_run_the_original(steps
     assert seen == [fused.model.layers[0].mlp] and steps == [fused.model.layers[1]]
     steps.clear()
     with torch.no_grad():
-        fused(IDS)  # four tokens: a prefill
+        fused(torch.arange(9)[None])  # more rows than the kernel takes
     assert not steps
 
 
@@ -204,8 +219,10 @@ def test_switched_layers_unfuse_and_pickle(steps: list[nn.Module]) -> None:
     original = type(plain.model.layers[0])
     loaded = pickle.loads(pickle.dumps(fused))
     assert all(isinstance(layer, DecodeLayerMixin) for layer in loaded.model.layers)
-    assert torch.equal(_generate(loaded).sequences, _generate(fused).sequences)
-    assert len(steps) == 2 * 2 * 5
+    expected = _generate(fused).sequences  # the first call of each kind runs the modules, which decide it
+    steps.clear()
+    assert torch.equal(_generate(loaded).sequences, expected)
+    assert len(steps) == 2 * 6
     fusion_core.unfuse(fused)
     assert all(type(layer) is original and FORM_KEY not in layer.__dict__ for layer in fused.model.layers)
     assert fused.state_dict().keys() == plain.state_dict().keys()
