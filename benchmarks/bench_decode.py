@@ -8,7 +8,9 @@ uses the fastest). Contenders, loaded from one checkpoint and run in
 interleaved rounds whose order rotates (see :mod:`bench_common`):
 
 - ``plain`` and ``plain (2nd load)`` (the A/A control: the same operators, so its ratio shows the noise);
-- ``qkv+gate_up`` (the merged projections), ``linear_kernels`` alone, and ``qkv+gate_up+linear_kernels``.
+- ``qkv+gate_up`` (the merged projections), ``linear_kernels`` alone, and ``qkv+gate_up+linear_kernels``;
+- any of these followed by `` (no decode step)``: its decoder layers run their modules, not ``linear_kernels``'
+  decode step (``fusion_linear_kernels.decode_layer``), so the step's gain is measured side by side.
 
 Each round runs a greedy ``generate`` (``--prompt`` tokens, then ``--new-tokens``; decode ms/token is
 first to last new token) and a ``--prefill``-token forward (logits of the last position). Speed is the
@@ -77,6 +79,9 @@ CONTENDERS: dict[str, str | None] = {
     "qkv+gate_up+linear_kernels": "qkv+gate_up+linear_kernels",
     "plain (2nd load)": None,
 }
+NO_DECODE_STEP = " (no decode step)"
+"""A contender name ending so is that contender with its decoder layers' decode step dropped (each layer runs its
+modules, as before ``fusion_linear_kernels.decode_layer``): what the step buys, side by side."""
 
 
 def config_of(model: str, layers: int | None) -> Any:
@@ -219,6 +224,15 @@ def load_contender(path: Any, families: str | None, dtype: torch.dtype, quantize
     return model.eval()
 
 
+def without_decode_step(model: nn.Module) -> nn.Module:
+    """``model`` with every decoder layer's decode step dropped (see :data:`NO_DECODE_STEP`)."""
+    from fusion_linear_kernels.decode_layer import FORM_KEY
+
+    for module in model.modules():
+        module.__dict__.pop(FORM_KEY, None)
+    return model
+
+
 def own_memory(model: nn.Module) -> nn.Module:
     """Copy every parameter out of the checkpoint's memory map into the process's own memory.
 
@@ -306,7 +320,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="model.forward = torch.compile(model.forward) for every contender (Inductor)")
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, from: "
-                        + ", ".join(CONTENDERS))
+                        + ", ".join(CONTENDERS) + f" (any with{NO_DECODE_STEP!r} after it: its decoder layers "
+                        "without linear_kernels' decode step)")
     parser.add_argument("--processes", type=int, default=None, metavar="N",
                         help="run the whole measurement in N fresh processes, one after another, and report each "
                         "contender's median process next to its worst (a load's decisions hold for its process)")
@@ -338,7 +353,11 @@ def main(argv: list[str] | None = None) -> None:
                             f"decode-{config.model_type if args.config else args.model}-{args.layers or 'all'}", log)
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
     # A name that is no contender above is a "+"-joined list of families (moe_experts, moe_experts+linear_kernels).
-    models = {name: load_contender(path, CONTENDERS.get(name, name), dtype, args.quantize) for name in names}
+    models = {name: load_contender(path, CONTENDERS.get(name.removesuffix(NO_DECODE_STEP),
+                                                        name.removesuffix(NO_DECODE_STEP)), dtype, args.quantize)
+              for name in names}
+    models = {name: without_decode_step(model) if name.endswith(NO_DECODE_STEP) else model
+              for name, model in models.items()}
     if not args.as_loaded:
         models = {name: own_memory(model) for name, model in models.items()}
     if args.frozen:
@@ -431,15 +450,16 @@ def main(argv: list[str] | None = None) -> None:
         packed.rows.append([str(kind_dtype)[6:], "x".join(map(str, shape)), str(exact),
                             "prepacked" if is_packed else "dense", why])
     log(packed.text())
-    from fusion_linear_kernels.decode_layer import DecodeLayerMixin, candidates, refusal
+    from fusion_linear_kernels.decode_layer import FORM_KEY, DecodeLayerMixin, candidates, refusal
 
     steps = Table("linear_kernels decode step (decoder layers: norms and MLP in one kernel call each side of the "
                   "attention)", ["contender", "layers with the step", "why not (the first other layer)"])
     for name, model in models.items():
         if "linear_kernels" in name:
-            switched = sum(isinstance(module, DecodeLayerMixin) for module in model.modules())
+            switched = [module for module in model.modules() if isinstance(module, DecodeLayerMixin)]
             others = [layer for _, layer in candidates(model)]
-            steps.rows.append([name, f"{switched} of {switched + len(others)}",
+            taking = sum(FORM_KEY in layer.__dict__ for layer in switched)
+            steps.rows.append([name, f"{taking} of {len(switched) + len(others)}",
                                (refusal(others[0]) or "-") if others else "-"])
     log(steps.text())
     from fusion_linear_kernels.experts import decisions as experts_decisions
