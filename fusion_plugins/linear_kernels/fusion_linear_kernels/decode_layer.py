@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -66,8 +66,11 @@ FORM_KEY = "_fusion_decode_form"
 
 CHILDREN = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 """The children a layer must have to be considered (the pre-filter; the form is verified on the weights)."""
+SANDWICH = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+"""The two more norms of the sandwich form (Gemma 2 and 3): the MLP's input norm and its output's; the attention's
+output then goes through ``post_attention_layernorm`` before the residual."""
 
-_MLP, _GATE_UP_BIAS, _DOWN_BIAS, _GATE_UP_MERGED = 1, 2, 4, 8
+_MLP, _GATE_UP_BIAS, _DOWN_BIAS, _GATE_UP_MERGED, _SANDWICH, _PLUS_ONE, _GELU = 1, 2, 4, 8, 16, 32, 64
 _BLOCKS = {ROW_DOT: 1, BLOCKED_ROWS: 8, FEW_ROWS: 1, FEW_ROWS_BLOCKED: 4}
 """The GEMV candidates the kernel runs, and the weight rows each reads side by side (see
 :mod:`fusion_linear_kernels.blocked_rows`)."""
@@ -76,13 +79,22 @@ _SOURCE = r"""
 static inline T rounded(float v) { return static_cast<T>(v); }
 static inline float wide(T v) { return static_cast<float>(v); }
 
-// transformers' RMSNorm: the mean of the squares in float32, the normalised input rounded to T, times the weight (a
-// product of two T values, rounded to T).
-static void rms_norm(const T* h, const T* weight, T* out, float eps, int64_t n) {
+// transformers' RMSNorms: the mean of the squares in float32, then either the normalised input rounded to T times the
+// weight (a product of two T values, rounded to T: Llama's), or the normalised input times 1 + the weight in float32,
+// rounded once (Gemma's). In place where out is h.
+static void rms_norm(const T* h, const T* weight, T* out, float eps, int64_t n, bool plus_one) {
     double squares = 0.0;
     for (int64_t i = 0; i < n; ++i) { const double v = wide(h[i]); squares += v * v; }
     const float scale = 1.0f / std::sqrt(static_cast<float>(squares / static_cast<double>(n)) + eps);
-    for (int64_t i = 0; i < n; ++i) out[i] = rounded(wide(weight[i]) * wide(rounded(wide(h[i]) * scale)));
+    if (plus_one) {
+        for (int64_t i = 0; i < n; ++i) out[i] = rounded((wide(h[i]) * scale) * (1.0f + wide(weight[i])));
+    } else {
+        for (int64_t i = 0; i < n; ++i) out[i] = rounded(wide(weight[i]) * wide(rounded(wide(h[i]) * scale)));
+    }
+}
+
+static void rms_norms(const T* h, const T* weight, T* out, float eps, int64_t n, int64_t rows, bool plus_one) {
+    for (int64_t r = 0; r < rows; ++r) rms_norm(h + r * n, weight, out + r * n, eps, n, plus_one);
 }
 
 // out[i, r] = w[r] . x[i] (+ bias[r]) for each of the inputs' rows, block weight rows side by side: the GEMV's
@@ -94,40 +106,53 @@ static void rows_gemv(const T* w, const T* x, const T* bias, T* out, int64_t n, 
     }
 }
 
-// silu(gate) rounded to T, times up (n elements further), rounded to T: torch's SiLU (x / (1 + exp(-x)) in float32
-// vectors) and product.
-static void silu_product(T* g, int64_t n) {
+// act(gate) rounded to T, times up (n elements further), rounded to T, as torch computes the activation in float32
+// vectors: SiLU x / (1 + exp(-x)), or GELU's tanh approximation 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+static void gated_product(T* g, int64_t n, bool gelu) {
     using V = at::vec::Vectorized<float>;
     constexpr int64_t lanes = V::size();
+    const V one(1.0f), half(0.5f), beta(static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5)), kappa(0.044715f);
     float z[lanes];
-    int64_t i = 0;
-    for (; i < n; i += lanes) {
+    for (int64_t i = 0; i < n; i += lanes) {
         const int64_t count = n - i < lanes ? n - i : lanes;
         for (int64_t t = 0; t < count; ++t) z[t] = wide(g[i + t]);
         const V v = V::loadu(z, count);
-        (v / (V(1.0f) + v.neg().exp())).store(z, count);
+        if (gelu) {
+            const V inner = beta * (v + kappa * (v * v * v));
+            (half * v * (one + inner.tanh())).store(z, count);
+        } else {
+            (v / (one + v.neg().exp())).store(z, count);
+        }
         for (int64_t t = 0; t < count; ++t) g[i + t] = rounded(wide(rounded(z[t])) * wide(g[n + i + t]));
     }
 }
 
-extern "C" void kernel(const T* h, const T* attention, const T* norm, const T* gate, const T* up, const T* down,
-                       const T* gate_bias, const T* up_bias, const T* down_bias, T* x, T* g, T* out,
-                       const float eps, const int64_t hidden, const int64_t intermediate, const int64_t rows,
-                       const int64_t flags, const int64_t gate_up_block, const int64_t down_block) {
-    if (!(flags & @MLP@)) {
-        for (int64_t r = 0; r < rows; ++r) rms_norm(h + r * hidden, norm, out + r * hidden, eps, hidden);
-        return;
+// Without @MLP@ in flags: out = the input norm of h. With it, the rest of the layer after its attention: the residual
+// (the attention's output normed first where @SANDWICH@), the MLP's input norm, gate and up, the activation's product,
+// down (normed where @SANDWICH@), the residual.
+extern "C" void kernel(const T* h, const T* attention, const T* norm, const T* attention_norm, const T* out_norm,
+                       const T* gate, const T* up, const T* down, const T* gate_bias, const T* up_bias,
+                       const T* down_bias, T* x, T* g, T* out, const float eps, const int64_t hidden,
+                       const int64_t intermediate, const int64_t rows, const int64_t flags,
+                       const int64_t gate_up_block, const int64_t down_block) {
+    const bool plus_one = flags & @PLUS_ONE@, sandwich = flags & @SANDWICH@;
+    const int64_t n = rows * hidden;
+    if (!(flags & @MLP@)) { rms_norms(h, norm, out, eps, hidden, rows, plus_one); return; }
+    if (sandwich) {
+        rms_norms(attention, attention_norm, x, eps, hidden, rows, plus_one);
+        for (int64_t i = 0; i < n; ++i) out[i] = rounded(wide(h[i]) + wide(x[i]));
+    } else {
+        for (int64_t i = 0; i < n; ++i) out[i] = rounded(wide(h[i]) + wide(attention[i]));
     }
-    for (int64_t i = 0; i < rows * hidden; ++i) out[i] = rounded(wide(h[i]) + wide(attention[i]));
-    for (int64_t r = 0; r < rows; ++r) rms_norm(out + r * hidden, norm, x + r * hidden, eps, hidden);
+    rms_norms(out, norm, x, eps, hidden, rows, plus_one);
     if (flags & @GATE_UP_MERGED@) { up = gate + intermediate * hidden; up_bias = gate_bias + intermediate; }
     const bool biased = flags & @GATE_UP_BIAS@;
-    T* ups = g + rows * intermediate;
     rows_gemv(gate, x, biased ? gate_bias : nullptr, g, intermediate, hidden, rows, gate_up_block);
-    rows_gemv(up, x, biased ? up_bias : nullptr, ups, intermediate, hidden, rows, gate_up_block);
-    silu_product(g, rows * intermediate);
+    rows_gemv(up, x, biased ? up_bias : nullptr, g + rows * intermediate, intermediate, hidden, rows, gate_up_block);
+    gated_product(g, rows * intermediate, flags & @GELU@);
     rows_gemv(down, g, flags & @DOWN_BIAS@ ? down_bias : nullptr, x, hidden, intermediate, rows, down_block);
-    for (int64_t i = 0; i < rows * hidden; ++i) out[i] = rounded(wide(out[i]) + wide(x[i]));
+    if (sandwich) rms_norms(x, out_norm, x, eps, hidden, rows, plus_one);
+    for (int64_t i = 0; i < n; ++i) out[i] = rounded(wide(out[i]) + wide(x[i]));
 }
 """
 
@@ -138,7 +163,8 @@ def source(dtype: torch.dtype) -> str:
     cases = "\n        ".join(f"case {inputs * 100 + block}: gemv<{block}, {inputs}>(w, x, bias, out, n, k); break;"
                                 for inputs, block in row_dot.BUILT)
     flags = {"@MLP@": _MLP, "@GATE_UP_BIAS@": _GATE_UP_BIAS, "@DOWN_BIAS@": _DOWN_BIAS,
-             "@GATE_UP_MERGED@": _GATE_UP_MERGED, "@CASES@": cases}
+             "@GATE_UP_MERGED@": _GATE_UP_MERGED, "@SANDWICH@": _SANDWICH, "@PLUS_ONE@": _PLUS_ONE, "@GELU@": _GELU,
+             "@CASES@": cases}
     code = _SOURCE
     for name, value in flags.items():
         code = code.replace(name, str(value))
@@ -148,7 +174,7 @@ def source(dtype: torch.dtype) -> str:
 def _build(dtype: torch.dtype) -> Any:
     pointer = f"const {row_dot.C_TYPES[dtype]}*"
     out = f"{row_dot.C_TYPES[dtype]}*"
-    argtypes = [pointer] * 9 + [out] * 3 + ["const float"] + ["const int64_t"] * 6
+    argtypes = [pointer] * 11 + [out] * 3 + ["const float"] + ["const int64_t"] * 6
     return row_dot.built_kernel(f"decode layer {dtype}", argtypes, source(dtype))
 
 
@@ -177,32 +203,39 @@ def _epsilon(norm: nn.Module) -> float | None:
 
 
 class LayerForm:
-    """What a recognised layer's decode step reads: the widths, the norms' epsilon, the dtype, whether the MLP's
-    gate and up are one merged projection, the types of the modules the step stands in for (verified once per
-    load), and the GEMV blocks worked out from the decisions of their generation."""
+    """What a recognised layer's decode step reads: the widths, the norms' epsilon, the dtype, the form's flags
+    (norms around the blocks, Gemma's norms, GELU), whether the MLP's gate and up are one merged projection, the types
+    of the modules the step stands in for (verified once per load), and the GEMV blocks worked out from the decisions
+    of their generation."""
 
-    __slots__ = ("_blocks", "dtype", "eps", "hidden", "intermediate", "merged", "types")
+    __slots__ = ("_blocks", "dtype", "eps", "flags", "hidden", "intermediate", "merged", "types")
 
-    def __init__(self, hidden: int, intermediate: int, eps: float, dtype: torch.dtype, merged: bool,
+    def __init__(self, hidden: int, intermediate: int, eps: float, dtype: torch.dtype, flags: int, merged: bool,
                  types: tuple[type, ...]) -> None:
         self.hidden, self.intermediate, self.eps, self.dtype = hidden, intermediate, eps, dtype
-        self.merged, self.types = merged, types
+        self.flags, self.merged, self.types = flags, merged, types
         self._blocks: dict[int, tuple[int, tuple[int, int]]] = {}  # rows -> (decisions' generation, blocks)
 
     def __getstate__(self) -> tuple[Any, ...]:  # the blocks follow this process's decisions: worked out again
-        return self.hidden, self.intermediate, self.eps, self.dtype, self.merged, self.types
+        return self.hidden, self.intermediate, self.eps, self.dtype, self.flags, self.merged, self.types
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         self.__init__(*state)  # type: ignore[misc]
 
     @staticmethod
     def parts(layer: nn.Module) -> tuple[nn.Module, ...] | None:
-        """The modules the step stands in for (input norm, post-attention norm, MLP, gate, up, down, activation;
-        a merged gate/up container twice), or None where the layer has not that shape."""
+        """The modules the step stands in for, or None where the layer has not that shape: its norms (the input's and
+        the MLP's input's; in the sandwich form also the attention output's and the MLP output's), then the MLP, its
+        gate, up and down projections (a merged gate/up container twice) and its activation."""
         modules = layer._modules
-        norm1, norm2, mlp = (modules.get(name) for name in ("input_layernorm", "post_attention_layernorm", "mlp"))
-        if norm1 is None or norm2 is None or mlp is None or "self_attn" not in modules:
+        if "self_attn" not in modules or not all(isinstance(modules.get(name), nn.Module) for name in CHILDREN):
             return None
+        if all(isinstance(modules.get(name), nn.Module) for name in SANDWICH):
+            norms = tuple(modules[name] for name in ("input_layernorm", SANDWICH[0], "post_attention_layernorm",
+                                                     SANDWICH[1]))
+        else:
+            norms = (modules["input_layernorm"], modules["post_attention_layernorm"])
+        mlp = modules["mlp"]
         children = mlp._modules
         down, act = children.get("down_proj"), children.get("act_fn")
         merged = merged_projection(mlp)
@@ -213,20 +246,21 @@ class LayerForm:
             gate, up = children.get("gate_proj"), children.get("up_proj")
         if gate is None or up is None or down is None or act is None:
             return None
-        return norm1, norm2, mlp, gate, up, down, act
+        return (*norms, mlp, gate, up, down, act)
 
     @classmethod
     def of(cls, layer: nn.Module) -> LayerForm | str:
         """The form of ``layer`` as it is now, or why it has none."""
         parts = cls.parts(layer)
         if parts is None:
-            return ("not a pre-norm decoder layer with a gated MLP (input_layernorm, self_attn, "
+            return ("not a decoder layer with norms, an attention and a gated MLP (input_layernorm, self_attn, "
                     "post_attention_layernorm, mlp with gate, up and down projections and act_fn)")
-        norm1, norm2, _, gate, up, down, _ = parts
-        eps = _epsilon(norm1)
-        if eps is None or _epsilon(norm2) != eps:
-            return "its norms hold no epsilon (variance_epsilon or eps), or two different ones"
-        weights = [m._parameters.get("weight") for m in (norm1, norm2, gate, up, down)]
+        norms, (_, gate, up, down, act) = parts[:-5], parts[-5:]
+        epsilons = {_epsilon(norm) for norm in norms}
+        if None in epsilons or len(epsilons) != 1:
+            return "its norms hold no epsilon (variance_epsilon or eps), or different ones"
+        (eps,) = epsilons
+        weights = [m._parameters.get("weight") for m in (*norms, gate, up, down)]
         if any(not isinstance(w, torch.Tensor) for w in weights):
             return "a norm or projection holds no weight tensor"
         dtype = weights[0].dtype  # type: ignore[union-attr]
@@ -234,14 +268,22 @@ class LayerForm:
         if any(not isinstance(m, nn.Linear) for m in (gate, up, down)):
             return "its MLP projections are not nn.Linear layers (a quantizer's or an adapter's)"
         rows = 2 * intermediate if gate is up else intermediate
-        shapes = [(hidden,), (hidden,), (rows, hidden), (rows, hidden), (hidden, intermediate)]
+        shapes = [(hidden,)] * len(norms) + [(rows, hidden), (rows, hidden), (hidden, intermediate)]
         if [tuple(w.shape) for w in weights] != shapes:  # type: ignore[union-attr]
             return "its norm and projection weights are not of one hidden and one intermediate width"
-        if not all(row_dot.gemv_weight(w) for w in weights[2:]):  # type: ignore[arg-type]
+        if not all(row_dot.gemv_weight(w) for w in weights[-3:]):  # type: ignore[arg-type]
             return f"its MLP's weights are not ones the GEMV kernel reads (dense {row_dot.MIN_BYTES} bytes or more)"
+        kinds = {_norm_kind(norm, dtype, eps, hidden) for norm in norms}
+        if None in kinds or len(kinds) != 1:
+            return "its norms are not RMSNorms times the weight (Llama's) or times 1 + the weight (Gemma's), all alike"
+        activation = _activation(act, dtype)
+        if activation is None:
+            return "its MLP's activation is neither SiLU nor GELU's tanh approximation"
         if kernel(dtype) is None:
             return f"no decode layer kernel for {dtype} here"
-        return cls(hidden, intermediate, eps, dtype, gate is up, tuple(type(m) for m in parts))
+        flags = ((_SANDWICH if len(norms) == 4 else 0) | (_PLUS_ONE if kinds == {True} else 0)
+                 | (_GELU if activation == "gelu" else 0))
+        return cls(hidden, intermediate, eps, dtype, flags, gate is up, tuple(type(m) for m in parts))
 
     def arguments(self, layer: nn.Module, hidden: torch.Tensor) -> tuple[Any, ...] | None:
         """The tensors and flags of the kernel's calls for ``hidden`` on ``layer`` as it is now, or None where the
@@ -253,12 +295,15 @@ class LayerForm:
         parts = self.parts(layer)
         if parts is None or tuple(type(m) for m in parts) != self.types or compat.forward_hooks(parts):
             return None
-        norm1, norm2, _, gate, up, down, _ = parts
+        norms, (_, gate, up, down, _) = parts[:-5], parts[-5:]
         gate_weight, down_weight = gate._parameters["weight"], down._parameters["weight"]
         gate_bias, down_bias = gate._parameters.get("bias"), down._parameters.get("bias")
         up_weight, up_bias = (gate_weight, gate_bias) if self.merged else (up._parameters["weight"],
                                                                            up._parameters.get("bias"))
-        tensors = (norm1._parameters["weight"], norm2._parameters["weight"], gate_weight, up_weight, down_weight)
+        norm_weights = [norm._parameters["weight"] for norm in norms]
+        if len(norm_weights) == 2:  # no norms around the blocks: the MLP's input norm stands in their place, unread
+            norm_weights += norm_weights[1:] * 2
+        tensors = (*norm_weights, gate_weight, up_weight, down_weight)
         biases = (gate_bias, up_bias, down_bias)
         if any(not _dense(t, self.dtype) for t in tensors) or any(b is not None and not _dense(b, self.dtype)
                                                                   for b in biases):
@@ -268,8 +313,8 @@ class LayerForm:
         blocks = self._decided_blocks(rows, hidden, gate_weight, gate_bias, down_weight, down_bias)
         if blocks is None:
             return None
-        flags = (_MLP | (_GATE_UP_BIAS if gate_bias is not None else 0) | (_DOWN_BIAS if down_bias is not None else 0)
-                 | (_GATE_UP_MERGED if self.merged else 0))
+        flags = (self.flags | _MLP | (_GATE_UP_BIAS if gate_bias is not None else 0)
+                 | (_DOWN_BIAS if down_bias is not None else 0) | (_GATE_UP_MERGED if self.merged else 0))
         return tensors, biases, rows, flags, blocks
 
     def _decided_blocks(self, rows: int, hidden: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None,
@@ -292,24 +337,67 @@ class LayerForm:
     def run(self, layer: nn.Module, hidden: torch.Tensor, arguments: tuple[Any, ...],
             kwargs: dict[str, Any]) -> torch.Tensor:
         """The layer's output: the input norm, the layer's attention called as the original calls it, the rest."""
-        (norm1, norm2, gate, up, down), (gate_bias, up_bias, down_bias), rows, flags, blocks = arguments
+        (norm, mlp_norm, attention_norm, out_norm, gate, up, down), biases, rows, flags, blocks = arguments
+        gate_bias, up_bias, down_bias = biases
         compiled = _KERNELS.get(self.dtype)
         normed = torch.empty_like(hidden)
-        compiled(hidden, hidden, norm1, gate, up, down, gate, up, down, normed, normed, normed, self.eps,
-                 self.hidden, self.intermediate, rows, 0, *blocks)
+        compiled(hidden, hidden, norm, norm, norm, gate, up, down, gate, up, down, normed, normed, normed, self.eps,
+                 self.hidden, self.intermediate, rows, flags & ~_MLP, *blocks)
         attention = layer._modules["self_attn"](hidden_states=normed, **kwargs)[0]
         if not (type(attention) is torch.Tensor and attention.dtype is self.dtype
-                and attention.shape == hidden.shape):  # not what verification saw: the verified form's tail
-            residual = hidden + attention
-            mlp, norm = layer._modules["mlp"], layer._modules["post_attention_layernorm"]
-            return residual + mlp(norm(residual))
+                and attention.shape == hidden.shape):  # not what verification saw: the verified form's modules
+            return _composed(layer, hidden, attention, self.flags & _SANDWICH)
         attention = attention.contiguous()
         gated = hidden.new_empty(2 * rows * self.intermediate)
         scratch, out = torch.empty_like(hidden), torch.empty_like(hidden)  # the attention may hold its input
-        compiled(hidden, attention, norm2, gate, up, down, _or(gate_bias, gate), _or(up_bias, up),
-                 _or(down_bias, down), scratch, gated, out, self.eps, self.hidden, self.intermediate, rows, flags,
-                 *blocks)
+        compiled(hidden, attention, mlp_norm, attention_norm, out_norm, gate, up, down, _or(gate_bias, gate),
+                 _or(up_bias, up), _or(down_bias, down), scratch, gated, out, self.eps, self.hidden, self.intermediate,
+                 rows, flags, *blocks)
         return out
+
+
+def _composed(layer: nn.Module, hidden: torch.Tensor, attention: torch.Tensor, sandwich: int) -> torch.Tensor:
+    """What the verified form computes after the attention, by the layer's own modules: ``r = h + attention`` (the
+    attention's output normed first in the sandwich form), then ``r + mlp(norm(r))`` (the MLP's output normed)."""
+    modules = layer._modules
+    if sandwich:
+        residual = hidden + modules["post_attention_layernorm"](attention)
+        return residual + modules[SANDWICH[1]](modules["mlp"](modules[SANDWICH[0]](residual)))
+    residual = hidden + attention
+    return residual + modules["mlp"](modules["post_attention_layernorm"](residual))
+
+
+def _norm_kind(norm: nn.Module, dtype: torch.dtype, eps: float, width: int) -> bool | None:
+    """Whether ``norm`` is Gemma's RMSNorm (times 1 + the weight in float32; True) or Llama's (the normalised input
+    rounded, times the weight; False), by its output on a random input; None for neither."""
+    x = torch.randn(2, width, generator=torch.Generator().manual_seed(0)).to(dtype)
+    weight = norm._parameters["weight"]
+    try:
+        with torch.no_grad():
+            got = norm(x)
+            wide = x.float()
+            normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+            references = {False: weight * normed.to(dtype), True: (normed * (1.0 + weight.float())).to(dtype)}
+    except Exception:  # a norm that cannot run on a plain input is neither
+        return None
+    if not isinstance(got, torch.Tensor) or got.shape != x.shape:
+        return None
+    return next((kind for kind, reference in references.items()
+                 if _relative(reference, got) <= _tolerance(dtype)), None)
+
+
+def _activation(act: nn.Module, dtype: torch.dtype) -> str | None:
+    """``"silu"`` or ``"gelu"`` (the tanh approximation) where ``act`` gives that function's bits on inputs across
+    its range (what the kernel computes), else None."""
+    z = torch.linspace(-12.0, 12.0, 2049).to(dtype)
+    functions: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "silu": torch.nn.functional.silu, "gelu": lambda v: torch.nn.functional.gelu(v, approximate="tanh")}
+    try:
+        with torch.no_grad():
+            got = act(z)
+            return next((name for name, function in functions.items() if torch.equal(got, function(z))), None)
+    except Exception:  # an activation that cannot run on a vector is neither
+        return None
 
 
 def _or(tensor: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
@@ -378,16 +466,6 @@ def _tolerance(dtype: torch.dtype) -> float:
     return max(2 * torch.finfo(dtype).eps, 1e-5)
 
 
-def _is_silu(act: nn.Module, dtype: torch.dtype) -> bool:
-    """Whether ``act`` computes ``F.silu``'s bits (what the kernel computes) on inputs across its range."""
-    z = torch.linspace(-12.0, 12.0, 2049).to(dtype)
-    try:
-        with torch.no_grad():
-            return torch.equal(act(z), torch.nn.functional.silu(z))
-    except Exception:  # an activation that cannot run on a vector is not SiLU
-        return False
-
-
 @contextlib.contextmanager
 def _swapped(layer: nn.Module, **children: nn.Module) -> Iterator[None]:
     """``layer``'s children replaced by ``children`` for the block (restored whatever happens)."""
@@ -406,14 +484,17 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def refusal(layer: nn.Module) -> str | None:
     """Why ``layer`` (on its loaded weights, in eval mode) does not get the decode step, or None (see the module docs).
 
-    Three checks on a random one-token input, with the forward of the layer's original class:
+    Checks on a random one-row input, with the forward of the layer's original class (:meth:`LayerForm.of` checked the
+    norms' and the activation's kinds on inputs of their own):
 
     - the composition, on no weights: with stand-ins for the attention and the MLP, the forward computes
-      ``r = h + attn(norm1(h)); r + mlp(norm2(r))`` with the layer's own norms, bit for bit, and passes the attention
+      ``r = h + attn(norm(h))``, then ``r + mlp(norm(r))`` with the layer's own norms bit for bit (in the sandwich form
+      of Gemma 2 and 3, ``r = h + norm(attn(norm(h)))``, then ``r + norm(mlp(norm(r)))``), and passes the attention
       every argument it was given, as it is;
-    - the activation: ``act_fn`` gives ``F.silu``'s bits;
     - the arithmetic, on the loaded weights: with a stand-in attention, the step's output and its input norm are within
       two steps of the dtype's precision of the forward's (inputs small beside the MLP's output, which then dominates).
+
+    It swaps the layer's children for stand-ins while it runs: not for a model another thread is running.
     """
     form = LayerForm.of(layer)
     if isinstance(form, str):
@@ -426,23 +507,23 @@ def refusal(layer: nn.Module) -> str | None:
     generator = torch.Generator().manual_seed(0)
     scale = 2.0**-6
     hidden = (torch.randn(1, 1, form.hidden, generator=generator) * scale).to(form.dtype)
-    norm1, norm2 = layer._modules["input_layernorm"], layer._modules["post_attention_layernorm"]
     attention, mlp = _StandIn(scale, pair=True), _StandIn(0.5, pair=False)
     with torch.no_grad(), _swapped(layer, self_attn=attention, mlp=mlp):
         try:
             composed = forward(layer, hidden, **markers)
         except Exception as exc:  # any failure means the form is not this one
             return f"its forward does not run with the attention's arguments passed through ({exc!r:.120})"
-        residual = hidden + norm1(hidden).flip(-1) * scale
-        reference = residual + norm2(residual).flip(-1) * 0.5
-    if not isinstance(composed, torch.Tensor) or not torch.equal(composed, reference):
-        return "its forward is not h + attn(norm1(h)), then r + mlp(norm2(r)) (other residuals, norms or outputs)"
+        normed = layer._modules["input_layernorm"](hidden)
+        reference = _composed(layer, hidden, normed.flip(-1) * scale, form.flags & _SANDWICH)
+    if not isinstance(composed, torch.Tensor):
+        return f"its forward returns {type(composed).__name__}, not the hidden states alone"
+    if not torch.equal(composed, reference):
+        return ("its forward is not r = h + attn(norm(h)), then r + mlp(norm(r)), nor that with the blocks' outputs "
+                "normed (other residuals, norms or outputs)")
     (passed,) = attention.calls
     passed.pop("hidden_states")
     if passed.keys() != markers.keys() or any(passed[key] is not markers[key] for key in markers):
         return "its forward does not pass the attention the arguments it was given, as they are"
-    if not _is_silu(layer._modules["mlp"]._modules["act_fn"], form.dtype):
-        return "its MLP's activation is not SiLU"
     attention = _StandIn(scale, pair=True)
     with torch.no_grad(), _swapped(layer, self_attn=attention):
         expected = forward(layer, hidden, **markers)
