@@ -11,26 +11,28 @@ to eight sequences, a short prompt, the draft tokens assisted generation checks)
 1. one call of a C++ kernel for the input RMSNorm;
 2. the layer's own attention module, called as the original forward calls it (its projections, RoPE, the KV cache
    and the attention function stay the model's own code, of whatever transformers release);
-3. one call for the rest: the residual add, the second RMSNorm, the gate and up GEMVs, SiLU and the product, the down
-   GEMV and the second residual add.
+3. one call for the rest: the residual add, the MLP's input norm, the gate and up GEMVs, the activation and the
+   product, the down GEMV and the second residual add (in the sandwich form, the attention's and the MLP's outputs
+   normed before their residuals).
 
 The GEMVs are the ones :mod:`fusion_linear_kernels.row_dot` builds (the same C++ templates, compiled into this
 kernel), run with the block each projection's kind decided (:func:`~fusion_linear_kernels.choice.decided`:
 ``row-dot``, ``blocked-rows``, ``few-rows`` or ``few-rows-blocked``), so they give the bits the layer's own modules
-give. The norms, the activation and
-the residuals round to the model's dtype where transformers' operators do (a float32 mean of squares, the normalised
-input rounded, times the weight; ``silu(gate)`` rounded, times ``up``); the mean sums in another order than torch's,
-so a result may differ in its last bit: within the bound (:mod:`fusion_linear_kernels.tolerance`), and never in exact
-mode, where no layer is switched.
+give. The norms, the activation and the residuals round to the model's dtype where transformers' operators do (a
+float32 mean of squares; Llama's norm rounds the normalised input, then multiplies by the weight, Gemma's multiplies
+by 1 + the weight in float32 and rounds once; the activation in float32 vectors with torch's own ``exp`` and
+``tanh``, rounded, times ``up``); the mean sums in another order than torch's, so a result may differ in its last bit:
+within the bound (:mod:`fusion_linear_kernels.tolerance`), and never in exact mode, where no layer is switched.
 
 **Which layers.** A module with the children ``input_layernorm``, ``self_attn``, ``post_attention_layernorm`` and
-``mlp``, whose norms hold a 1-D weight and an epsilon (``variance_epsilon`` or ``eps``), whose MLP has ``down_proj``
-and either ``gate_proj`` and ``up_proj`` (plain ``nn.Linear`` layers) or the ``gate_up`` family's merged projection,
-with dense weights in a float dtype (Llama, Mistral, Qwen2 and Qwen3 and the many models built the same way). Names
-are only the pre-filter: each such layer's form is verified once per load on its real weights (:func:`refusal`),
-with a stand-in attention that records what it is passed: the original forward and the decode step must compute the
-same output within the bound, and pass the attention the same arguments. A layer that does not (Gemma's ``1 + w``
-norms, Granite's residual multipliers, a GELU MLP, extra norms around the blocks) keeps its class.
+``mlp`` (and :data:`SANDWICH`'s two more norms in Gemma 2 and 3), whose norms hold a 1-D weight and one epsilon
+(``variance_epsilon`` or ``eps``), whose MLP has ``down_proj`` and either ``gate_proj`` and ``up_proj`` (plain
+``nn.Linear`` layers) or the ``gate_up`` family's merged projection, with dense weights the GEMV kernel reads. Names
+are only the pre-filter: each form is verified once per load on its real weights (:meth:`LayerForm.of` and
+:func:`refusal`): the norms' and the activation's kinds on inputs of their own, the composition with stand-ins for the
+attention and the MLP (bit for bit, independent of the weights, and the attention passed its arguments as they are),
+and the arithmetic within the bound. A layer that does not verify (Granite's residual multipliers, Olmo 2's norms
+after the blocks, parallel blocks, LayerNorm, a ReLU MLP, a forward that returns a tuple) keeps its class.
 
 **When it runs.** Only for a step of one to eight rows that the original would run the same way: grad mode off, not
 traced, not training, a contiguous CPU input of the weights' dtype, no positional arguments but the hidden states, no
@@ -38,9 +40,10 @@ forward hooks on the layer's norms and MLP (nor global ones), the verified modul
 quantizer's layer there, a packed weight, turns it off) and a kind decided for each GEMV. Any other call runs the
 original forward, which decides the kinds on its first call.
 
-Measured on the 2-core Xeon VM (AMX-BF16), torch 2.13.0, transformers 5.25.0, bf16, Qwen2-0.5B with every family on,
-greedy decode ms a token, the same model switched between both forwards in alternating rounds (a throwaway probe
-before this module): 64.9 with the modules, 56.4 with this step (and 49.2 with the attention in C++ too, not done).
+Measured on the 2-core Xeon VM (AMX-BF16), torch 2.13.0, transformers 5.25.0, bf16, every family on, side by side
+with the layers' modules in one run (``benchmarks/bench_decode.py``'s ``(no decode step)`` contender;
+docs/benchmarks.md, "A decode step for whole decoder layers"): Qwen2-0.5B 54.4 against 63.6 ms a token, Llama-3.2-1B
+widths 105.2 against 111.3, Gemma-2-2B's config 240.1 against 264.0.
 """
 
 from __future__ import annotations
