@@ -48,9 +48,8 @@ widths 105.2 against 111.3, Gemma-2-2B's config 240.1 against 264.0.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -58,143 +57,37 @@ from torch import nn
 
 from fusion_core import FusedModule, ModulePlan
 from fusion_core.plugin import attached_plan, fuse_instance, fused_subclass, merged_projection
-from fusion_linear_kernels import compat, row_dot
-from fusion_linear_kernels.built_kernels import BuiltKernels
+from fusion_linear_kernels import compat, layer_kernel, row_dot
 from fusion_linear_kernels.choice import decided, generation
 from fusion_linear_kernels.kernels import BLOCKED_ROWS, FEW_ROWS, FEW_ROWS_BLOCKED, ROW_DOT
-from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
+from fusion_linear_kernels.layer_forms import (
+    CHILDREN,
+    SANDWICH,
+    Marker,
+    StandIn,
+    activation,
+    composed,
+    norm_kind,
+    relative,
+    swapped,
+    tolerance,
+)
+from fusion_linear_kernels.layer_kernel import (
+    DOWN_BIAS,
+    GATE_UP_BIAS,
+    GATE_UP_MERGED,
+    GELU,
+    MLP,
+    PLUS_ONE,
+    SANDWICH_FORM,
+)
 
 FORM_KEY = "_fusion_decode_form"
 """Where a switched layer keeps its verified :class:`LayerForm` (its ``__dict__``)."""
 
-CHILDREN = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-"""The children a layer must have to be considered (the pre-filter; the form is verified on the weights)."""
-SANDWICH = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-"""The two more norms of the sandwich form (Gemma 2 and 3): the MLP's input norm and its output's; the attention's
-output then goes through ``post_attention_layernorm`` before the residual."""
-
-_MLP, _GATE_UP_BIAS, _DOWN_BIAS, _GATE_UP_MERGED, _SANDWICH, _PLUS_ONE, _GELU = 1, 2, 4, 8, 16, 32, 64
 _BLOCKS = {ROW_DOT: 1, BLOCKED_ROWS: 8, FEW_ROWS: 1, FEW_ROWS_BLOCKED: 4}
 """The GEMV candidates the kernel runs, and the weight rows each reads side by side (see
 :mod:`fusion_linear_kernels.blocked_rows`)."""
-
-_SOURCE = r"""
-static inline T rounded(float v) { return static_cast<T>(v); }
-static inline float wide(T v) { return static_cast<float>(v); }
-
-// transformers' RMSNorms: the mean of the squares in float32, then either the normalised input rounded to T times the
-// weight (a product of two T values, rounded to T: Llama's), or the normalised input times 1 + the weight in float32,
-// rounded once (Gemma's). In place where out is h.
-static void rms_norm(const T* h, const T* weight, T* out, float eps, int64_t n, bool plus_one) {
-    double squares = 0.0;
-    for (int64_t i = 0; i < n; ++i) { const double v = wide(h[i]); squares += v * v; }
-    const float scale = 1.0f / std::sqrt(static_cast<float>(squares / static_cast<double>(n)) + eps);
-    if (plus_one) {
-        for (int64_t i = 0; i < n; ++i) out[i] = rounded((wide(h[i]) * scale) * (1.0f + wide(weight[i])));
-    } else {
-        for (int64_t i = 0; i < n; ++i) out[i] = rounded(wide(weight[i]) * wide(rounded(wide(h[i]) * scale)));
-    }
-}
-
-static void rms_norms(const T* h, const T* weight, T* out, float eps, int64_t n, int64_t rows, bool plus_one) {
-    for (int64_t r = 0; r < rows; ++r) rms_norm(h + r * n, weight, out + r * n, eps, n, plus_one);
-}
-
-// out[i, r] = w[r] . x[i] (+ bias[r]) for each of the inputs' rows, block weight rows side by side: the GEMV's
-// instances (row_dot.BUILT).
-static void rows_gemv(const T* w, const T* x, const T* bias, T* out, int64_t n, int64_t k, int64_t inputs,
-                      int64_t block) {
-    switch (inputs * 100 + block) {
-        @CASES@
-    }
-}
-
-// act(gate) rounded to T, times up (n elements further), rounded to T, as torch computes the activation in float32
-// vectors: SiLU x / (1 + exp(-x)), or GELU's tanh approximation 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
-static void gated_product(T* g, int64_t n, bool gelu) {
-    using V = at::vec::Vectorized<float>;
-    constexpr int64_t lanes = V::size();
-    const V one(1.0f), half(0.5f), beta(static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5)), kappa(0.044715f);
-    float z[lanes];
-    for (int64_t i = 0; i < n; i += lanes) {
-        const int64_t count = n - i < lanes ? n - i : lanes;
-        for (int64_t t = 0; t < count; ++t) z[t] = wide(g[i + t]);
-        const V v = V::loadu(z, count);
-        if (gelu) {
-            const V inner = beta * (v + kappa * (v * v * v));
-            (half * v * (one + inner.tanh())).store(z, count);
-        } else {
-            (v / (one + v.neg().exp())).store(z, count);
-        }
-        for (int64_t t = 0; t < count; ++t) g[i + t] = rounded(wide(rounded(z[t])) * wide(g[n + i + t]));
-    }
-}
-
-// Without @MLP@ in flags: out = the input norm of h. With it, the rest of the layer after its attention: the residual
-// (the attention's output normed first where @SANDWICH@), the MLP's input norm, gate and up, the activation's product,
-// down (normed where @SANDWICH@), the residual.
-extern "C" void kernel(const T* h, const T* attention, const T* norm, const T* attention_norm, const T* out_norm,
-                       const T* gate, const T* up, const T* down, const T* gate_bias, const T* up_bias,
-                       const T* down_bias, T* x, T* g, T* out, const float eps, const int64_t hidden,
-                       const int64_t intermediate, const int64_t rows, const int64_t flags,
-                       const int64_t gate_up_block, const int64_t down_block) {
-    const bool plus_one = flags & @PLUS_ONE@, sandwich = flags & @SANDWICH@;
-    const int64_t n = rows * hidden;
-    if (!(flags & @MLP@)) { rms_norms(h, norm, out, eps, hidden, rows, plus_one); return; }
-    if (sandwich) {
-        rms_norms(attention, attention_norm, x, eps, hidden, rows, plus_one);
-        for (int64_t i = 0; i < n; ++i) out[i] = rounded(wide(h[i]) + wide(x[i]));
-    } else {
-        for (int64_t i = 0; i < n; ++i) out[i] = rounded(wide(h[i]) + wide(attention[i]));
-    }
-    rms_norms(out, norm, x, eps, hidden, rows, plus_one);
-    if (flags & @GATE_UP_MERGED@) { up = gate + intermediate * hidden; up_bias = gate_bias + intermediate; }
-    const bool biased = flags & @GATE_UP_BIAS@;
-    rows_gemv(gate, x, biased ? gate_bias : nullptr, g, intermediate, hidden, rows, gate_up_block);
-    rows_gemv(up, x, biased ? up_bias : nullptr, g + rows * intermediate, intermediate, hidden, rows, gate_up_block);
-    gated_product(g, rows * intermediate, flags & @GELU@);
-    rows_gemv(down, g, flags & @DOWN_BIAS@ ? down_bias : nullptr, x, hidden, intermediate, rows, down_block);
-    if (sandwich) rms_norms(x, out_norm, x, eps, hidden, rows, plus_one);
-    for (int64_t i = 0; i < n; ++i) out[i] = rounded(wide(out[i]) + wide(x[i]));
-}
-"""
-
-
-def source(dtype: torch.dtype) -> str:
-    """The C++ of the layer kernel for a model of ``dtype``: the GEMV's templates (:func:`row_dot.templates`), then
-    the norms, the activation and the entry point."""
-    cases = "\n        ".join(f"case {inputs * 100 + block}: gemv<{block}, {inputs}>(w, x, bias, out, n, k); break;"
-                                for inputs, block in row_dot.BUILT)
-    flags = {"@MLP@": _MLP, "@GATE_UP_BIAS@": _GATE_UP_BIAS, "@DOWN_BIAS@": _DOWN_BIAS,
-             "@GATE_UP_MERGED@": _GATE_UP_MERGED, "@SANDWICH@": _SANDWICH, "@PLUS_ONE@": _PLUS_ONE, "@GELU@": _GELU,
-             "@CASES@": cases}
-    code = _SOURCE
-    for name, value in flags.items():
-        code = code.replace(name, str(value))
-    return row_dot.templates(dtype) + code
-
-
-def _build(dtype: torch.dtype) -> Any:
-    pointer = f"const {row_dot.C_TYPES[dtype]}*"
-    out = f"{row_dot.C_TYPES[dtype]}*"
-    argtypes = [pointer] * 11 + [out] * 3 + ["const float"] + ["const int64_t"] * 6
-    return row_dot.built_kernel(f"decode layer {dtype}", argtypes, source(dtype))
-
-
-_KERNELS: BuiltKernels[torch.dtype] = BuiltKernels(RowDotUnavailableWarning, _build,
-                                                   lambda dtype: f"the decode layer kernel for {dtype} models")
-
-
-def kernel(dtype: torch.dtype) -> Any:
-    """The built layer kernel for ``dtype``, None where it cannot be built (nor the GEMV kernel it is built on)."""
-    if dtype not in row_dot.DTYPES or row_dot.kernel(dtype, False) is None:
-        return None
-    return _KERNELS.get(dtype)
-
-
-def clear() -> None:
-    """Forget the built kernels (``fusion_core.reset_state()``: the plugin's ``fusion_reset_state`` hook)."""
-    _KERNELS.clear()
 
 
 def _epsilon(norm: nn.Module) -> float | None:
@@ -276,16 +169,16 @@ class LayerForm:
             return "its norm and projection weights are not of one hidden and one intermediate width"
         if not all(row_dot.gemv_weight(w) for w in weights[-3:]):  # type: ignore[arg-type]
             return f"its MLP's weights are not ones the GEMV kernel reads (dense {row_dot.MIN_BYTES} bytes or more)"
-        kinds = {_norm_kind(norm, dtype, eps, hidden) for norm in norms}
+        kinds = {norm_kind(norm, dtype, eps, hidden) for norm in norms}
         if None in kinds or len(kinds) != 1:
             return "its norms are not RMSNorms times the weight (Llama's) or times 1 + the weight (Gemma's), all alike"
-        activation = _activation(act, dtype)
-        if activation is None:
+        act_kind = activation(act, dtype)
+        if act_kind is None:
             return "its MLP's activation is neither SiLU nor GELU's tanh approximation"
-        if kernel(dtype) is None:
+        if layer_kernel.kernel(dtype) is None:
             return f"no decode layer kernel for {dtype} here"
-        flags = ((_SANDWICH if len(norms) == 4 else 0) | (_PLUS_ONE if kinds == {True} else 0)
-                 | (_GELU if activation == "gelu" else 0))
+        flags = ((SANDWICH_FORM if len(norms) == 4 else 0) | (PLUS_ONE if kinds == {True} else 0)
+                 | (GELU if act_kind == "gelu" else 0))
         return cls(hidden, intermediate, eps, dtype, flags, gate is up, tuple(type(m) for m in parts))
 
     def arguments(self, layer: nn.Module, hidden: torch.Tensor) -> tuple[Any, ...] | None:
@@ -316,8 +209,8 @@ class LayerForm:
         blocks = self._decided_blocks(rows, hidden, gate_weight, gate_bias, down_weight, down_bias)
         if blocks is None:
             return None
-        flags = (self.flags | _MLP | (_GATE_UP_BIAS if gate_bias is not None else 0)
-                 | (_DOWN_BIAS if down_bias is not None else 0) | (_GATE_UP_MERGED if self.merged else 0))
+        flags = (self.flags | MLP | (GATE_UP_BIAS if gate_bias is not None else 0)
+                 | (DOWN_BIAS if down_bias is not None else 0) | (GATE_UP_MERGED if self.merged else 0))
         return tensors, biases, rows, flags, blocks
 
     def _decided_blocks(self, rows: int, hidden: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None,
@@ -342,14 +235,14 @@ class LayerForm:
         """The layer's output: the input norm, the layer's attention called as the original calls it, the rest."""
         (norm, mlp_norm, attention_norm, out_norm, gate, up, down), biases, rows, flags, blocks = arguments
         gate_bias, up_bias, down_bias = biases
-        compiled = _KERNELS.get(self.dtype)
+        compiled = layer_kernel.kernel(self.dtype)
         normed = torch.empty_like(hidden)
         compiled(hidden, hidden, norm, norm, norm, gate, up, down, gate, up, down, normed, normed, normed, self.eps,
-                 self.hidden, self.intermediate, rows, flags & ~_MLP, *blocks)
+                 self.hidden, self.intermediate, rows, flags & ~MLP, *blocks)
         attention = layer._modules["self_attn"](hidden_states=normed, **kwargs)[0]
         if not (type(attention) is torch.Tensor and attention.dtype is self.dtype
                 and attention.shape == hidden.shape):  # not what verification saw: the verified form's modules
-            return _composed(layer, hidden, attention, self.flags & _SANDWICH)
+            return composed(layer, hidden, attention, self.flags & SANDWICH_FORM)
         attention = attention.contiguous()
         gated = hidden.new_empty(2 * rows * self.intermediate)
         scratch, out = torch.empty_like(hidden), torch.empty_like(hidden)  # the attention may hold its input
@@ -357,50 +250,6 @@ class LayerForm:
                  _or(up_bias, up), _or(down_bias, down), scratch, gated, out, self.eps, self.hidden, self.intermediate,
                  rows, flags, *blocks)
         return out
-
-
-def _composed(layer: nn.Module, hidden: torch.Tensor, attention: torch.Tensor, sandwich: int) -> torch.Tensor:
-    """What the verified form computes after the attention, by the layer's own modules: ``r = h + attention`` (the
-    attention's output normed first in the sandwich form), then ``r + mlp(norm(r))`` (the MLP's output normed)."""
-    modules = layer._modules
-    if sandwich:
-        residual = hidden + modules["post_attention_layernorm"](attention)
-        return residual + modules[SANDWICH[1]](modules["mlp"](modules[SANDWICH[0]](residual)))
-    residual = hidden + attention
-    return residual + modules["mlp"](modules["post_attention_layernorm"](residual))
-
-
-def _norm_kind(norm: nn.Module, dtype: torch.dtype, eps: float, width: int) -> bool | None:
-    """Whether ``norm`` is Gemma's RMSNorm (times 1 + the weight in float32; True) or Llama's (the normalised input
-    rounded, times the weight; False), by its output on a random input; None for neither."""
-    x = torch.randn(2, width, generator=torch.Generator().manual_seed(0)).to(dtype)
-    weight = norm._parameters["weight"]
-    try:
-        with torch.no_grad():
-            got = norm(x)
-            wide = x.float()
-            normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
-            references = {False: weight * normed.to(dtype), True: (normed * (1.0 + weight.float())).to(dtype)}
-    except Exception:  # a norm that cannot run on a plain input is neither
-        return None
-    if not isinstance(got, torch.Tensor) or got.shape != x.shape:
-        return None
-    return next((kind for kind, reference in references.items()
-                 if _relative(reference, got) <= _tolerance(dtype)), None)
-
-
-def _activation(act: nn.Module, dtype: torch.dtype) -> str | None:
-    """``"silu"`` or ``"gelu"`` (the tanh approximation) where ``act`` gives that function's bits on inputs across
-    its range (what the kernel computes), else None."""
-    z = torch.linspace(-12.0, 12.0, 2049).to(dtype)
-    functions: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        "silu": torch.nn.functional.silu, "gelu": lambda v: torch.nn.functional.gelu(v, approximate="tanh")}
-    try:
-        with torch.no_grad():
-            got = act(z)
-            return next((name for name, function in functions.items() if torch.equal(got, function(z))), None)
-    except Exception:  # an activation that cannot run on a vector is neither
-        return None
 
 
 def _or(tensor: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
@@ -434,56 +283,6 @@ def fused_layer_class(original_cls: type[nn.Module]) -> type[nn.Module]:
     return fused_subclass(DecodeLayerMixin, original_cls)
 
 
-class _Marker:
-    """An argument the verification passes the layer, to see that it reaches the attention as it is."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"<argument {self.name}>"
-
-
-class _StandIn(nn.Module):
-    """Stands in for a layer's attention or MLP while its form is verified: returns a fixed function of its input (its
-    features reversed, times a power of two: exact in every dtype), alone or as the attention's pair, and records what
-    it was passed."""
-
-    def __init__(self, scale: float, pair: bool) -> None:
-        super().__init__()
-        self.scale, self.pair = scale, pair
-        self.calls: list[dict[str, Any]] = []
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
-        if not isinstance(hidden, torch.Tensor):
-            raise TypeError("no hidden states reached the stand-in")
-        self.calls.append({**dict(enumerate(args)), **kwargs, "hidden_states": hidden.clone()})
-        out = hidden.flip(-1) * self.scale
-        return (out, None) if self.pair else out
-
-
-def _tolerance(dtype: torch.dtype) -> float:
-    """The largest difference from the original allowed at verification, relative to the largest element: two
-    steps of the dtype's precision (a last-bit difference of a norm carried through the down GEMV)."""
-    return max(2 * torch.finfo(dtype).eps, 1e-5)
-
-
-@contextlib.contextmanager
-def _swapped(layer: nn.Module, **children: nn.Module) -> Iterator[None]:
-    """``layer``'s children replaced by ``children`` for the block (restored whatever happens)."""
-    saved = {name: layer._modules[name] for name in children}
-    layer._modules.update(children)
-    try:
-        yield
-    finally:
-        layer._modules.update(saved)
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max()) / (float(a.float().abs().max()) or 1.0)
-
-
 def refusal(layer: nn.Module) -> str | None:
     """Why ``layer`` (on its loaded weights, in eval mode) does not get the decode step, or None (see the module docs).
 
@@ -506,29 +305,29 @@ def refusal(layer: nn.Module) -> str | None:
     forward = (plan.original_class if plan is not None else type(layer)).forward
     names = [name for name, p in list(inspect.signature(forward).parameters.items())[2:]  # self, hidden states
              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    markers: dict[str, Any] = {name: _Marker(name) for name in [*names, "fusion_probe"]}  # fusion_probe: **kwargs
+    markers: dict[str, Any] = {name: Marker(name) for name in [*names, "fusion_probe"]}  # fusion_probe: **kwargs
     generator = torch.Generator().manual_seed(0)
     scale = 2.0**-6
     hidden = (torch.randn(1, 1, form.hidden, generator=generator) * scale).to(form.dtype)
-    attention, mlp = _StandIn(scale, pair=True), _StandIn(0.5, pair=False)
-    with torch.no_grad(), _swapped(layer, self_attn=attention, mlp=mlp):
+    attention, mlp = StandIn(scale, pair=True), StandIn(0.5, pair=False)
+    with torch.no_grad(), swapped(layer, self_attn=attention, mlp=mlp):
         try:
-            composed = forward(layer, hidden, **markers)
+            output = forward(layer, hidden, **markers)
         except Exception as exc:  # any failure means the form is not this one
             return f"its forward does not run with the attention's arguments passed through ({exc!r:.120})"
         normed = layer._modules["input_layernorm"](hidden)
-        reference = _composed(layer, hidden, normed.flip(-1) * scale, form.flags & _SANDWICH)
-    if not isinstance(composed, torch.Tensor):
-        return f"its forward returns {type(composed).__name__}, not the hidden states alone"
-    if not torch.equal(composed, reference):
+        reference = composed(layer, hidden, normed.flip(-1) * scale, form.flags & SANDWICH_FORM)
+    if not isinstance(output, torch.Tensor):
+        return f"its forward returns {type(output).__name__}, not the hidden states alone"
+    if not torch.equal(output, reference):
         return ("its forward is not r = h + attn(norm(h)), then r + mlp(norm(r)), nor that with the blocks' outputs "
                 "normed (other residuals, norms or outputs)")
     (passed,) = attention.calls
     passed.pop("hidden_states")
     if passed.keys() != markers.keys() or any(passed[key] is not markers[key] for key in markers):
         return "its forward does not pass the attention the arguments it was given, as they are"
-    attention = _StandIn(scale, pair=True)
-    with torch.no_grad(), _swapped(layer, self_attn=attention):
+    attention = StandIn(scale, pair=True)
+    with torch.no_grad(), swapped(layer, self_attn=attention):
         expected = forward(layer, hidden, **markers)
         arguments = form.arguments(layer, hidden)  # the original forward decided each GEMV's kind
         if arguments is None:
@@ -536,8 +335,8 @@ def refusal(layer: nn.Module) -> str | None:
         got = form.run(layer, hidden, arguments, dict(markers))
     for name, (a, b) in (("input norm", (attention.calls[0]["hidden_states"], attention.calls[1]["hidden_states"])),
                          ("output", (expected, got))):
-        difference = _relative(a, b)
-        if difference > _tolerance(form.dtype):
+        difference = relative(a, b)
+        if difference > tolerance(form.dtype):
             return f"the decode step's {name} differs from the forward's by {difference:.3g} of its largest element"
     return None
 

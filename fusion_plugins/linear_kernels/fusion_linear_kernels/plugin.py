@@ -18,8 +18,10 @@ Besides the family, one lifecycle hook, a wrapper around the conversion of a loa
   (:func:`pack_merged`), and runs the merged GEMM packed; the others get the kernel choice through
   their ``kernel`` extension point (a :class:`~fusion_linear_kernels.choice.Caller` each).
 
-Last, the dense weights all of these run that lie in the checkpoint's file mapping are read into the process's own
-memory (:mod:`fusion_linear_kernels.residence`).
+Then the dense weights all of these run that lie in the checkpoint's file mapping are read into the process's own
+memory (:mod:`fusion_linear_kernels.residence`). Last, outside exact mode, each decoder layer whose form verifies gets
+the decode step (:mod:`fusion_linear_kernels.decode_layer`: its class switched through a plan of this family, which
+``fusion_core.unfuse`` undoes; ``fusion_module_unfused`` drops the form it kept).
 
 Without ``linear_kernels`` in the load nothing is touched. Two more hooks: ``fusion_module_fused`` records in
 each fused layer whether its weight is packed (traced code reads that flag: a fake tensor shows no layout), and
@@ -28,9 +30,9 @@ each fused layer whether its weight is packed (traced code reads that flag: a fa
 as ``weight`` is here). ``fusion_save_kwargs`` refuses a fused-layout save (``save_original_format=False``) of a
 model holding packed weights, by name. The measured decisions (kernel, packing, experts) live in fusion-core's
 decisions facility (:class:`fusion_core.plugin.Decisions`), which ``fusion_core.reset_state()`` resets: no hook of this
-plugin's is needed for them. ``fusion_reset_state`` forgets the GEMV kernels built in this process
-(:func:`fusion_linear_kernels.row_dot.clear`: each is built again at its next call) and whether a failed build was
-already reported.
+plugin's is needed for them. ``fusion_reset_state`` forgets the kernels built in this process (the GEMV's,
+:func:`fusion_linear_kernels.row_dot.clear`, and the decode step's, :func:`fusion_linear_kernels.layer_kernel.clear`:
+each is built again at its next call) and whether a failed build was already reported.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from torch import nn
 
 from fusion_core import ModulePlan, SaveError, hookimpl
 from fusion_core.plugin import MergedLinear, fuse_instance, merged_projection, presenting_fused
-from fusion_linear_kernels import decode_layer, row_dot
+from fusion_linear_kernels import layer_kernel, row_dot
 from fusion_linear_kernels.choice import Caller, traced_linear
 from fusion_linear_kernels.decode_layer import FORM_KEY, switch_layers
 from fusion_linear_kernels.direct_reads import read_directly
@@ -72,7 +74,7 @@ def register_fusion_families(register: Callable[[Any], None]) -> None:
 @hookimpl
 def fusion_reset_state() -> None:
     row_dot.clear()
-    decode_layer.clear()
+    layer_kernel.clear()
 
 
 @hookimpl(wrapper=True, tryfirst=True)

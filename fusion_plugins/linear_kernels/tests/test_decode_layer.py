@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from fusion_linear_kernels import choice, decode_layer, packing
+from fusion_linear_kernels import choice, layer_kernel, packing
 from fusion_linear_kernels.decode_layer import FORM_KEY, DecodeLayerMixin, LayerForm, refusal
 from torch import nn
 from transformers import AutoModelForCausalLM, Gemma2Config, GemmaConfig, LlamaConfig, Qwen2Config
@@ -248,4 +248,4 @@ def test_switched_layers_unfuse_and_pickle(steps: list[nn.Module]) -> None:
 
 
 def test_the_kernel_is_not_built_for_dtypes_the_gemv_does_not_take() -> None:
-    assert decode_layer.kernel(torch.float64) is None
+    assert layer_kernel.kernel(torch.float64) is None
