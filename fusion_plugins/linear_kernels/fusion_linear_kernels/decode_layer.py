@@ -35,10 +35,10 @@ and the arithmetic within the bound. A layer that does not verify (Granite's res
 after the blocks, parallel blocks, LayerNorm, a ReLU MLP, a forward that returns a tuple) keeps its class.
 
 **When it runs.** Only for a step of one to eight rows that the original would run the same way: grad mode off, not
-traced, not training, a contiguous CPU input of the weights' dtype, no positional arguments but the hidden states, no
-forward hooks on the layer's norms and MLP (nor global ones), the verified module types in place (a LoRA adapter or a
-quantizer's layer there, a packed weight, turns it off) and a kind decided for each GEMV. Any other call runs the
-original forward, which decides the kinds on its first call.
+traced, not training, no autocast, a contiguous CPU input of the weights' dtype, no positional arguments but the hidden
+states, no forward hooks on the layer's norms and MLP (nor global ones), the verified module types in place (a LoRA
+adapter or a quantizer's layer there, a packed weight, turns it off) and a kind decided for each GEMV. Any other call
+runs the original forward, which decides the kinds on its first call.
 
 Measured on the 2-core Xeon VM (AMX-BF16), torch 2.13.0, transformers 5.25.0, bf16, every family on, side by side
 with the layers' modules in one run (``benchmarks/bench_decode.py``'s ``(no decode step)`` contender;
@@ -239,7 +239,8 @@ class LayerForm:
         normed = torch.empty_like(hidden)
         compiled(hidden, hidden, norm, norm, norm, gate, up, down, gate, up, down, normed, normed, normed, self.eps,
                  self.hidden, self.intermediate, rows, flags & ~MLP, *blocks)
-        attention = layer._modules["self_attn"](hidden_states=normed, **kwargs)[0]
+        result = layer._modules["self_attn"](hidden_states=normed, **kwargs)
+        attention = result[0] if isinstance(result, tuple) else result  # (output, weights), as the forward unpacks it
         if not (type(attention) is torch.Tensor and attention.dtype is self.dtype
                 and attention.shape == hidden.shape):  # not what verification saw: the verified form's modules
             return composed(layer, hidden, attention, self.flags & SANDWICH_FORM)
@@ -268,7 +269,7 @@ class DecodeLayerMixin(FusedModule):
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         form = self.__dict__.get(FORM_KEY)
         if (form is not None and not args and not torch.is_grad_enabled() and not self.training
-                and not torch.compiler.is_compiling()):
+                and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")):
             arguments = form.arguments(self, hidden_states)
             if arguments is not None:
                 return form.run(self, hidden_states, arguments, kwargs)

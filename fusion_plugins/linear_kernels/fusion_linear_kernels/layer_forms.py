@@ -115,4 +115,5 @@ def swapped(layer: nn.Module, **children: nn.Module) -> Iterator[None]:
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference between ``a`` and ``b``, relative to ``a``'s largest element."""
     return float((a.float() - b.float()).abs().max()) / (float(a.float().abs().max()) or 1.0)

@@ -200,6 +200,9 @@ def test_calls_the_step_cannot_take_as_the_original_would_run_the_original(steps
     with torch.no_grad():
         fused(token)
     fused.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        fused(token)
+    assert not steps
     seen: list[nn.Module] = []
     handle = fused.model.layers[0].mlp.register_forward_hook(lambda module, args, out: seen.append(module))
     with torch.no_grad():
