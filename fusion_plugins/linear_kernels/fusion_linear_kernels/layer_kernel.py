@@ -106,11 +106,9 @@ extern "C" void kernel(const T* h, const T* attention, const T* norm, const T* a
 def source(dtype: torch.dtype) -> str:
     """The C++ of the layer kernel for a model of ``dtype``: the GEMV's templates (:func:`row_dot.templates`), then
     the norms, the activation and the entry point."""
-    cases = "\n        ".join(f"case {inputs * 100 + block}: gemv<{block}, {inputs}>(w, x, bias, out, n, k); break;"
-                                for inputs, block in row_dot.BUILT)
     flags = {"@MLP@": MLP, "@GATE_UP_BIAS@": GATE_UP_BIAS, "@DOWN_BIAS@": DOWN_BIAS,
              "@GATE_UP_MERGED@": GATE_UP_MERGED, "@SANDWICH@": SANDWICH_FORM, "@PLUS_ONE@": PLUS_ONE, "@GELU@": GELU,
-             "@CASES@": cases}
+             "@CASES@": row_dot.gemv_cases("bias")}
     code = _SOURCE
     for name, value in flags.items():
         code = code.replace(name, str(value))

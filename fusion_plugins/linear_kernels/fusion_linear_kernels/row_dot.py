@@ -231,9 +231,7 @@ Key = tuple[torch.dtype, bool]
 def source(dtype: torch.dtype, bias: bool, paired: bool = True) -> str:
     """The C++ of the kernel for weights of ``dtype``, with or without a bias; without the paired dot products where
     not ``paired`` (what a CPU without AVX512-BF16 runs, whatever the CPU at hand)."""
-    cases = "\n        ".join(f"case {inputs * 100 + block}: gemv<{block}, {inputs}>(w, x, b, out, n, k); break;"
-                                for inputs, block in BUILT)
-    return (templates(dtype, paired) + _SOURCE[_SOURCE.index(_ENTRY):].replace("@CASES@", cases)
+    return (templates(dtype, paired) + _SOURCE[_SOURCE.index(_ENTRY):].replace("@CASES@", gemv_cases("b"))
             .replace("@BIAS_ARG@", "const T* bias, " if bias else "").replace("@BIAS@", "bias" if bias else "nullptr"))
 
 
@@ -243,6 +241,13 @@ def templates(dtype: torch.dtype, paired: bool = True) -> str:
     (:mod:`fusion_linear_kernels.decode_layer`)."""
     head = _SOURCE[:_SOURCE.index(_ENTRY)]
     return head.replace("@PAIRED_DOTS@", _PAIRED_DOTS if paired else "").replace("@TYPE@", C_TYPES[dtype])
+
+
+def gemv_cases(bias: str) -> str:
+    """The C++ ``case`` lines of a ``switch (inputs * 100 + block)`` that run ``gemv<block, inputs>(w, x, <bias>, out,
+    n, k)`` for each pair of :data:`BUILT`."""
+    return "\n        ".join(f"case {inputs * 100 + block}: gemv<{block}, {inputs}>(w, x, {bias}, out, n, k); break;"
+                               for inputs, block in BUILT)
 
 
 def gemv_weight(weight: torch.Tensor) -> bool:
