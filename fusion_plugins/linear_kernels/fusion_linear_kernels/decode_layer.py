@@ -300,8 +300,11 @@ def refusal(layer: nn.Module) -> str | None:
     It swaps the layer's children for stand-ins while it runs: not for a model another thread is running.
     """
     form = LayerForm.of(layer)
-    if isinstance(form, str):
-        return form
+    return form if isinstance(form, str) else _unverified(layer, form)
+
+
+def _unverified(layer: nn.Module, form: LayerForm) -> str | None:
+    """:func:`refusal` for a layer whose form is ``form``: why the forward does not verify against it, or None."""
     plan = attached_plan(layer, ModulePlan) if isinstance(layer, DecodeLayerMixin) else None
     forward = (plan.original_class if plan is not None else type(layer)).forward
     names = [name for name, p in list(inspect.signature(forward).parameters.items())[2:]  # self, hidden states
@@ -349,23 +352,20 @@ def candidates(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield path, module
 
 
-def switch_layers(model: nn.Module, family: str) -> int:
+def switch_layers(model: nn.Module, family: str) -> None:
     """Give each decoder layer of ``model`` whose form verifies (:func:`refusal`, once per form) the decode step:
-    its class switched through a plan of ``family`` (so ``unfuse`` restores it). Returns how many were switched."""
+    its class switched through a plan of ``family`` (so ``unfuse`` restores it)."""
     verdicts: dict[tuple[Any, ...], str | None] = {}
-    switched = 0
     for path, layer in candidates(model):
         form = LayerForm.of(layer)
         if isinstance(form, str):
             continue
-        key = (type(layer), form.types, form.dtype, form.hidden, form.intermediate, form.eps, form.merged)
+        key = (type(layer), form.types, form.dtype, form.hidden, form.intermediate, form.eps, form.flags, form.merged)
         if key not in verdicts:
-            verdicts[key] = refusal(layer)
+            verdicts[key] = _unverified(layer, form)
         if verdicts[key] is not None:
             continue
         plan = ModulePlan(family=family, path=path, original_class=type(layer),
                           fused_class=fused_layer_class(type(layer)), transforms=())
         fuse_instance(layer, plan)
         layer.__dict__[FORM_KEY] = form
-        switched += 1
-    return switched
