@@ -17,8 +17,10 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from fusion_linear_kernels import choice, layer_kernel, packing
+from fusion_linear_kernels import choice, layer_kernel, packing, row_dot
 from fusion_linear_kernels.decode_layer import FORM_KEY, DecodeLayerMixin, LayerForm, refusal
+from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
+from one_row_gemv import fresh_kernels_of, skip_unless_built
 from torch import nn
 from transformers import AutoModelForCausalLM, Gemma2Config, GemmaConfig, LlamaConfig, Qwen2Config
 
@@ -60,9 +62,16 @@ def _fastest(index: int) -> Callable[[int], list[float]]:
 def step_kernels(request: pytest.FixtureRequest, fake_times: Callable[[Any, Any], None]) -> str:
     """The one-row GEMVs decided for ``blocked-rows`` (the last one-row candidate) or ``row-dot`` (the one before);
     weights stay dense."""
+    skip_unless_built(lambda: layer_kernel.kernel(torch.bfloat16), "the decode layer kernel")
     fake_times(choice, _fastest(-1 if request.param == "blocked-rows" else -2))
     fake_times(packing, original_fastest)
     return str(request.param)
+
+
+@pytest.fixture
+def fresh_kernels() -> Iterator[None]:
+    """The layer kernel forgotten before the test, and gone after ``fusion_core.reset_state()``."""
+    yield from fresh_kernels_of(layer_kernel)
 
 
 @pytest.fixture
@@ -252,3 +261,34 @@ def test_switched_layers_unfuse_and_pickle(steps: list[nn.Module]) -> None:
 
 def test_the_kernel_is_not_built_for_dtypes_the_gemv_does_not_take() -> None:
     assert layer_kernel.kernel(torch.float64) is None
+
+
+@pytest.mark.usefixtures("step_kernels")
+def test_a_layer_kernel_that_cannot_be_built_leaves_the_modules_and_says_so_once(
+        fresh_kernels: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusion_linear_kernels import compat
+
+    build = compat.cpp_kernel
+
+    def no_layer_kernel(argtypes: list[str], source: str) -> Any:
+        if "rms_norm" in source:
+            raise RuntimeError("no C++ compiler found")
+        return build(argtypes, source)
+
+    monkeypatch.setattr(compat, "cpp_kernel", no_layer_kernel)
+    monkeypatch.setenv("FUSION_CORE_DECISIONS", "off")  # no stored library file is read ...
+    row_dot.clear()  # ... nor one this process built
+    plain = _model("llama")
+    with pytest.warns(RowDotUnavailableWarning, match="decode layer kernel") as caught:
+        fused = fusion_core.fuse(copy.deepcopy(plain), MERGED)
+        fusion_core.fuse(copy.deepcopy(plain), ALONE)  # tried again: not built, not said again
+    assert len([w for w in caught if "decode layer kernel" in str(w.message)]) == 1
+    assert not any(isinstance(layer, DecodeLayerMixin) for layer in fused.model.layers)
+    assert "no decode layer kernel" in str(refusal(fused.model.layers[0]))
+    assert torch.equal(_generate(fused).sequences, _generate(_modules_only(fused)).sequences)
+
+
+@pytest.mark.usefixtures("step_kernels")
+def test_reset_state_forgets_the_built_layer_kernels(fresh_kernels: None) -> None:
+    fusion_core.fuse(_model("llama"), MERGED)
+    assert len(layer_kernel._KERNELS)  # fresh_kernels checks they are gone after fusion_core.reset_state()
