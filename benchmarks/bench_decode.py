@@ -226,10 +226,9 @@ def load_contender(path: Any, families: str | None, dtype: torch.dtype, quantize
 
 def without_decode_step(model: nn.Module) -> nn.Module:
     """``model`` with every decoder layer's decode step dropped (see :data:`NO_DECODE_STEP`)."""
-    from fusion_linear_kernels.decode_layer import FORM_KEY
+    from fusion_linear_kernels.decode_layer import drop_decode_steps
 
-    for module in model.modules():
-        module.__dict__.pop(FORM_KEY, None)
+    drop_decode_steps(model)
     return model
 
 

@@ -369,3 +369,10 @@ def switch_layers(model: nn.Module, family: str) -> None:
                           fused_class=fused_layer_class(type(layer)), transforms=())
         fuse_instance(layer, plan)
         layer.__dict__[FORM_KEY] = form
+
+
+def drop_decode_steps(model: nn.Module) -> None:
+    """Every switched layer of ``model`` runs its modules again at every call (its form forgotten; the class stays,
+    so ``unfuse`` still restores it): the step turned off, to compare or to rule it out."""
+    for module in model.modules():
+        module.__dict__.pop(FORM_KEY, None)

@@ -18,7 +18,7 @@ import pytest
 import torch
 import transformers
 from fusion_linear_kernels import choice, layer_kernel, packing, row_dot
-from fusion_linear_kernels.decode_layer import FORM_KEY, DecodeLayerMixin, LayerForm, refusal
+from fusion_linear_kernels.decode_layer import FORM_KEY, DecodeLayerMixin, LayerForm, drop_decode_steps, refusal
 from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
 from one_row_gemv import fresh_kernels_of, skip_unless_built
 from torch import nn
@@ -97,8 +97,8 @@ def _generate(model: nn.Module, tokens: int = 6) -> Any:
 def _modules_only(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose layers run their modules (the step's form dropped)."""
     copied = copy.deepcopy(model)
-    for module in copied.modules():
-        module.__dict__.pop(FORM_KEY, None)
+    drop_decode_steps(copied)
+    assert not any(FORM_KEY in module.__dict__ for module in copied.modules())
     return copied
 
 
