@@ -56,10 +56,17 @@ import torch
 from torch import nn
 
 from fusion_core import FusedModule, ModulePlan
-from fusion_core.plugin import attached_plan, fuse_instance, fused_subclass, merged_projection
+from fusion_core.plugin import (
+    Decisions,
+    attached_plan,
+    distinct_copies,
+    fuse_instance,
+    fused_subclass,
+    merged_projection,
+)
 from fusion_linear_kernels import compat, layer_kernel, row_dot
-from fusion_linear_kernels.choice import decided, generation
-from fusion_linear_kernels.kernels import BLOCKED_ROWS, FEW_ROWS, FEW_ROWS_BLOCKED, ROW_DOT
+from fusion_linear_kernels.choice import Kind, decided, generation, kind_of, rows_of
+from fusion_linear_kernels.kernels import BLOCKED_ROWS, FEW_ROWS, FEW_ROWS_BLOCKED, ROW_DOT, Candidate
 from fusion_linear_kernels.layer_forms import (
     CHILDREN,
     SANDWICH,
@@ -88,6 +95,50 @@ FORM_KEY = "_fusion_decode_form"
 _BLOCKS = {ROW_DOT: 1, BLOCKED_ROWS: 8, FEW_ROWS: 1, FEW_ROWS_BLOCKED: 4}
 """The GEMV candidates the kernel runs, and the weight rows each reads side by side (see
 :mod:`fusion_linear_kernels.blocked_rows`)."""
+
+
+_ONE_ROW = (BLOCKED_ROWS, ROW_DOT)
+"""The kernel's one-row candidates, the first kept on a tie (:func:`_block`)."""
+_DECISIONS: Decisions[Kind, Candidate] = Decisions(
+    f"linear_kernels.decode_layer[{','.join(candidate.name for candidate in _ONE_ROW)}]",
+    save=lambda candidate: candidate.name,
+    load=lambda name: next((candidate for candidate in _ONE_ROW if candidate.name == name), None))
+"""Which of :data:`_ONE_ROW` a step runs for a one-row kind decided for a kernel the step does not run."""
+
+
+def _block(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int | None:
+    """The weight rows the step's GEMV of ``input`` by ``weight`` reads side by side: the block of the kernel its kind
+    decided; or None where the kind is undecided, or decided at two to eight rows for one the step does not run.
+
+    A one-row kind decided for ``torch.mv`` or ``F.linear`` takes the faster of the kernel's own one-row blocks,
+    measured once per kind (:data:`_DECISIONS`). At one row every candidate reads the weight at about the
+    memory's speed, so such a decision is won by a small margin, on a noisy moment as often as not; refusing the step
+    for it costs the whole step. Measured on the 2-core Xeon VM (Qwen2-0.5B, every family on, bf16; a throwaway run,
+    decisions measured afresh): a load whose down projection (896x4864) decided ``mv`` at 0.403 ms a call, where the
+    kernel took about the same, ran none of its 24 layers' steps and decoded at 59-63 ms a token against 48 with them.
+    At two to eight rows a decision for ``F.linear`` (oneDNN's GEMM, which can beat a GEMV there) stands.
+    """
+    candidate = decided(input, weight, bias)
+    if (candidate is not None and candidate not in _BLOCKS and rows_of(input) == 1
+            and all(one.applies(input, weight, bias) for one in _ONE_ROW)):
+        kind = kind_of(input, weight, bias, False)
+        candidate = _DECISIONS.get(kind) or _DECISIONS.decide(
+            kind, lambda: _faster_one_row(input, weight, bias))
+    return None if candidate is None else _BLOCKS.get(candidate)
+
+
+def clear_decisions() -> None:
+    """Forget which one-row block each kind's step runs, here and stored for this machine (:data:`_DECISIONS`)."""
+    _DECISIONS.forget()
+
+
+def _faster_one_row(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Candidate:
+    """The faster of :data:`_ONE_ROW` on ``input``, timed over a pass of copies of ``weight`` (as a kind's decision
+    is timed)."""
+    x, weights = input.detach(), distinct_copies(weight.detach())
+    with torch.no_grad():
+        ways = [lambda one=one: [one.run(x, copy, bias) for copy in weights] for one in _ONE_ROW]
+        return _ONE_ROW[_DECISIONS.fastest(ways, x.device)]
 
 
 def _epsilon(norm: nn.Module) -> float | None:
@@ -222,11 +273,11 @@ class LayerForm:
         kept = self._blocks.get(rows)
         if kept is not None and kept[0] == current:
             return kept[1]
-        gate_up = decided(hidden.reshape(rows, self.hidden), gate, gate_bias)
-        down_kind = decided(hidden.new_empty(rows, self.intermediate), down, down_bias)
-        if gate_up not in _BLOCKS or down_kind not in _BLOCKS:
+        gate_up = _block(hidden.reshape(rows, self.hidden), gate, gate_bias)
+        down_block = _block(hidden.new_zeros(rows, self.intermediate), down, down_bias)
+        if gate_up is None or down_block is None:
             return None
-        blocks = (_BLOCKS[gate_up], _BLOCKS[down_kind])
+        blocks = (gate_up, down_block)
         self._blocks[rows] = (current, blocks)
         return blocks
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from fusion_linear_kernels import choice, layer_kernel, packing, row_dot
+from fusion_linear_kernels import choice, decode_layer, layer_kernel, packing, row_dot
 from fusion_linear_kernels.decode_layer import FORM_KEY, DecodeLayerMixin, LayerForm, drop_decode_steps, refusal
 from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
 from one_row_gemv import fresh_kernels_of, skip_unless_built
@@ -142,6 +142,48 @@ def test_a_batch_of_sequences_decodes_as_the_modules_do(steps: list[nn.Module]) 
     assert len(steps) == 2 * 3  # three one-token steps of three rows (the twelve-row prefill runs the modules)
     assert torch.equal(out.sequences, reference.sequences)
     assert all(_close(got, expected) for got, expected in zip(out.logits, reference.logits, strict=True))
+
+
+def _one_row_steps() -> dict[str, str]:
+    """The one-row block each kind's step took where its kind decided a kernel the step does not run."""
+    return {str(kind[2]): candidate.name for kind, candidate in decode_layer._DECISIONS.items()}
+
+
+@pytest.mark.parametrize("one_row", ["blocked-rows", "row-dot"])
+def test_a_one_row_kind_decided_for_mv_takes_the_faster_of_the_kernels_one_row_blocks(
+        one_row: str, fake_times: Callable[[Any, Any], None], steps: list[nn.Module]) -> None:
+    skip_unless_built(lambda: layer_kernel.kernel(torch.bfloat16), "the decode layer kernel")
+    fake_times(choice, _fastest(1))  # torch.mv, the second of the candidates timed
+    fake_times(packing, original_fastest)
+    fake_times(decode_layer, _fastest(0 if one_row == "blocked-rows" else 1))
+    fused = fusion_core.fuse(_model("llama"), MERGED)
+    steps.clear()  # the verification's
+    layers = list(fused.model.layers)
+    assert all(FORM_KEY in layer.__dict__ for layer in layers), refusal(layers[0])
+    mlp_kinds = {kind: name for kind, name in choice.decisions().items() if kind[2] in ((3072, 512), (512, 1536))}
+    assert set(mlp_kinds.values()) == {"mv"}
+    assert _one_row_steps() == {"(3072, 512)": one_row, "(512, 1536)": one_row}
+    reference = _generate(_modules_only(fused))
+    out = _generate(fused)
+    assert steps == layers * 6
+    assert torch.equal(out.sequences, reference.sequences)
+    assert all(_close(got, expected) for got, expected in zip(out.logits, reference.logits, strict=True))
+
+
+def test_kinds_of_a_few_rows_decided_for_f_linear_keep_the_modules(fake_times: Callable[[Any, Any], None],
+                                                                   steps: list[nn.Module]) -> None:
+    skip_unless_built(lambda: layer_kernel.kernel(torch.bfloat16), "the decode layer kernel")
+    fake_times(choice, original_fastest)  # every kind keeps F.linear
+    fake_times(packing, original_fastest)
+    fake_times(decode_layer, _fastest(0))
+    fused = fusion_core.fuse(_model("qwen2"), MERGED)
+    steps.clear()  # the verification's
+    with torch.no_grad():
+        fused.generate(IDS, max_new_tokens=3, do_sample=False)
+        assert len(steps) == 2 * 2  # one-row steps: the kernel's own block
+        steps.clear()
+        fused.generate(torch.cat([IDS, IDS.flip(-1)]), max_new_tokens=3, do_sample=False)
+    assert not steps  # two-row steps: F.linear's GEMM, as decided, in the layers' modules
 
 
 @pytest.mark.usefixtures("step_kernels")
