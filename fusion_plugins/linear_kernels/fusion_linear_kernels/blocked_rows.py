@@ -4,11 +4,9 @@
 The row-dot candidate (:mod:`fusion_linear_kernels.row_dot`) reads one weight row at a time and loads the input
 again for every row. Where a row is wide (a down projection's 8192 or 11008 elements), that input no longer sits in
 the core's first-level cache next to the streaming weight, and the GEMV falls below the memory's bandwidth.
-``blocked-rows`` runs the same kernel (:func:`~fusion_linear_kernels.row_dot.gemv`) over eight rows at a time: with
-AVX512-BF16, as pairs of bfloat16 multiplied in one instruction; since 2026-12-06 the eight rows are read one after
-another as one stream with the next lines asked for ahead (see the row-dot module's "Reading ahead"), where they
-were read side by side, each slice of the input widened once for eight accumulators. The figures below are of
-that earlier form. Measured on a 2-core AMD EPYC (avx512_bf16), one
+``blocked-rows`` runs the same kernel (:func:`~fusion_linear_kernels.row_dot.gemv`) over eight rows at once: each
+slice of the input is loaded and widened to float32 once, then multiplied into eight accumulators, one per row
+(eight independent streams, which the CPU's prefetchers follow). Measured on a 2-core AMD EPYC (avx512_bf16), one
 row, bfloat16, over a pass of copies read from memory, against a float32 sum of the weights' own bytes in the same
 run: 2048x11008 29.5 GB/s (Inductor's one-row reduction 21.0, the sum 27.6), 2048x8192 28.5 (24.1; 28.0),
 3584x18944 30.4 (22.9; 28.1). It is a candidate at every width, and the choice measures it against the others

@@ -32,20 +32,17 @@ kernel asks the CPU when it is loaded (``__builtin_cpu_supports``) and compiles 
 whatever flags Inductor's toolchain passes; other CPUs and compilers, float16 and float32 keep the widening path.
 The instruction treats subnormal inputs as zero: within the bound, like every other difference of these candidates.
 
-**Reading ahead, in one stream.** While it reads a block of weight rows, the kernel asks the CPU to fetch lines
-ahead of its reads (``__builtin_prefetch`` where the compiler has it, a hint that never faults); the sums are the
-same bits whatever it asks for. Where several input rows share a block, it reads the block's rows side by side and
-asks for the same place of the next block. Where one input row reads a block (``blocked-rows``), it reads the block's
-rows one after another, so the whole weight is a single linear stream, and asks for the line 3 KiB ahead
-(``FUSION_AHEAD``): eight rows side by side were eight short streams (eight 28-line rows at a width of 896) that the
-CPU's prefetchers did not follow to the memory's speed. Each row's sum runs in the same order either way, so the
-outputs are the same bits (the probe checked ``torch.equal``). Measured on the 2-core Xeon VM (AMX-BF16), the kernel
-over a pass of copies on huge pages, one input row, eight rows a block, GB/s, side by side / one stream (a throwaway
-probe that built both sources in one process, with an A/A build; not in the repository): bfloat16 151936x896
-28.3 / 32.6, 9728x896 27.9 / 31.9, 1152x896 27.7 / 31.8, 896x4864 30.0 / 30.4, 2048x11008 30.0 / 35.5, 3584x18944
-30.0 / 34.6, 128256x2048 29.2 / 32.7; float32 9728x896 29.1 / 33.2, 3584x18944 24.5 / 34.0; the A/A builds within 2%.
-(The side-by-side read-ahead had taken 151936x896 from 23.9 to 27.8 and Qwen2-0.5B's eager decode from 58.97 to
-51.41 ms a token.) A row read alone (``row-dot``) keeps asking for the same place of the next row.
+**Reading ahead.** While it reads a block of weight rows, the kernel asks the CPU to fetch the same place of the
+next block (``__builtin_prefetch`` where the compiler has it, one request per 64-byte line, a hint that never
+faults). The rows of a block lie
+back to back, so the requests run one block ahead of the reads, a short linear stream the CPU's own prefetchers do
+not start: a block of eight 896-wide rows is eight streams of 28 lines each. The sums are unchanged (the same
+bits). Measured on a 2-core Xeon VM (AMX-BF16), over a pass of copies, GB/s, before / after (input rows x block; a
+throwaway probe that built both sources side by side, not in the repository):
+bfloat16 9728x896 1x8 23.1 / 27.5, 1x1 18.0 / 20.7, 4x4 10.9 / 21.5, 8x4 8.0 / 17.3; 151936x896 1x8 23.9 / 27.8;
+896x4864 1x8 27.8 / 29.9, 4x1 15.3 / 13.6 (the one pair slower; the choice measures the others beside it);
+float32 9728x896 1x1 25.6 / 29.2. Qwen2-0.5B's eager decode, every family on: 58.97 / 51.41 ms a token
+(``benchmarks/bench_decode.py``, each code in a run of its own).
 
 Only weights of at least :data:`MIN_BYTES` apply (:func:`gemv_weight`): a smaller weight is served from the CPU's
 caches, where the kernel buys nothing. Where the kernel cannot be built (no C++ compiler on the machine),
@@ -112,8 +109,6 @@ static inline Acc widened(const float* p) { return Acc::loadu(p); }
 #else
 #define FUSION_PREFETCH(p) ((void)0)
 #endif
-// How far ahead of its read a block of rows read as one stream asks for a line, in bytes.
-#define FUSION_AHEAD 3072
 
 @PAIRED_DOTS@
 // The dot products of ROWS consecutive weight rows (w, row stride k) with IN input rows (x, row stride k), in
@@ -129,27 +124,15 @@ static inline void dots(const T* w, const T* x, int64_t k, float* sums, int64_t 
     Acc acc[ROWS][IN];
     for (int r = 0; r < ROWS; ++r) for (int i = 0; i < IN; ++i) acc[r][i] = Acc(0);
     int64_t j = 0;
-    if constexpr (IN == 1 && ROWS > 1) {  // one stream: the block's rows one after another, each summed in order
+    for (; j + lanes <= k; j += lanes) {
+        Acc xs[IN];
+        for (int i = 0; i < IN; ++i) xs[i] = widened(x + i * k + j);
         for (int r = 0; r < ROWS; ++r) {
-            const T* row = w + r * k;
-            for (j = 0; j + lanes <= k; j += lanes) {
-                for (int64_t line = 0; line < lanes * int64_t(sizeof(T)); line += 64) {
-                    FUSION_PREFETCH(reinterpret_cast<const char*>(row + j) + FUSION_AHEAD + line);
-                }
-                acc[r][0] = at::vec::fmadd(widened(row + j), widened(x + j), acc[r][0]);
+            for (int64_t line = 0; line < lanes * int64_t(sizeof(T)); line += 64) {
+                FUSION_PREFETCH(reinterpret_cast<const char*>(w + (r + ROWS) * k + j) + line);
             }
-        }
-    } else {
-        for (; j + lanes <= k; j += lanes) {
-            Acc xs[IN];
-            for (int i = 0; i < IN; ++i) xs[i] = widened(x + i * k + j);
-            for (int r = 0; r < ROWS; ++r) {
-                for (int64_t line = 0; line < lanes * int64_t(sizeof(T)); line += 64) {
-                    FUSION_PREFETCH(reinterpret_cast<const char*>(w + (r + ROWS) * k + j) + line);
-                }
-                const Acc ws = widened(w + r * k + j);
-                for (int i = 0; i < IN; ++i) acc[r][i] = at::vec::fmadd(ws, xs[i], acc[r][i]);
-            }
+            const Acc ws = widened(w + r * k + j);
+            for (int i = 0; i < IN; ++i) acc[r][i] = at::vec::fmadd(ws, xs[i], acc[r][i]);
         }
     }
     for (int r = 0; r < ROWS; ++r) for (int i = 0; i < IN; ++i) {
@@ -211,27 +194,14 @@ static void paired_dots(const at::BFloat16* w, const at::BFloat16* x, int64_t k,
         acc[u][r][i] = _mm512_setzero_ps();
     }
     int64_t j = 0;
-    if constexpr (IN == 1 && ROWS > 1) {  // one stream: the block's rows one after another, each summed in order
-        for (int r = 0; r < ROWS; ++r) {
-            const at::BFloat16* row = w + r * k;
-            for (j = 0; j + 32 * U <= k; j += 32 * U) {
-                for (int u = 0; u < U; ++u) {
-                    FUSION_PREFETCH(reinterpret_cast<const char*>(row + j + 32 * u) + FUSION_AHEAD);
-                    const __m512bh ws = (__m512bh)_mm512_loadu_si512(row + j + 32 * u);
-                    acc[u][r][0] = _mm512_dpbf16_ps(acc[u][r][0], ws, (__m512bh)_mm512_loadu_si512(x + j + 32 * u));
-                }
-            }
-        }
-    } else {
-        for (; j + 32 * U <= k; j += 32 * U) {
-            for (int u = 0; u < U; ++u) {
-                __m512bh xs[IN];
-                for (int i = 0; i < IN; ++i) xs[i] = (__m512bh)_mm512_loadu_si512(x + i * k + j + 32 * u);
-                for (int r = 0; r < ROWS; ++r) {
-                    FUSION_PREFETCH(w + (r + ROWS) * k + j + 32 * u);
-                    const __m512bh ws = (__m512bh)_mm512_loadu_si512(w + r * k + j + 32 * u);
-                    for (int i = 0; i < IN; ++i) acc[u][r][i] = _mm512_dpbf16_ps(acc[u][r][i], ws, xs[i]);
-                }
+    for (; j + 32 * U <= k; j += 32 * U) {
+        for (int u = 0; u < U; ++u) {
+            __m512bh xs[IN];
+            for (int i = 0; i < IN; ++i) xs[i] = (__m512bh)_mm512_loadu_si512(x + i * k + j + 32 * u);
+            for (int r = 0; r < ROWS; ++r) {
+                FUSION_PREFETCH(w + (r + ROWS) * k + j + 32 * u);
+                const __m512bh ws = (__m512bh)_mm512_loadu_si512(w + r * k + j + 32 * u);
+                for (int i = 0; i < IN; ++i) acc[u][r][i] = _mm512_dpbf16_ps(acc[u][r][i], ws, xs[i]);
             }
         }
     }
