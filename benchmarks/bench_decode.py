@@ -449,7 +449,13 @@ def main(argv: list[str] | None = None) -> None:
         packed.rows.append([str(kind_dtype)[6:], "x".join(map(str, shape)), str(exact),
                             "prepacked" if is_packed else "dense", why])
     log(packed.text())
-    from fusion_linear_kernels.decode_layer import FORM_KEY, DecodeLayerMixin, candidates, refusal
+    from fusion_linear_kernels.decode_layer import (
+        FORM_KEY,
+        DecodeLayerMixin,
+        candidates,
+        decisions as step_decisions,
+        refusal,
+    )
 
     steps = Table("linear_kernels decode step (decoder layers: norms and MLP in one kernel call each side of the "
                   "attention)", ["contender", "layers with the step", "why not (the first other layer)"])
@@ -460,6 +466,9 @@ def main(argv: list[str] | None = None) -> None:
             taking = sum(FORM_KEY in layer.__dict__ for layer in switched)
             steps.rows.append([name, f"{taking} of {len(switched) + len(others)}",
                                (refusal(others[0]) or "-") if others else "-"])
+    for (_, _, shape, _, bias, rows, _, _), block in sorted(step_decisions().items(), key=str):
+        steps.notes.append(f"{'x'.join(map(str, shape))} (bias {bias}, {rows} row): the step runs {block} (its kind "
+                           "decided a kernel the step does not run)")
     log(steps.text())
     from fusion_linear_kernels.experts import decisions as experts_decisions
 

@@ -18,11 +18,13 @@ to eight sequences, a short prompt, the draft tokens assisted generation checks)
 The GEMVs are the ones :mod:`fusion_linear_kernels.row_dot` builds (the same C++ templates, compiled into this
 kernel), run with the block each projection's kind decided (:func:`~fusion_linear_kernels.choice.decided`:
 ``row-dot``, ``blocked-rows``, ``few-rows`` or ``few-rows-blocked``), so they give the bits the layer's own modules
-give. The norms, the activation and the residuals round to the model's dtype where transformers' operators do (a
-float32 mean of squares; Llama's norm rounds the normalised input, then multiplies by the weight, Gemma's multiplies
-by 1 + the weight in float32 and rounds once; the activation in float32 vectors with torch's own ``exp`` and
-``tanh``, rounded, times ``up``); the mean sums in another order than torch's, so a result may differ in its last bit:
-within the bound (:mod:`fusion_linear_kernels.tolerance`), and never in exact mode, where no layer is switched.
+give (a one-row kind decided for ``torch.mv`` or ``F.linear`` runs the faster of the kernel's one-row blocks:
+:func:`_block`). The norms, the activation and the residuals round to the model's dtype where transformers'
+operators do (a float32 mean of squares; Llama's norm rounds the normalised input, then multiplies by the weight,
+Gemma's multiplies by 1 + the weight in float32 and rounds once; the activation in float32 vectors with torch's own
+``exp`` and ``tanh``, rounded, times ``up``); the mean sums in another order than torch's, so a result may differ in
+its last bit: within the bound (:mod:`fusion_linear_kernels.tolerance`), and never in exact mode, where no layer is
+switched.
 
 **Which layers.** A module with the children ``input_layernorm``, ``self_attn``, ``post_attention_layernorm`` and
 ``mlp`` (and :data:`SANDWICH`'s two more norms in Gemma 2 and 3), whose norms hold a 1-D weight and one epsilon
@@ -37,7 +39,8 @@ after the blocks, parallel blocks, LayerNorm, a ReLU MLP, a forward that returns
 **When it runs.** Only for a step of one to eight rows that the original would run the same way: grad mode off, not
 traced, not training, no autocast, a contiguous CPU input of the weights' dtype, no positional arguments but the hidden
 states, no forward hooks on the layer's norms and MLP (nor global ones), the verified module types in place (a LoRA
-adapter or a quantizer's layer there, a packed weight, turns it off) and a kind decided for each GEMV. Any other call
+adapter or a quantizer's layer there, a packed weight, turns it off) and a kind decided for each GEMV (at two to eight
+rows, for a kernel the step runs; see :func:`_block`). Any other call
 runs the original forward, which decides the kinds on its first call.
 
 Measured on the 2-core Xeon VM (AMX-BF16), torch 2.13.0, transformers 5.25.0, bf16, every family on, side by side
@@ -125,6 +128,12 @@ def _block(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
         candidate = _DECISIONS.get(kind) or _DECISIONS.decide(
             kind, lambda: _faster_one_row(input, weight, bias))
     return None if candidate is None else _BLOCKS.get(candidate)
+
+
+def decisions() -> dict[Kind, str]:
+    """The one-row block each kind's step runs where the kind decided a kernel the step does not run (:func:`_block`),
+    by name: measured in this process, or stored for this machine."""
+    return {kind: candidate.name for kind, candidate in _DECISIONS.items()}
 
 
 def clear_decisions() -> None:
