@@ -40,8 +40,8 @@ after the blocks, parallel blocks, LayerNorm, a ReLU MLP, a forward that returns
 traced, not training, no autocast, a contiguous CPU input of the weights' dtype, no positional arguments but the hidden
 states, no forward hooks on the layer's norms and MLP (nor global ones), the verified module types in place (a LoRA
 adapter or a quantizer's layer there, a packed weight, turns it off) and a kind decided for each GEMV (at two to eight
-rows, for a kernel the step runs; see :func:`_block`). Any other call
-runs the original forward, which decides the kinds on its first call.
+rows, for a kernel the step runs; see :func:`_block`). Any other call runs the original forward, which decides the
+kinds on its first call.
 
 Measured on the 2-core Xeon VM (AMX-BF16), torch 2.13.0, transformers 5.25.0, bf16, every family on, side by side
 with the layers' modules in one run (``benchmarks/bench_decode.py``'s ``(no decode step)`` contender;
@@ -118,7 +118,8 @@ def _block(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     memory's speed, so such a decision is won by a small margin, on a noisy moment as often as not; refusing the step
     for it costs the whole step. Measured on the 2-core Xeon VM (Qwen2-0.5B, every family on, bf16; a throwaway run,
     decisions measured afresh): a load whose down projection (896x4864) decided ``mv`` at 0.403 ms a call, where the
-    kernel took about the same, ran none of its 24 layers' steps and decoded at 59-63 ms a token against 48 with them.
+    kernel took about the same, ran none of its 24 layers' steps, which are worth about 9 ms a token there (54.4
+    against 63.6 side by side, docs/benchmarks.md).
     At two to eight rows a decision for ``F.linear`` (oneDNN's GEMM, which can beat a GEMV there) stands.
     """
     candidate = decided(input, weight, bias)
