@@ -81,7 +81,8 @@ SEED = 0
 
 # --------------------------------------------------------------------------- worker side
 
-def load_model(path: str, families: str | None, dtype_name: str, chunk_tokens: int | None) -> Any:
+def load_model(path: str, families: str | None, dtype_name: str, chunk_tokens: int | None,
+               keep_freed_memory: bool = False) -> Any:
     """The model as a user loads it (plain or fused), its parameters copied out of the checkpoint's memory map.
 
     The copy (:func:`bench_decode.own_memory`) makes the baseline resident memory the weights themselves, for
@@ -98,8 +99,13 @@ def load_model(path: str, families: str | None, dtype_name: str, chunk_tokens: i
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     else:
         config: dict[str, Any] = {name: True for name in families.split("+")}
+        options: dict[str, Any] = {}
         if chunk_tokens is not None:
-            config[FUSED] = {"chunk_tokens": chunk_tokens}
+            options["chunk_tokens"] = chunk_tokens
+        if keep_freed_memory:
+            options["release_freed_memory"] = False
+        if options and FUSED in config:
+            config[FUSED] = options
         model = fusion_core.from_pretrained(transformers.AutoModelForCausalLM, path, fusion_config=config,
                                             dtype=dtype)
     return own_memory(model)
@@ -233,7 +239,8 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     transformers.logging.disable_progress_bar()
     torch.manual_seed(SEED)
     start = time.perf_counter()
-    model = prepare(load_model(args["path"], args["families"], args["dtype"], args.get("chunk_tokens")),
+    model = prepare(load_model(args["path"], args["families"], args["dtype"], args.get("chunk_tokens"),
+                               args.get("keep_freed_memory", False)),
                     args["setting"])
     out: dict[str, Any] = {"load_s": time.perf_counter() - start}
     ids = token_ids(model.config.vocab_size, args["tokens"])
@@ -329,7 +336,8 @@ def measure(args: argparse.Namespace, setting: str, tokens: int, path: Path, con
             for name in rotate(list(contenders), r):
                 files[name] = scratch / f"{len(files)}.pt"
                 job = {"path": str(path), "families": contenders[name], "setting": setting, "tokens": tokens,
-                       "dtype": args.dtype, "chunk_tokens": args.chunk_tokens, "grads": str(files[name]),
+                       "dtype": args.dtype, "chunk_tokens": args.chunk_tokens,
+                       "keep_freed_memory": args.keep_freed_memory, "grads": str(files[name]),
                        "mmap_threshold": args.mmap_threshold}
                 samples[name].append(run_worker(job))
             if args.fp32_reference:  # plain in float32, after the round: the exact gradients each contender is off by
@@ -394,11 +402,14 @@ def step_table(args: argparse.Namespace, setting: str, tokens: int, samples: dic
 
 
 def malloc_settings(args: argparse.Namespace) -> str:
-    """The glibc malloc tunables the workers ran with (``--mmap-threshold``, or inherited ``MALLOC_*`` variables)."""
+    """The glibc malloc tunables the workers ran with (``--mmap-threshold``, or inherited ``MALLOC_*`` variables), and
+    whether the fused contender gave its freed heap back."""
     settings = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
     if args.mmap_threshold is not None:
         settings["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
-    return ", ".join(f"{k}={v}" for k, v in sorted(settings.items())) or "glibc's defaults"
+    allocator = ", ".join(f"{k}={v}" for k, v in sorted(settings.items())) or "glibc's defaults"
+    return allocator + (f"; {FUSED} keeps the freed heap (--keep-freed-memory)" if args.keep_freed_memory
+                        else f"; {FUSED} gives the freed heap back at layer boundaries (release_freed_memory)")
 
 
 def budgets_for(args: argparse.Namespace, setting: str, tokens: int, samples: dict[str, list[dict[str, Any]]]
@@ -445,6 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--with-merged", action="store_true", help=f"also the contender {MERGED}")
     parser.add_argument("--chunk-tokens", type=int, default=None,
                         help=f"{FUSED}'s chunk_tokens option (default: the family's)")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help=f"{FUSED} with release_freed_memory off: glibc keeps the heap it freed, as before")
     parser.add_argument("--fp32-reference", action="store_true",
                         help="also run plain in float32 each round and show every contender's distance from its "
                         "gradients (bf16 runs differ from each other by about as much as each differs from exact)")

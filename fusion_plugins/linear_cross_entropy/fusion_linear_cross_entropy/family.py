@@ -30,6 +30,7 @@ No tensor changes layout: the checkpoint loads and saves as it is.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import inspect
 import re
@@ -46,13 +47,15 @@ from torch import nn
 from fusion_core import FamilyOptions, FusedModule, FusionFamily
 from fusion_core.plugin import aliases, forwards, fused_subclass, self_call
 from fusion_linear_cross_entropy.deferred import DeferredLogits, Source
+from fusion_linear_cross_entropy.freed_heap import trimmed_at_layers
 from fusion_linear_cross_entropy.loss import chunked_causal_lm_loss
 
 NAME = "linear_cross_entropy"
 
 
 class LinearCrossEntropyOptions(FamilyOptions):
-    """Options of ``linear_cross_entropy``: the chunk size, and whether to return the logits with the loss."""
+    """Options of ``linear_cross_entropy``: the chunk size, whether to return the logits with the loss, and whether to
+    give freed heap back during a training call."""
 
     chunk_tokens: int | None = Field(
         default=None, ge=1,
@@ -63,6 +66,12 @@ class LinearCrossEntropyOptions(FamilyOptions):
         default=False,
         description="Also return the logits (detached, in the model's dtype, computed in the same pass): costs "
         "one [tokens, vocab] tensor, still no float32 copy and no gradient of it.",
+    )
+    release_freed_memory: bool = Field(
+        default=True,
+        description="In a training call, give the heap glibc's malloc freed back to the system at the decoder "
+        "layers' boundaries, forward and backward, once it has grown by 256 MiB (fusion_linear_cross_entropy."
+        "freed_heap); nothing where the C library is not glibc.",
     )
 
 
@@ -101,12 +110,13 @@ def _original_loss_property(cls: type) -> Any:
 class LinearCrossEntropyMixin(FusedModule):
     """The fused root: in training mode with labels, the loss without the logits; otherwise the original forward.
 
-    ``chunk_tokens`` and ``return_logits`` are the family options, set per fused class (see
+    ``chunk_tokens``, ``return_logits`` and ``release_freed_memory`` are the family options, set per fused class (see
     :func:`mixin_for`).
     """
 
     chunk_tokens: ClassVar[int | None] = None
     return_logits: ClassVar[bool] = False
+    release_freed_memory: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Give each fused class a ``forward`` with the original's signature.
@@ -284,8 +294,9 @@ def _fused_forward(model: LinearCrossEntropyMixin, args: tuple[Any, ...], kwargs
         return super(LinearCrossEntropyMixin, model).forward(*args, **kwargs)
     interception = _Interception(model, head)
     model.__dict__["_fusion_lce_active"] = interception
+    trimmed = trimmed_at_layers(model) if type(model).release_freed_memory else contextlib.nullcontext()
     try:
-        with interception:
+        with interception, trimmed:
             output = super(LinearCrossEntropyMixin, model).forward(*args, **kwargs)
     finally:
         del model.__dict__["_fusion_lce_active"]
@@ -301,25 +312,28 @@ def _fused_forward(model: LinearCrossEntropyMixin, args: tuple[Any, ...], kwargs
     return output
 
 
-_MIXIN_NAME = re.compile(r"LinearCrossEntropyMixin_chunk(auto|\d+)_logits([01])")
-_mixins: dict[tuple[int | None, bool], type[LinearCrossEntropyMixin]] = {}
+_MIXIN_NAME = re.compile(r"LinearCrossEntropyMixin_chunk(auto|\d+)_logits([01])(?:_kept([01]))?")
+_mixins: dict[tuple[int | None, bool, bool], type[LinearCrossEntropyMixin]] = {}
 
 
-def mixin_for(chunk_tokens: int | None, return_logits: bool) -> type[LinearCrossEntropyMixin]:
+def mixin_for(chunk_tokens: int | None, return_logits: bool,
+              release_freed_memory: bool = True) -> type[LinearCrossEntropyMixin]:
     """The fused mixin with these options as class attributes: one class per choice, named so pickle finds it.
 
     The options must reach the fused instance, and a fused class is ``fused_subclass(mixin, original)``
     (picklable by reference); a mixin per option choice, rebuilt by this module's ``__getattr__`` from
-    its name, keeps both.
+    its name, keeps both. (A name without ``_kept`` is one pickled before that option existed: freed memory released.)
     """
-    if chunk_tokens is None and not return_logits:
+    if chunk_tokens is None and not return_logits and release_freed_memory:
         return LinearCrossEntropyMixin
-    key = (chunk_tokens, return_logits)
+    key = (chunk_tokens, return_logits, release_freed_memory)
     if key not in _mixins:
-        name = f"LinearCrossEntropyMixin_chunk{chunk_tokens or 'auto'}_logits{int(return_logits)}"
+        name = (f"LinearCrossEntropyMixin_chunk{chunk_tokens or 'auto'}_logits{int(return_logits)}"
+                + ("" if release_freed_memory else "_kept1"))
         _mixins[key] = type(name, (LinearCrossEntropyMixin,), {
             "__module__": __name__, "__qualname__": name,
             "chunk_tokens": chunk_tokens, "return_logits": return_logits,
+            "release_freed_memory": release_freed_memory,
         })
     return _mixins[key]
 
@@ -330,7 +344,7 @@ def __getattr__(name: str) -> Any:
     if match is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     chunk = None if match.group(1) == "auto" else int(match.group(1))
-    return mixin_for(chunk, match.group(2) == "1")
+    return mixin_for(chunk, match.group(2) == "1", match.group(3) != "1")
 
 
 def _self_calls(tree: ast.AST) -> set[str]:
@@ -448,4 +462,5 @@ class LinearCrossEntropyFamily(FusionFamily[LinearCrossEntropyOptions]):
         return refusal(module)
 
     def make_fused_class(self, original_cls: type[nn.Module], options: LinearCrossEntropyOptions) -> type[nn.Module]:
-        return fused_subclass(mixin_for(options.chunk_tokens, options.return_logits), original_cls)
+        return fused_subclass(mixin_for(options.chunk_tokens, options.return_logits, options.release_freed_memory),
+                              original_cls)

@@ -1,0 +1,147 @@
+"""The ``release_freed_memory`` option: during a training call with labels, glibc's free heap is trimmed at the
+decoder layers' boundaries, forward and backward, once it has grown enough; nothing else changes, and nothing stays
+hooked.
+
+The C library is faked (:func:`fake_glibc`) so that the tests see every trim the family asks for; one test runs
+against this process's real glibc where it has one.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from fusion_linear_cross_entropy import freed_heap
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+import fusion_core
+from fusion_core.testing.kit import relative_l2
+
+LAYERS = 3
+CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp("llama")
+    AutoModelForCausalLM.from_config(transformers.LlamaConfig(**CONFIG)).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture
+def fake_glibc(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """This process's C library stands in for one whose free heap grows by ``MIN_GROWTH`` between any two looks at
+    it; returns the trims asked for, in order."""
+    trims: list[str] = []
+    looks = iter(range(10**9))
+
+    def free() -> int:
+        return next(looks) * freed_heap.MIN_GROWTH
+
+    def trim() -> int:
+        trims.append("trim")
+        return 1
+
+    monkeypatch.setattr(freed_heap, "_glibc", lambda: (free, trim))
+    return trims
+
+
+def _load(path: Path, **options: Any) -> nn.Module:
+    return fusion_core.from_pretrained(AutoModelForCausalLM, path,
+                                       fusion_config={"linear_cross_entropy": options or True})
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _step(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = model(**_inputs()).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _hooked(model: nn.Module) -> list[nn.Module]:
+    return [m for m in freed_heap.checkpointed_layers(model) if m._forward_pre_hooks]
+
+
+@pytest.mark.parametrize("checkpointing", [None, False, True], ids=["no-checkpointing", "non-reentrant", "reentrant"])
+def test_the_free_heap_is_trimmed_at_every_layer_boundary_forward_and_backward(path: Path, fake_glibc: list[str],
+                                                                               checkpointing: bool | None) -> None:
+    fused = _load(path)
+    if checkpointing is not None:
+        fused.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
+    model = fused.train()
+    model.zero_grad(set_to_none=True)
+    loss = model(**_inputs()).loss
+    assert len(fake_glibc) == LAYERS  # before each layer's forward
+    assert not _hooked(model)  # the forward's hooks are gone when it returns
+    loss.backward()
+    assert len(fake_glibc) == 2 * LAYERS  # and after each layer's backward (its input's gradient)
+
+
+def test_trimming_changes_no_loss_or_gradient(path: Path, fake_glibc: list[str]) -> None:
+    kept_loss, kept = _step(_load(path, release_freed_memory=False))
+    assert not fake_glibc
+    loss, grads = _step(_load(path))
+    assert fake_glibc
+    assert torch.equal(loss, kept_loss) and grads.keys() == kept.keys()
+    assert all(torch.equal(grads[name], kept[name]) for name in kept)
+
+
+@pytest.mark.skipif(not freed_heap.available(), reason="the C library is not glibc (no malloc_trim, mallinfo2)")
+def test_a_step_with_this_process_glibc_trims_as_a_step_without(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(freed_heap, "MIN_GROWTH", 0)  # a trim at every boundary
+    kept_loss, kept = _step(_load(path, release_freed_memory=False))
+    loss, grads = _step(_load(path))
+    assert relative_l2(kept_loss, loss) == 0
+    assert all(torch.equal(grads[name], kept[name]) for name in kept)
+
+
+def test_no_trim_outside_a_training_call_with_labels(path: Path, fake_glibc: list[str]) -> None:
+    fused = _load(path)
+    inputs = _inputs()
+    with torch.no_grad():
+        fused.eval()(**inputs)
+        fused.train()(**inputs)
+    fused.train()(input_ids=inputs["input_ids"])
+    fused.eval()(**inputs)
+    assert not fake_glibc
+    assert not _hooked(fused)
+
+
+def test_a_c_library_without_malloc_trim_hooks_nothing(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(freed_heap, "_glibc", lambda: None)
+    made: list[object] = []
+    monkeypatch.setattr(freed_heap, "_Trimmer", lambda *args: made.append(args))
+    loss, grads = _step(_load(path))
+    assert not made and torch.isfinite(loss) and grads
+
+
+def test_the_trimmer_waits_for_the_free_heap_to_grow() -> None:
+    values = iter([0, 100, 255, 256, 300, 511, 512, 600])
+    trims: list[int] = []
+    trimmer = freed_heap._Trimmer(lambda: next(values) * 2**20, lambda: trims.append(1) or 0)
+    assert freed_heap.MIN_GROWTH == 256 * 2**20
+    for _ in range(4):
+        trimmer()
+    # looks: 100 (no), 255 (no), 256 (trim; the floor is then 300), 511 (no: 211 above the floor)
+    assert trims == [1] and trimmer.floor == 300 * 2**20
+
+
+def test_the_option_pickles_with_the_model(path: Path) -> None:
+    fused = _load(path, release_freed_memory=False)
+    copied = pickle.loads(pickle.dumps(fused))
+    assert type(copied) is type(fused) and not type(copied).release_freed_memory
+    assert type(_load(path)).release_freed_memory
+
