@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-MIN_GROWTH = 128 * 2**20
+MIN_GROWTH = 256 * 2**20
 """Bytes the free heap grows by between two trims."""
 
 
