@@ -13,8 +13,10 @@ So, during a training call with labels, each layer the model checkpoints (transf
 gradient hook: before a layer's forward and after the gradient of its input is computed (the layer's backward, its
 recomputation included), ``malloc_trim(0)`` gives the free heap's pages back once the free heap has grown by
 :data:`MIN_GROWTH` since the last trim. Trimming drops the pages of free chunks only (``madvise``): no value changes,
-and the memory in use is untouched. Growth-triggered, it trims a few times a step: trimming at every boundary held the
-peak as low but cost about 10% of the step's time, in refaulted pages and 12-18 ms a trim (docs/benchmarks.md).
+and the memory in use is untouched. Growth-triggered, it trims about three times a step there: the step's peak went
+from 0.326x plain's to 0.245x at 0.988x plain's time (``benchmarks/bench_train.py``). Trimming more often held the
+peak lower and cost time, the freed pages refaulting and 12-18 ms a trim: at 128 MiB of growth 0.205x and about 8%,
+at every boundary about 10% (docs/benchmarks.md).
 
 Where the C library is not glibc (no ``malloc_trim`` and ``mallinfo2``, glibc 2.33 on), nothing is hooked. The hooks
 are removed when the forward returns; the gradient hooks go with the autograd graph.
