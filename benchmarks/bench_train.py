@@ -30,10 +30,12 @@ The step peak is resident memory, so it includes freed memory glibc's malloc kee
 free of a large block glibc raises its mmap threshold (up to 32 MiB), the layers' activations then come
 from the heap, and what they leave there when freed is not given back. That kept heap grows with depth
 for both contenders (Qwen2-0.5B widths, lora-gc, 2048 tokens: about 50-80 MB a layer) while the live
-tensors grow by one checkpointed layer input (3.7 MB a layer); the "heap kept" column shows it.
-``--mmap-threshold 131072`` runs every worker with that fixed threshold (``MALLOC_MMAP_THRESHOLD_``: every
-block above it is its own mapping, unmapped on free), so the peak is the tensors' own; it makes the step
-slower (fresh pages fault in), so its times are not comparable with a default run's.
+tensors grow by one checkpointed layer input (3.7 MB a layer); the "heap kept" column shows it. The fused
+contender gives it back at the layers' boundaries (the family's ``release_freed_memory``, on by default);
+``--keep-freed-memory`` turns that off, to compare. ``--mmap-threshold 131072`` runs every worker with that
+fixed threshold (``MALLOC_MMAP_THRESHOLD_``: every block above it is its own mapping, unmapped on free), so
+the peak is the tensors' own; it makes the step slower (1.7-1.8x at Qwen2-0.5B widths on the 2-core Xeon VM:
+fresh pages fault in), so its times are not comparable with a default run's.
 """
 
 from __future__ import annotations
