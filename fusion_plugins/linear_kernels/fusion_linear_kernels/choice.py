@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.nn import functional as F
@@ -285,23 +286,27 @@ class Caller:
 
 
 def choose(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, exact: bool,
-           candidates: Sequence[Candidate] | None = None, copies: Sequence[torch.Tensor] | None = None) -> Candidate:
+           candidates: Sequence[Candidate] | None = None, copies: Sequence[torch.Tensor] | None = None,
+           keep: Candidate = LINEAR, table: Decisions[Any, Any] | None = None) -> Candidate:
     """The fastest of ``candidates`` (default: :data:`~fusion_linear_kernels.kernels.CANDIDATES`) admitted on this
-    input, timed over a pass of ``copies`` of ``weight`` (default: :func:`~fusion_core.plugin.distinct_copies`);
-    ``F.linear`` unless another is faster beyond the margin."""
+    input, timed over a pass of ``copies`` of ``weight`` (default: :func:`~fusion_core.plugin.distinct_copies`) by
+    ``table`` (default: this module's decisions); ``keep`` (default ``F.linear``) unless another is faster beyond the
+    margin. A ``keep`` other than ``F.linear`` must be admitted too; where none of them is, ``F.linear``."""
     candidates = kernels.CANDIDATES if candidates is None else candidates
     x = input.detach()
     with torch.no_grad():
         reference = F.linear(x, weight, bias)
         bound = admission_bound(x, weight, reference)
-        taken = [LINEAR] + [
-            c for c in candidates if c is not LINEAR and (c.exact or not exact) and c.applies(x, weight, bias)
-            and admitted(c.run(x, weight, bias), reference, bound, exact)
+        taken = [
+            c for c in (keep, *(c for c in candidates if c is not keep)) if c is LINEAR or (
+                (c.exact or not exact) and c.applies(x, weight, bias)
+                and admitted(c.run(x, weight, bias), reference, bound, exact))
         ]
-        if len(taken) == 1:
-            return LINEAR
+        if len(taken) <= 1:
+            return taken[0] if taken else LINEAR
         weights = distinct_copies(weight.detach()) if copies is None else copies
-        return taken[_DECISIONS.fastest([_call(c, x, weights, bias) for c in taken], x.device)]
+        timer = _DECISIONS if table is None else table
+        return taken[timer.fastest([_call(c, x, weights, bias) for c in taken], x.device)]
 
 
 def remember(input: torch.Tensor, weight: torch.Tensor, exact: bool, candidate: Candidate) -> None:

@@ -59,17 +59,10 @@ import torch
 from torch import nn
 
 from fusion_core import FusedModule, ModulePlan
-from fusion_core.plugin import (
-    Decisions,
-    attached_plan,
-    distinct_copies,
-    fuse_instance,
-    fused_subclass,
-    merged_projection,
-)
+from fusion_core.plugin import Decisions, attached_plan, fuse_instance, fused_subclass, merged_projection
 from fusion_linear_kernels import compat, layer_kernel, row_dot
-from fusion_linear_kernels.choice import Kind, decided, generation, kind_of, rows_of
-from fusion_linear_kernels.kernels import BLOCKED_ROWS, FEW_ROWS, FEW_ROWS_BLOCKED, ROW_DOT, Candidate
+from fusion_linear_kernels.choice import Kind, choose, decided, generation, kind_of, rows_of
+from fusion_linear_kernels.kernels import BLOCKED_ROWS, FEW_ROWS, FEW_ROWS_BLOCKED, LINEAR, ROW_DOT, Candidate
 from fusion_linear_kernels.layer_forms import (
     CHILDREN,
     SANDWICH,
@@ -105,16 +98,18 @@ _ONE_ROW = (BLOCKED_ROWS, ROW_DOT)
 _DECISIONS: Decisions[Kind, Candidate] = Decisions(
     f"linear_kernels.decode_layer[{','.join(candidate.name for candidate in _ONE_ROW)}]",
     save=lambda candidate: candidate.name,
-    load=lambda name: next((candidate for candidate in _ONE_ROW if candidate.name == name), None))
-"""Which of :data:`_ONE_ROW` a step runs for a one-row kind decided for a kernel the step does not run."""
+    load=lambda name: next((candidate for candidate in (*_ONE_ROW, LINEAR) if candidate.name == name), None))
+"""Which of :data:`_ONE_ROW` a step runs for a one-row kind decided for a kernel the step does not run (``F.linear``
+where neither is admitted on the kind's input: the step then gives way)."""
 
 
 def _block(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int | None:
     """The weight rows the step's GEMV of ``input`` by ``weight`` reads side by side: the block of the kernel its kind
     decided; or None where the kind is undecided, or decided at two to eight rows for one the step does not run.
 
-    A one-row kind decided for ``torch.mv`` or ``F.linear`` takes the faster of the kernel's own one-row blocks,
-    measured once per kind (:data:`_DECISIONS`). At one row every candidate reads the weight at about the
+    A one-row kind decided for ``torch.mv`` or ``F.linear`` takes the faster of the kernel's own one-row blocks
+    admitted on its input, measured once per kind as the kind's decision was (:func:`~fusion_linear_kernels.choice.
+    choose`, timed by :data:`_DECISIONS`). At one row every candidate reads the weight at about the
     memory's speed, so such a decision is won by a small margin, on a noisy moment as often as not; refusing the step
     for it costs the whole step. Measured on the 2-core Xeon VM (Qwen2-0.5B, every family on, bf16; a throwaway run,
     decisions measured afresh): a load whose down projection (896x4864) decided ``mv`` at 0.403 ms a call, where the
@@ -126,8 +121,8 @@ def _block(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     if (candidate is not None and candidate not in _BLOCKS and rows_of(input) == 1
             and all(one.applies(input, weight, bias) for one in _ONE_ROW)):
         kind = kind_of(input, weight, bias, False)
-        candidate = _DECISIONS.get(kind) or _DECISIONS.decide(
-            kind, lambda: _faster_one_row(input, weight, bias))
+        candidate = _DECISIONS.get(kind) or _DECISIONS.decide(kind, lambda: choose(
+            input, weight, bias, False, _ONE_ROW, keep=_ONE_ROW[0], table=_DECISIONS))
     return None if candidate is None else _BLOCKS.get(candidate)
 
 
@@ -140,15 +135,6 @@ def decisions() -> dict[Kind, str]:
 def clear_decisions() -> None:
     """Forget which one-row block each kind's step runs, here and stored for this machine (:data:`_DECISIONS`)."""
     _DECISIONS.forget()
-
-
-def _faster_one_row(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Candidate:
-    """The faster of :data:`_ONE_ROW` on ``input``, timed over a pass of copies of ``weight`` (as a kind's decision
-    is timed)."""
-    x, weights = input.detach(), distinct_copies(weight.detach())
-    with torch.no_grad():
-        ways = [lambda one=one: [one.run(x, copy, bias) for copy in weights] for one in _ONE_ROW]
-        return _ONE_ROW[_DECISIONS.fastest(ways, x.device)]
 
 
 def _epsilon(norm: nn.Module) -> float | None:

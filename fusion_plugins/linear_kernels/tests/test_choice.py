@@ -84,6 +84,20 @@ def test_a_wrong_candidate_is_never_taken_however_fast(fake_times):
     assert choice.choose(x, weight, bias, exact=False, candidates=(LINEAR, off)) is off
 
 
+def test_a_kept_candidate_other_than_f_linear_must_be_admitted_too(fake_times):
+    fake_times(choice, lambda ways: [1.0] + [1e-9] * (ways - 1))  # every way after the kept one measures fastest
+    weight, bias = _layer(96, 64, torch.float32)
+    x = torch.randn(1, 64, generator=GEN)
+    wrong = Candidate("wrong", _wrong, kernels._always)
+    off = Candidate("off", _one_ulp_off, kernels._always)
+    mv = kernels.CANDIDATES[1]
+    assert choice.choose(x, weight, bias, exact=False, candidates=(wrong,), keep=wrong) is LINEAR
+    assert choice.choose(x, weight, bias, exact=False, candidates=(wrong, off), keep=wrong) is off
+    assert choice.choose(x, weight, bias, exact=False, candidates=(off, mv), keep=off) is mv
+    fake_times(choice, lambda ways: [1.0, 0.99])  # a tie keeps the kept one
+    assert choice.choose(x, weight, bias, exact=False, candidates=(off, mv), keep=off) is off
+
+
 def test_the_fastest_admitted_candidate_is_kept_per_kind(fake_times):
     mv = kernels.CANDIDATES[1]
     fake_times(choice, original_slowest)
