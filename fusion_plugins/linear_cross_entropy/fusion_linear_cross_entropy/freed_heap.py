@@ -25,8 +25,8 @@ are removed when the forward returns; the gradient hooks go with the autograd gr
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -46,14 +46,15 @@ class _MallInfo2(ctypes.Structure):
 
 @functools.cache
 def _glibc() -> tuple[Callable[[], int], Callable[[], int]] | None:
-    """``(free heap bytes, trim)`` of this process's glibc, or None where its C library has not both."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        info, trim = (libc.mallinfo2, libc.malloc_trim) if libc is not None else (None, None)
-    except (OSError, AttributeError):
+    """``(free heap bytes, trim)`` of this process's glibc, or None where its C library has not both. Looked up among
+    the process's own symbols (as ``fusion_core.streaming`` finds ``madvise``), not by ``ctypes.util.find_library``,
+    which runs ``ldconfig`` in a subprocess."""
+    if not sys.platform.startswith("linux"):
         return None
-    if info is None or trim is None:
+    try:
+        libc = ctypes.CDLL(None)
+        info, trim = libc.mallinfo2, libc.malloc_trim
+    except (OSError, AttributeError):
         return None
     info.restype, info.argtypes = _MallInfo2, []
     trim.restype, trim.argtypes = ctypes.c_int, [ctypes.c_size_t]
@@ -108,10 +109,9 @@ def trimmed_at_layers(model: nn.Module) -> Iterator[None]:
     """For the ``with`` block (a training call's forward), the hooks of the module docs on ``model``'s layers."""
     glibc = _glibc()
     layers = checkpointed_layers(model) if glibc is not None else []
-    if not layers:
+    if glibc is None or not layers:
         yield
         return
-    assert glibc is not None
     trimmer = _Trimmer(*glibc)
     handles = [layer.register_forward_pre_hook(trimmer.before_layer, with_kwargs=True) for layer in layers]
     try:
