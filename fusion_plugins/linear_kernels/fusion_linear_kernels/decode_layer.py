@@ -270,7 +270,10 @@ class LayerForm:
         if kept is not None and kept[0] == current:
             return kept[1]
         gate_up = _block(hidden.reshape(rows, self.hidden), gate, gate_bias)
-        down_block = _block(hidden.new_zeros(rows, self.intermediate), down, down_bias)
+        # The down projection's input is the activation's product, not at hand: a random one of its shape (where the
+        # one-row fallback measures, it checks its candidates' outputs on this input, which zeros would not test).
+        product = torch.randn(rows, self.intermediate, generator=torch.Generator().manual_seed(0)).to(self.dtype)
+        down_block = _block(product, down, down_bias)
         if gate_up is None or down_block is None:
             return None
         blocks = (gate_up, down_block)
