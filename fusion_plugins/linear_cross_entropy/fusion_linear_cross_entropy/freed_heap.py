@@ -47,7 +47,7 @@ class _MallInfo2(ctypes.Structure):
 @functools.cache
 def _glibc() -> tuple[Callable[[], int], Callable[[], int]] | None:
     """``(free heap bytes, trim)`` of this process's glibc, or None where its C library has not both. Looked up among
-    the process's own symbols (as ``fusion_core.streaming`` finds ``madvise``), not by ``ctypes.util.find_library``,
+    the process's own symbols (as fusion-core finds ``madvise``), not by ``ctypes.util.find_library``,
     which runs ``ldconfig`` in a subprocess."""
     if not sys.platform.startswith("linux"):
         return None
