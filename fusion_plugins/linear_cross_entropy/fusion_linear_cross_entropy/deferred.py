@@ -142,7 +142,17 @@ class DeferredLogits(torch.Tensor):
         rows = logits.shape[0]
         for op in self.fusion_ops:
             logits = op(logits)
-        return logits.reshape(rows, self.shape[-1])
+        return logits.reshape(rows, -1)
+
+    def acts_per_logit(self) -> bool:
+        """Whether every recorded op maps each logit alone: no slice of the vocabulary, no operand that varies
+        along it. Then a block of the head's output columns replays on its own, as :meth:`replay` replays whole rows."""
+        for op in self.fusion_ops:
+            if op.func is torch.Tensor.__getitem__:
+                return False
+            if _name(op.func) not in CONVERSIONS and any(t.numel() != 1 for t in op.tensors()):
+                return False
+        return True
 
     def vocab_slice(self, index: Any) -> DeferredLogits:
         """``self[index]`` for an ``index`` that only narrows the vocabulary (``logits[..., :n]``: Inkling drops

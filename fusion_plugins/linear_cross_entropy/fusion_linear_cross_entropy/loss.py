@@ -11,8 +11,11 @@ the head and the model's recorded ops give that chunk's logits, cross entropy gi
 loss, and its gradients with respect to the rows and the head's trainable tensors are made at once;
 then the chunk's logits, their float32 copy and their gradient are freed. Any head runs its own
 forward and ``torch.autograd.grad`` (:func:`_generic`); a plain ``nn.Linear`` head has its two
-backward GEMMs written out, the weight gradient summed in place (:func:`_linear`), since a
-``[vocab, hidden]`` gradient per chunk would cost a pass over that tensor per chunk. Rows whose label
+backward GEMMs written out (:func:`_linear`), since a ``[vocab, hidden]`` gradient per chunk would cost
+a pass over that tensor per chunk. When that head's weight trains, its gradient is made afterwards one
+block of the vocabulary at a time over every row (:func:`_weight_grad_by_vocab`): one GEMM per element
+as in the plain backward, where a sum over chunks of rows would need a float32 total, twice the
+gradient's bytes, to stay as exact. Rows whose label
 is ``ignore_index`` add nothing to the loss or any gradient, so they are not computed at all.
 :class:`ChunkedCrossEntropy`'s backward only scales the kept gradients by the incoming one: the
 logits are never computed twice.
@@ -101,11 +104,15 @@ class Chunks:
     out: torch.Tensor | None = None
     """Where ``return_logits`` collects the (detached) logits of every row, or None."""
 
-    def loss(self, logits: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """The chunk's share of the loss, from its logits (after the recorded ops)."""
+    def loss(self, logits: torch.Tensor, start: int, stop: int, lse: torch.Tensor | None = None) -> torch.Tensor:
+        """The chunk's share of the loss, from its logits (after the recorded ops); each row's log-sum-exp into
+        ``lse[start:stop]`` when given."""
         if self.out is not None:
             self.out[start:stop] = logits.detach()
-        return F.cross_entropy(logits.float(), self.targets[start:stop], ignore_index=self.ignore_index,
+        logits = logits.float()
+        if lse is not None:
+            torch.logsumexp(logits.detach(), -1, out=lse[start:stop])
+        return F.cross_entropy(logits, self.targets[start:stop], ignore_index=self.ignore_index,
                                reduction="sum") / self.denominator
 
 
@@ -147,7 +154,10 @@ def _linear(chunks: Chunks, hidden: torch.Tensor, tensors: tuple[torch.Tensor, .
     index = {id(t): i for i, t in enumerate(tensors)}
     w_at, b_at = index.get(id(weight)), index.get(id(bias)) if bias is not None else None
     others = [i for i, need in enumerate(needs[1:]) if need and i not in (w_at, b_at)]
-    weight_sum = Sum(weight.dtype) if w_at is not None and needs[1 + w_at] else None
+    weight_trains = w_at is not None and needs[1 + w_at]
+    by_vocab = weight_trains and chunks.logits.acts_per_logit()
+    weight_sum = Sum(weight.dtype) if weight_trains and not by_vocab else None
+    lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device) if by_vocab else None
     bias_sum = Sum(torch.float32) if b_at is not None and needs[1 + b_at] else None
     other_sums = [Sum(tensors[i].dtype) for i in others]
     grad_hidden = torch.empty_like(hidden) if needs[0] else None
@@ -157,7 +167,7 @@ def _linear(chunks: Chunks, hidden: torch.Tensor, tensors: tuple[torch.Tensor, .
         rows = hidden[start:stop].detach()
         with torch.enable_grad():
             product = F.linear(rows, weight.detach(), None if bias is None else bias.detach()).requires_grad_()
-            part = chunks.loss(chunks.logits.replay(product), start, stop)
+            part = chunks.loss(chunks.logits.replay(product), start, stop, lse)
             grads = list(torch.autograd.grad(part, [product, *(tensors[i] for i in others)], allow_unused=True))
         loss += part.detach()
         grad = grads.pop(0)
@@ -171,6 +181,8 @@ def _linear(chunks: Chunks, hidden: torch.Tensor, tensors: tuple[torch.Tensor, .
             if other is not None:
                 total.add(other, stop - start)
     result: list[torch.Tensor | None] = [None] * len(tensors)
+    if lse is not None:
+        result[w_at] = _weight_grad_by_vocab(chunks, hidden, head, lse)  # type: ignore[index]
     if weight_sum is not None:
         result[w_at] = weight_sum.result()  # type: ignore[index]
     if bias_sum is not None and bias is not None:
@@ -179,6 +191,43 @@ def _linear(chunks: Chunks, hidden: torch.Tensor, tensors: tuple[torch.Tensor, .
     for i, other_sum in zip(others, other_sums, strict=True):
         result[i] = other_sum.result()
     return loss, [grad_hidden, *result]
+
+
+def vocab_block(chunk_logits: int, rows: int) -> int:
+    """Columns per block of :func:`_weight_grad_by_vocab`: as many logits as a chunk of rows has, over ``rows``
+    rows, in multiples of :data:`ROW_MULTIPLE` where there are that many."""
+    block = max(1, chunk_logits // max(rows, 1))
+    return block // ROW_MULTIPLE * ROW_MULTIPLE if block >= ROW_MULTIPLE else block
+
+
+def _weight_grad_by_vocab(chunks: Chunks, hidden: torch.Tensor, head: nn.Linear, lse: torch.Tensor) -> torch.Tensor:
+    """The head weight's share of the gradient, ``dloss/dproduct^T @ hidden``, one block of the vocabulary at a time.
+
+    Each block's logits are made again for every row (a fourth head GEMM, about a third more head FLOPs),
+    turned into ``(softmax - onehot) / denominator`` with the rows' log-sum-exp from the chunks, taken back
+    through the recorded ops by autograd, and multiplied by all rows at once: each element of the gradient is
+    one GEMM, rounded once, as in the plain backward, and nothing float32 the size of the weight exists.
+    """
+    weight, bias = head.weight.detach(), None if head.bias is None else head.bias.detach()
+    rows, vocab = hidden.detach(), weight.shape[0]
+    counted = chunks.targets != chunks.ignore_index
+    every_row_counts = bool(counted.all())
+    grad_weight = torch.empty_like(weight)
+    block = vocab_block(chunks.rows * vocab, rows.shape[0])
+    for begin in range(0, vocab, block):
+        end = min(begin + block, vocab)
+        with torch.enable_grad():
+            product = F.linear(rows, weight[begin:end], None if bias is None else bias[begin:end]).requires_grad_()
+            logits = chunks.logits.replay(product).float()
+        grad = torch.sub(logits.detach(), lse[:, None]).exp_()
+        hit = (counted & (chunks.targets >= begin) & (chunks.targets < end)).nonzero().squeeze(1)
+        grad[hit, chunks.targets[hit] - begin] -= 1
+        if not every_row_counts:
+            grad[~counted] = 0
+        grad /= chunks.denominator
+        (grad_product,) = torch.autograd.grad(logits, product, grad)
+        torch.mm(grad_product.t(), rows, out=grad_weight[begin:end])
+    return grad_weight
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
