@@ -49,6 +49,7 @@ from fusion_core.plugin import aliases, forwards, fused_subclass, self_call
 from fusion_linear_cross_entropy.deferred import DeferredLogits, Source
 from fusion_linear_cross_entropy.freed_heap import trimmed_at_layers
 from fusion_linear_cross_entropy.loss import chunked_causal_lm_loss
+from fusion_linear_cross_entropy.tied_gradient import TiedGradient, tied_lookups
 
 NAME = "linear_cross_entropy"
 
@@ -176,8 +177,10 @@ def _loss(model: nn.Module, original: Any, logits: Any, *args: Any, **kwargs: An
     if not isinstance(logits, DeferredLogits):  # the forward computed logits some other way: nothing to save
         return original(logits, *args, **kwargs)
     cls = type(model)
+    interception = model.__dict__["_fusion_lce_active"]
     return chunked_causal_lm_loss(logits, *args, chunk_tokens=cls.chunk_tokens,  # type: ignore[attr-defined]
-                                  return_logits=cls.return_logits, **kwargs)  # type: ignore[attr-defined]
+                                  return_logits=cls.return_logits, tied=interception.tied,  # type: ignore[attr-defined]
+                                  **kwargs)
 
 
 class _Interception:
@@ -190,6 +193,8 @@ class _Interception:
         self.real = head.forward
         self.passthrough = False
         self.sources: list[Source] = []
+        self.tied: TiedGradient | None = None
+        """The tied embedding's lookups in this call (:mod:`fusion_linear_cross_entropy.tied_gradient`), or None."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.passthrough or not args or not isinstance(args[0], torch.Tensor):
@@ -296,7 +301,7 @@ def _fused_forward(model: LinearCrossEntropyMixin, args: tuple[Any, ...], kwargs
     model.__dict__["_fusion_lce_active"] = interception
     trimmed = trimmed_at_layers(model) if type(model).release_freed_memory else contextlib.nullcontext()
     try:
-        with interception, trimmed:
+        with interception, trimmed, tied_lookups(model, head) as interception.tied:
             output = super(LinearCrossEntropyMixin, model).forward(*args, **kwargs)
     finally:
         del model.__dict__["_fusion_lce_active"]

@@ -32,6 +32,7 @@ from torch.nn import functional as F
 
 from fusion_core import FusionError
 from fusion_linear_cross_entropy.deferred import DeferredLogits
+from fusion_linear_cross_entropy.tied_gradient import TiedGradient
 
 CHUNK_BYTES = 128 * 2**20
 """Default chunk: about as many rows as make 128 MiB of float32 logits, in multiples of :data:`ROW_MULTIPLE`."""
@@ -103,6 +104,8 @@ class Chunks:
     rows: int
     out: torch.Tensor | None = None
     """Where ``return_logits`` collects the (detached) logits of every row, or None."""
+    tied: TiedGradient | None = None
+    """Where the backward hands the tied embedding's weight its share of the gradient, or None: it returns it."""
 
     def loss(self, logits: torch.Tensor, start: int, stop: int, lse: torch.Tensor | None = None) -> torch.Tensor:
         """The chunk's share of the loss, from its logits (after the recorded ops); each row's log-sum-exp into
@@ -110,10 +113,15 @@ class Chunks:
         if self.out is not None:
             self.out[start:stop] = logits.detach()
         logits = logits.float()
-        if lse is not None:
-            torch.logsumexp(logits.detach(), -1, out=lse[start:stop])
-        return F.cross_entropy(logits, self.targets[start:stop], ignore_index=self.ignore_index,
-                               reduction="sum") / self.denominator
+        if lse is None:
+            return F.cross_entropy(logits, self.targets[start:stop], ignore_index=self.ignore_index,
+                                   reduction="sum") / self.denominator
+        # cross_entropy is nll_loss(log_softmax): the same kernels, and the log-softmax gives each row's
+        # log-sum-exp from one element (x - log_softmax(x)), with no second pass over the logits.
+        log_probs = F.log_softmax(logits, -1)
+        torch.sub(logits.detach()[:, 0], log_probs.detach()[:, 0], out=lse[start:stop])
+        return F.nll_loss(log_probs, self.targets[start:stop], ignore_index=self.ignore_index,
+                          reduction="sum") / self.denominator
 
 
 def _generic(chunks: Chunks, hidden: torch.Tensor, tensors: tuple[torch.Tensor, ...],
@@ -249,6 +257,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         else:
             loss, grads = _generic(chunks, hidden, tensors, needs)
         ctx.grads = grads
+        ctx.tied = None
+        if chunks.tied is not None:
+            ctx.tied = chunks.tied
+            ctx.tied_at = 2 + next(i for i, t in enumerate(tensors) if t is chunks.tied.weight)  # after chunks, hidden
         return loss
 
     @staticmethod
@@ -258,7 +270,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             raise FusionError("linear_cross_entropy: the fused loss was differentiated twice; its gradients are "
                               "kept once (retain_graph and double backward are not supported)")
         ctx.grads = None
-        return (None, *(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads))
+        grads = [None, *(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads)]
+        if ctx.tied is not None:
+            ctx.tied.pending, grads[ctx.tied_at] = grads[ctx.tied_at], None
+        return tuple(grads)
 
 
 def chunked_causal_lm_loss(
@@ -271,9 +286,14 @@ def chunked_causal_lm_loss(
     *,
     chunk_tokens: int | None = None,
     return_logits: bool = False,
+    tied: TiedGradient | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """``ForCausalLMLoss`` on a :class:`DeferredLogits` (see the module docs); same arguments, same result."""
+    """``ForCausalLMLoss`` on a :class:`DeferredLogits` (see the module docs); same arguments, same result.
+
+    ``tied``: the call's tied embedding lookups; the head weight's gradient is handed to them when one is in the
+    head input's graph (:mod:`fusion_linear_cross_entropy.tied_gradient`).
+    """
     if not isinstance(logits, DeferredLogits):
         raise FusionError("linear_cross_entropy: the loss received computed logits, not the LM head's deferred ones")
     vocab = logits.shape[-1]
@@ -307,6 +327,8 @@ def chunked_causal_lm_loss(
     for tensor in (*source.head.parameters(), *(t for op in logits.fusion_ops for t in op.tensors())):
         if tensor.requires_grad:
             tensors.setdefault(id(tensor), tensor)
+    if tied is not None and id(tied.weight) in tensors and tied.feeds(source.hidden):
+        chunks.tied = tied
     loss: torch.Tensor = ChunkedCrossEntropy.apply(chunks, hidden, *tensors.values())  # type: ignore[no-untyped-call]
     if out is not None:
         source.computed[id(logits)] = out.view(logits.shape)
