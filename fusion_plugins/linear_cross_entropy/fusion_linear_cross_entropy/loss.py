@@ -17,8 +17,8 @@ block of the vocabulary at a time over every row (:func:`_weight_grad_by_vocab`)
 as in the plain backward, where a sum over chunks of rows would need a float32 total, twice the
 gradient's bytes, to stay as exact. Rows whose label
 is ``ignore_index`` add nothing to the loss or any gradient, so they are not computed at all.
-:class:`ChunkedCrossEntropy`'s backward only scales the kept gradients by the incoming one: the
-logits are never computed twice.
+:class:`ChunkedCrossEntropy`'s backward only scales the kept gradients by the incoming one: it computes
+no logits.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def _weight_grad_by_vocab(chunks: Chunks, hidden: torch.Tensor, head: nn.Linear,
     """The head weight's share of the gradient, ``dloss/dproduct^T @ hidden``, one block of the vocabulary at a time.
 
     Each block's logits are made again for every row (a fourth head GEMM, about a third more head FLOPs),
-    turned into ``(softmax - onehot) / denominator`` with the rows' log-sum-exp from the chunks, taken back
+    turned in place into ``(softmax - onehot) / denominator`` with the rows' log-sum-exp from the chunks, taken back
     through the recorded ops by autograd, and multiplied by all rows at once: each element of the gradient is
     one GEMM, rounded once, as in the plain backward, and nothing float32 the size of the weight exists.
     """
@@ -221,18 +221,21 @@ def _weight_grad_by_vocab(chunks: Chunks, hidden: torch.Tensor, head: nn.Linear,
     counted = chunks.targets != chunks.ignore_index
     every_row_counts = bool(counted.all())
     grad_weight = torch.empty_like(weight)
+    shift = (lse + chunks.denominator.to(lse.dtype).log())[:, None]  # exp(x - shift) = softmax / denominator
     block = vocab_block(chunks.rows * vocab, rows.shape[0])
     for begin in range(0, vocab, block):
         end = min(begin + block, vocab)
         with torch.enable_grad():
             product = F.linear(rows, weight[begin:end], None if bias is None else bias[begin:end]).requires_grad_()
-            logits = chunks.logits.replay(product).float()
-        grad = torch.sub(logits.detach(), lse[:, None]).exp_()
+            replayed = chunks.logits.replay(product)
+            logits = replayed.float()
+        # The upcast made ``logits`` (nothing saved it for backward): its memory can hold the gradient.
+        grad = logits.detach() if replayed.dtype != torch.float32 else logits.detach().clone()
+        grad.sub_(shift).exp_()
         hit = (counted & (chunks.targets >= begin) & (chunks.targets < end)).nonzero().squeeze(1)
-        grad[hit, chunks.targets[hit] - begin] -= 1
+        grad[hit, chunks.targets[hit] - begin] -= 1 / chunks.denominator
         if not every_row_counts:
             grad[~counted] = 0
-        grad /= chunks.denominator
         (grad_product,) = torch.autograd.grad(logits, product, grad)
         torch.mm(grad_product.t(), rows, out=grad_weight[begin:end])
     return grad_weight
