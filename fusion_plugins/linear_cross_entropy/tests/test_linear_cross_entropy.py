@@ -476,3 +476,12 @@ def test_an_op_the_family_cannot_replay_fails_by_name():
     model.eval()
     with torch.no_grad():
         assert model(**_inputs()).logits.shape == (2, 13, VOCAB)
+
+
+def test_only_ops_on_each_logit_alone_let_the_head_gradient_go_by_vocabulary_blocks():
+    deferred = DeferredLogits.make(Source(torch.zeros(1, 4), nn.Identity(), lambda h: h, "M"), (), (2, 3, 10),
+                                   torch.bfloat16, torch.device("cpu"))
+    scaled = torch.tanh(deferred.float() / 3.0) * torch.tensor(3.0)
+    assert scaled.acts_per_logit() and scaled.to(torch.ones(2, 2)).acts_per_logit()  # a .to(tensor) is a conversion
+    assert not (deferred + torch.arange(10.0)).acts_per_logit()  # an operand along the vocabulary
+    assert not deferred[..., :7].acts_per_logit()  # a slice of it
