@@ -201,7 +201,7 @@ def _linear(chunks: Chunks, hidden: torch.Tensor, tensors: tuple[torch.Tensor, .
     return loss, [grad_hidden, *result]
 
 
-def vocab_block(chunk_logits: int, rows: int) -> int:
+def _vocab_block(chunk_logits: int, rows: int) -> int:
     """Columns per block of :func:`_weight_grad_by_vocab`: as many logits as a chunk of rows has, over ``rows``
     rows, in multiples of :data:`ROW_MULTIPLE` where there are that many."""
     block = max(1, chunk_logits // max(rows, 1))
@@ -217,16 +217,16 @@ def _weight_grad_by_vocab(chunks: Chunks, hidden: torch.Tensor, head: nn.Linear,
     one GEMM, rounded once, as in the plain backward, and nothing float32 the size of the weight exists.
     """
     weight, bias = head.weight.detach(), None if head.bias is None else head.bias.detach()
-    rows, vocab = hidden.detach(), weight.shape[0]
+    hidden, vocab = hidden.detach(), weight.shape[0]
     counted = chunks.targets != chunks.ignore_index
     every_row_counts = bool(counted.all())
     grad_weight = torch.empty_like(weight)
     shift = (lse + chunks.denominator.to(lse.dtype).log())[:, None]  # exp(x - shift) = softmax / denominator
-    block = vocab_block(chunks.rows * vocab, rows.shape[0])
+    block = _vocab_block(chunks.rows * vocab, hidden.shape[0])
     for begin in range(0, vocab, block):
         end = min(begin + block, vocab)
         with torch.enable_grad():
-            product = F.linear(rows, weight[begin:end], None if bias is None else bias[begin:end]).requires_grad_()
+            product = F.linear(hidden, weight[begin:end], None if bias is None else bias[begin:end]).requires_grad_()
             replayed = chunks.logits.replay(product)
             logits = replayed.float()
         # The upcast made ``logits`` (nothing saved it for backward): its memory can hold the gradient.
@@ -237,7 +237,7 @@ def _weight_grad_by_vocab(chunks: Chunks, hidden: torch.Tensor, head: nn.Linear,
         if not every_row_counts:
             grad[~counted] = 0
         (grad_product,) = torch.autograd.grad(logits, product, grad)
-        torch.mm(grad_product.t(), rows, out=grad_weight[begin:end])
+        torch.mm(grad_product.t(), hidden, out=grad_weight[begin:end])
     return grad_weight
 
 
