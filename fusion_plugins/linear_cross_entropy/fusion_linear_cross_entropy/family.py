@@ -317,7 +317,7 @@ def _fused_forward(model: LinearCrossEntropyMixin, args: tuple[Any, ...], kwargs
     return output
 
 
-_MIXIN_NAME = re.compile(r"LinearCrossEntropyMixin_chunk(auto|\d+)_logits([01])(?:_kept([01]))?")
+_MIXIN_NAME = re.compile(r"LinearCrossEntropyMixin_chunk(auto|\d+)_logits([01])(_kept1)?")
 _mixins: dict[tuple[int | None, bool, bool], type[LinearCrossEntropyMixin]] = {}
 
 
@@ -327,7 +327,8 @@ def mixin_for(chunk_tokens: int | None, return_logits: bool,
 
     The options must reach the fused instance, and a fused class is ``fused_subclass(mixin, original)``
     (picklable by reference); a mixin per option choice, rebuilt by this module's ``__getattr__`` from
-    its name, keeps both. (A name without ``_kept`` is one pickled before that option existed: freed memory released.)
+    its name, keeps both. ``_kept1`` in a name: release_freed_memory off; without it (also a name pickled before that
+    option existed): on.
     """
     if chunk_tokens is None and not return_logits and release_freed_memory:
         return LinearCrossEntropyMixin
@@ -349,7 +350,7 @@ def __getattr__(name: str) -> Any:
     if match is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     chunk = None if match.group(1) == "auto" else int(match.group(1))
-    return mixin_for(chunk, match.group(2) == "1", match.group(3) != "1")
+    return mixin_for(chunk, match.group(2) == "1", match.group(3) is None)
 
 
 def _self_calls(tree: ast.AST) -> set[str]:
