@@ -49,7 +49,8 @@ class TiedGradient:
 
     def feeds(self, tensor: torch.Tensor) -> bool:
         """Whether a lookup of this call is in ``tensor``'s autograd graph (so its backward runs after one from
-        ``tensor``)."""
+        ``tensor``). The walk visits about the whole graph once a step, the lookup being at its far end: 1.2 ms at
+        28 decoder layers, with or without checkpointing (a throwaway timing)."""
         seen: set[int] = set()
         stack = [tensor.grad_fn]
         while stack:
