@@ -1,13 +1,14 @@
 """The ``release_freed_memory`` option: during a training call with labels, glibc's free heap is trimmed at the
-decoder layers' boundaries, forward and backward, once it has grown enough; nothing else changes, and nothing stays
-hooked.
+decoder layers' boundaries, forward and backward, once the memory it keeps resident unused has grown enough; nothing
+else changes, and nothing stays hooked.
 
-The C library is faked (:func:`fake_glibc`) so that the tests see every trim the family asks for; one test runs
-against this process's real glibc where it has one.
+The C library is faked (:func:`fake_glibc`) so that the tests see every look and trim the family asks for; the tests
+of what is counted run against this process's real glibc where it has one.
 """
 
 from __future__ import annotations
 
+import mmap
 import pickle
 from pathlib import Path
 from typing import Any
@@ -37,20 +38,20 @@ def path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def fake_glibc(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """This process's C library stands in for one whose free heap grows by ``MIN_GROWTH`` between any two looks at
-    it; returns the trims asked for, in order."""
-    trims: list[str] = []
-    looks = iter(range(10**9))
+    """This process's C library stands in for one whose unused resident memory grows by ``MIN_GROWTH`` between any
+    two looks at it; returns the looks and trims asked for, in order."""
+    calls: list[str] = []
 
-    def free() -> int:
-        return next(looks) * freed_heap.MIN_GROWTH
+    def unused() -> int:
+        calls.append("look")
+        return calls.count("look") * freed_heap.MIN_GROWTH
 
     def trim() -> int:
-        trims.append("trim")
+        calls.append("trim")
         return 1
 
-    monkeypatch.setattr(freed_heap, "_glibc", lambda: (free, trim))
-    return trims
+    monkeypatch.setattr(freed_heap, "_glibc", lambda: (unused, trim))
+    return calls
 
 
 def _load(path: Path, **options: Any) -> nn.Module:
@@ -76,25 +77,27 @@ def _hooked(model: nn.Module) -> list[nn.Module]:
 
 
 @pytest.mark.parametrize("checkpointing", [None, False, True], ids=["no-checkpointing", "non-reentrant", "reentrant"])
-def test_the_free_heap_is_trimmed_at_every_layer_boundary_forward_and_backward(path: Path, fake_glibc: list[str],
-                                                                               checkpointing: bool | None) -> None:
+def test_the_heap_is_looked_at_every_layer_boundary_forward_and_backward(path: Path, fake_glibc: list[str],
+                                                                         checkpointing: bool | None) -> None:
     fused = _load(path)
     if checkpointing is not None:
         fused.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
     model = fused.train()
     model.zero_grad(set_to_none=True)
     loss = model(**_inputs()).loss
-    assert len(fake_glibc) == LAYERS  # before each layer's forward
+    assert fake_glibc.count("look") == 1 + LAYERS  # the start, then before each layer's forward
     assert not _hooked(model)  # the forward's hooks are gone when it returns
     loss.backward()
-    assert len(fake_glibc) == 2 * LAYERS  # and after each layer's backward (its input's gradient)
+    assert fake_glibc.count("look") == 1 + 2 * LAYERS  # and after each layer's backward (its input's gradient)
+    # growing by MIN_GROWTH a look, the first look after a trim only sets the level counted from
+    assert fake_glibc.count("trim") == LAYERS
 
 
 def test_trimming_changes_no_loss_or_gradient(path: Path, fake_glibc: list[str]) -> None:
     kept_loss, kept = _step(_load(path, release_freed_memory=False))
     assert not fake_glibc
     loss, grads = _step(_load(path))
-    assert fake_glibc
+    assert "trim" in fake_glibc
     assert torch.equal(loss, kept_loss) and grads.keys() == kept.keys()
     assert all(torch.equal(grads[name], kept[name]) for name in kept)
 
@@ -128,15 +131,41 @@ def test_a_c_library_without_malloc_trim_hooks_nothing(path: Path, monkeypatch: 
     assert not made and torch.isfinite(loss) and grads
 
 
-def test_the_trimmer_waits_for_the_free_heap_to_grow(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_trimmer_counts_growth_from_the_first_look_after_a_trim(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(freed_heap, "MIN_GROWTH", 256 * 2**20)
-    values = iter([0, 100, 255, 256, 300, 511, 512, 600])
+    values = iter([0, 100, 255, 256, 600, 855, 856, 1200])
     trims: list[int] = []
     trimmer = freed_heap._Trimmer(lambda: next(values) * 2**20, lambda: trims.append(1) or 0)
-    for _ in range(4):
+    for _ in range(6):
         trimmer()
-    # looks: 100 (no), 255 (no), 256 (trim; the floor is then 300), 511 (no: 211 above the floor)
-    assert trims == [1] and trimmer.floor == 300 * 2**20
+    # 100 (no), 255 (no), 256 (trim), 600 (the layer after it refaulted its working set: the level counted from,
+    # not a trim), 855 (no: 255 above it), 856 (trim)
+    assert trims == [1, 1] and trimmer.floor == 600 * 2**20
+    trimmer()
+    assert trims == [1, 1] and trimmer.floor == 1200 * 2**20
+
+
+@pytest.mark.skipif(not freed_heap.available(), reason="the C library is not glibc (no malloc_trim, mallinfo2)")
+def test_resident_memory_malloc_did_not_hand_out_counts_as_unused() -> None:
+    unused, _ = freed_heap._glibc()
+    size = 64 * 2**20
+    before = unused()
+    pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # outside malloc; written: resident
+    try:
+        pages.write(b"\1" * size)
+        assert unused() - before >= size * 0.9
+    finally:
+        pages.close()
+    assert unused() - before < size * 0.5
+
+
+@pytest.mark.skipif(not freed_heap.available(), reason="the C library is not glibc (no malloc_trim, mallinfo2)")
+def test_memory_malloc_handed_out_does_not_count_as_unused() -> None:
+    unused, _ = freed_heap._glibc()
+    before = unused()
+    held = torch.ones(64 * 2**20, dtype=torch.uint8)  # resident, and in malloc's hands
+    assert unused() - before < 16 * 2**20
+    del held
 
 
 def test_the_option_pickles_with_the_model(path: Path) -> None:
