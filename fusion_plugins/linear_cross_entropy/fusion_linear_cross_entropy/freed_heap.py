@@ -92,7 +92,8 @@ def _anonymous_resident(page: int) -> int:
 
 
 def available() -> bool:
-    """Whether this process's allocator is glibc's, with ``malloc_trim`` and ``mallinfo2``."""
+    """Whether this process's allocator is glibc's, with ``malloc_trim`` and ``mallinfo2``, and its resident size
+    can be read (``/proc/self/statm``)."""
     return _glibc() is not None
 
 
