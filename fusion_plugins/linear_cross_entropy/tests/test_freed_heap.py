@@ -24,6 +24,8 @@ import fusion_core
 from fusion_core.testing.kit import relative_l2
 
 LAYERS = 3
+needs_glibc = pytest.mark.skipif(not freed_heap.available(),
+                                 reason="no glibc malloc_trim and mallinfo2, or no /proc/self/statm to read")
 CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, tie_word_embeddings=False)
 
@@ -102,7 +104,7 @@ def test_trimming_changes_no_loss_or_gradient(path: Path, fake_glibc: list[str])
     assert all(torch.equal(grads[name], kept[name]) for name in kept)
 
 
-@pytest.mark.skipif(not freed_heap.available(), reason="the C library is not glibc (no malloc_trim, mallinfo2)")
+@needs_glibc
 def test_a_step_with_this_process_glibc_trims_as_a_step_without(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(freed_heap, "MIN_GROWTH", 0)  # a trim at every boundary
     kept_loss, kept = _step(_load(path, release_freed_memory=False))
@@ -145,9 +147,11 @@ def test_the_trimmer_counts_growth_from_the_first_look_after_a_trim(monkeypatch:
     assert trims == [1, 1] and trimmer.floor == 1200 * 2**20
 
 
-@pytest.mark.skipif(not freed_heap.available(), reason="the C library is not glibc (no malloc_trim, mallinfo2)")
+@needs_glibc
 def test_resident_memory_malloc_did_not_hand_out_counts_as_unused() -> None:
-    unused, _ = freed_heap._glibc()
+    glibc = freed_heap._glibc()
+    assert glibc is not None
+    unused = glibc[0]
     size = 64 * 2**20
     before = unused()
     pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # outside malloc; written: resident
@@ -159,13 +163,15 @@ def test_resident_memory_malloc_did_not_hand_out_counts_as_unused() -> None:
     assert unused() - before < size * 0.5
 
 
-@pytest.mark.skipif(not freed_heap.available(), reason="the C library is not glibc (no malloc_trim, mallinfo2)")
+@needs_glibc
 def test_memory_malloc_handed_out_does_not_count_as_unused() -> None:
-    unused, _ = freed_heap._glibc()
+    glibc = freed_heap._glibc()
+    assert glibc is not None
+    unused = glibc[0]
     before = unused()
     held = torch.ones(64 * 2**20, dtype=torch.uint8)  # resident, and in malloc's hands
     assert unused() - before < 16 * 2**20
-    del held
+    del held  # held until the look above
 
 
 def test_the_option_pickles_with_the_model(path: Path) -> None:
