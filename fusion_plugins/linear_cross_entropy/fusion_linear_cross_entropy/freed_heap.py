@@ -26,8 +26,8 @@ What is counted, and from when, decides both the peak and the time (docs/benchma
   that working set alone (about 300 MB a layer at Llama-3.2-1B widths and 2048 tokens) reads as growth, and a trim
   then came at nearly every boundary, 31 a step, costing 10-20% of the step's time in refaulted pages. Counted from
   the first look after a trim, only what the layers leave behind beyond their working set counts: 6-9 trims a step
-  at the Qwen2-0.5B and Llama-3.2-1B widths (LoRA, 2048 tokens), where the step's peak went from 0.245x plain's
-  to 0.215x and from 0.277x to 0.259x, at plain's time (``benchmarks/bench_train.py``).
+  at the Qwen2-0.5B and Llama-3.2-1B widths (LoRA, 2048 tokens; counted in throwaway runs), where the step's peak
+  went from 0.245x plain's to 0.215x and from 0.277x to 0.259x, at plain's time (``benchmarks/bench_train.py``).
 
 Where the C library is not glibc (no ``malloc_trim`` and ``mallinfo2``, glibc 2.33 on), nothing is hooked. The hooks
 are removed when the forward returns; the gradient hooks go with the autograd graph.
@@ -85,7 +85,8 @@ def _glibc() -> tuple[Callable[[], int], Callable[[], int]] | None:
 
 def _anonymous_resident(page: int) -> int:
     """Resident bytes not backed by a file (``/proc/self/statm``'s resident less shared pages): a checkpoint's
-    memory-mapped weights faulting in are not malloc's to give back."""
+    memory-mapped weights faulting in are not malloc's to give back. Opened at each look (tens of microseconds, a few
+    dozen times a step): a descriptor kept open would go on reading the parent's figures in a forked child."""
     with open("/proc/self/statm", "rb") as statm:
         fields = statm.read().split()
     return (int(fields[1]) - int(fields[2])) * page
