@@ -85,7 +85,7 @@ def _glibc() -> tuple[Callable[[], int], Callable[[], int]] | None:
 
 def _anonymous_resident(page: int) -> int:
     """Resident bytes not backed by a file (``/proc/self/statm``'s resident less shared pages): a checkpoint's
-    memory-mapped weights faulting in are not malloc's to give back. Opened at each look (tens of microseconds, a few
+    memory-mapped weights faulting in are not malloc's to give back. Opened at each look (about 6 microseconds, a few
     dozen times a step): a descriptor kept open would go on reading the parent's figures in a forked child."""
     with open("/proc/self/statm", "rb") as statm:
         fields = statm.read().split()
