@@ -18,6 +18,7 @@ import torch
 from fusion_linear_kernels import LinearKernelsFamily, LinearKernelsMixin, LinearKernelsOptions, choice, compat, packing
 from fusion_linear_kernels.family import packing_plan
 from fusion_linear_kernels.packing import PrepackLinearWeight, is_packed
+from onednn_packing import needs_packing, refusal
 from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
@@ -29,6 +30,9 @@ from fusion_core.plugin import fuse_instance, same_bits
 from fusion_core.testing import kit
 from fusion_core.testing.decisions import original_fastest, original_slowest
 from fusion_core.testing.tiny_models import TEXT_MODELS
+
+BF16_PACKS = needs_packing(torch.bfloat16)
+"""Tests that need a bfloat16 weight packed: skipped where this CPU's oneDNN does not pack bfloat16."""
 
 pytestmark = pytest.mark.skipif(not compat.available(), reason="this torch build has no oneDNN prepacked linear")
 
@@ -61,6 +65,7 @@ def _fuse_layer(original: nn.Linear, exact: bool) -> Any:
 
 
 # -- the op and the decision ----------------------------------------------------------------------
+@BF16_PACKS
 @pytest.mark.parametrize("exact", [False, True])
 def test_the_op_honours_the_transform_op_contract(exact):
     """What ``kit.assert_transform_op`` checks, but its view check (it reads each result's storage, which a packed
@@ -81,7 +86,7 @@ def test_the_op_honours_the_transform_op_contract(exact):
 
 def test_the_inverse_is_the_original_bytes_and_meta_stays_meta():
     op = PrepackLinearWeight()
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in (dtype for dtype in (torch.bfloat16, torch.float32) if refusal(dtype) is None):
         weight = torch.randn(40, 24).to(dtype)
         weight[0, 0], weight[0, 1] = -0.0, torch.finfo(dtype).tiny / 4  # a signed zero, a subnormal
         (packed,) = op.forward([weight])
@@ -108,6 +113,7 @@ def _one_ulp_up(input: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
     return torch.nextafter(out, torch.full_like(out, float("inf")))
 
 
+@BF16_PACKS
 def test_exact_mode_packs_only_bit_identical_kernels(monkeypatch):
     weight = torch.randn(64, 32).bfloat16()
     assert packing.packs(weight, exact=True) and packing.packs(weight, exact=False)
@@ -119,6 +125,7 @@ def test_exact_mode_packs_only_bit_identical_kernels(monkeypatch):
     assert "bit-identical" in reason
 
 
+@BF16_PACKS
 @pytest.mark.parametrize(("times", "expected"), [((1.0, 0.5, 1.0, 0.5), True), ((1.0, 1.0, 1.0, 0.5), False),
                                                  ((1.0, 0.5, 1.0, 1.5), False)],
                          ids=["faster", "not-faster-at-decode", "slower-at-prefill"])
@@ -128,6 +135,7 @@ def test_packing_must_win_at_decode_and_not_lose_at_prefill(fake_times, times, e
     assert packing.packs(torch.randn(64, 32).bfloat16(), exact=True) is expected, packing.pack_decisions()
 
 
+@BF16_PACKS
 def test_packing_at_decode_must_beat_the_kernel_a_dense_weight_would_run(monkeypatch, fake_times):
     """Where ``torch.mv`` is the dense weight's decode kernel (choice.py measured it faster than ``F.linear``),
     packing is timed against ``torch.mv``, not against ``F.linear``."""
@@ -154,6 +162,7 @@ def test_packing_at_decode_must_beat_the_kernel_a_dense_weight_would_run(monkeyp
     assert "(mv)" in packing.pack_decisions()[((64, 32), torch.bfloat16, True)][1]
 
 
+@BF16_PACKS
 def test_a_dense_layers_decode_kernel_is_the_one_packing_measured(fake_times):
     """The kernel packing compared with at decode is kept as the dense layer's choice: its first decode call
     times nothing (the choice was measured once, by the packing decision)."""
@@ -170,7 +179,7 @@ def test_a_dense_layers_decode_kernel_is_the_one_packing_measured(fake_times):
     assert len(timed) == 1 and choice.decisions()[choice.kind_of(x, weight, None, False)] == "mv"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=BF16_PACKS), torch.float32])
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_packed_layer_computes_f_linear_at_every_row_count(dtype, bias):
     """Decode and prefill: rows 1 to 300, bit-identical in exact mode (bfloat16 without a bias), else within the
@@ -239,6 +248,7 @@ def _assert_packed_where_expected(model: Any, tied: bool, exact: bool, merged: b
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
 
 
+@BF16_PACKS
 @pytest.mark.parametrize("case", CASES[:2], ids=["llama-untied", "qwen2-tied"])
 @pytest.mark.parametrize("others", [{}, MERGED], ids=["alone", "with-qkv-gate_up"])
 def test_exact_mode_decodes_bit_identically(checkpoints, case, others):
@@ -266,7 +276,8 @@ def test_float32_default_mode_packs_within_the_bound(checkpoints):
         assert torch.allclose(got, want, atol=kit.TOLERANCES[torch.float32] * (float(want.abs().max()) + 1))
 
 
-@pytest.mark.parametrize("case", CASES, ids=["llama-bf16", "qwen2-tied-bf16", "llama-fp32"])
+@pytest.mark.parametrize("case", [pytest.param(case, marks=needs_packing(case[2])) for case in CASES],
+                         ids=["llama-bf16", "qwen2-tied-bf16", "llama-fp32"])
 def test_saved_checkpoint_is_the_source_byte_for_byte(checkpoints, tmp_path, case):
     directory = checkpoints[case]
     fused = _load(directory, {**MERGED, "linear_kernels": True})
@@ -278,6 +289,7 @@ def test_saved_checkpoint_is_the_source_byte_for_byte(checkpoints, tmp_path, cas
     assert (tmp_path / "method" / "model.safetensors").read_bytes() == (directory / "model.safetensors").read_bytes()
 
 
+@BF16_PACKS
 def test_fuse_in_place_packs_and_unfuse_restores(checkpoints):
     directory = checkpoints[("qwen2", True, torch.bfloat16)]
     plain, model = _load(directory, None), _load(directory, None)
@@ -292,6 +304,7 @@ def test_fuse_in_place_packs_and_unfuse_restores(checkpoints):
     assert list(back) == list(want) and all(same_bits(back[k], want[k]) for k in want)
 
 
+@BF16_PACKS
 def test_a_fused_layout_save_is_refused_by_name(checkpoints, tmp_path):
     fused = _load(checkpoints[("llama", False, torch.bfloat16)], {"linear_kernels": True})
     with pytest.raises(SaveError, match=r"family 'linear_kernels', module 'model\.layers\.0\.\S+': its weight is held "
@@ -300,6 +313,7 @@ def test_a_fused_layout_save_is_refused_by_name(checkpoints, tmp_path):
     assert not (tmp_path / "fused").exists()
 
 
+@BF16_PACKS
 def test_state_dict_load_unfuse_pickle_copy_and_to(checkpoints):
     directory = checkpoints[("qwen2", True, torch.bfloat16)]
     plain = _load(directory, None)
@@ -335,6 +349,7 @@ def test_state_dict_load_unfuse_pickle_copy_and_to(checkpoints):
     assert [n for n, _ in fused.named_parameters()] == [n for n, _ in plain.named_parameters()]
 
 
+@BF16_PACKS
 def test_a_trainable_packed_weight_is_refused_by_name_at_backward(checkpoints):
     directory = checkpoints[("llama", False, torch.bfloat16)]
     plain, fused = _load(directory, None), _load(directory, {"linear_kernels": {"exact": True}})
@@ -346,6 +361,7 @@ def test_a_trainable_packed_weight_is_refused_by_name_at_backward(checkpoints):
         loss.backward()
 
 
+@BF16_PACKS
 @pytest.mark.parametrize("others", [{}, MERGED], ids=["alone", "with-qkv-gate_up"])
 def test_lora_on_packed_layers_trains_like_plain(checkpoints, tmp_path, others, lora):
     directory = checkpoints[("llama", False, torch.bfloat16)]
@@ -377,6 +393,7 @@ def test_lora_on_packed_layers_trains_like_plain(checkpoints, tmp_path, others, 
         assert torch.equal(fused_merged(IDS).logits, plain_merged(IDS).logits)
 
 
+@BF16_PACKS
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("others", [{}, MERGED], ids=["alone", "with-qkv-gate_up"])
 def test_compiles_with_fullgraph_through_the_packed_operator(checkpoints, backend, others):
@@ -392,6 +409,7 @@ def test_compiles_with_fullgraph_through_the_packed_operator(checkpoints, backen
     assert torch.equal(got, expected)
 
 
+@BF16_PACKS
 @pytest.mark.parametrize("others", [{}, MERGED], ids=["alone", "with-qkv-gate_up"])
 def test_torch_export_runs_the_packed_layers(checkpoints, others):
     """torch.export's non-strict tracing hands each layer fake tensors of another class than torch's own: the
@@ -448,6 +466,7 @@ def test_autocast_gives_what_the_original_layers_give(checkpoints, fake_times, l
     same(grads[1], grads[0])
 
 
+@BF16_PACKS
 def test_weight_read_from_outside_a_packed_layer_reads_and_writes_the_dense_weight(checkpoints):
     """``layer.weight`` of a packed layer is a view of the dense weight: metadata reads leave it packed, an operator
     reads the dense values, a write lands (packed again), ``requires_grad`` reaches the parameter; before, each
@@ -478,6 +497,7 @@ def test_weight_read_from_outside_a_packed_layer_reads_and_writes_the_dense_weig
     assert layer._parameters["weight"].requires_grad
 
 
+@BF16_PACKS
 def test_writes_to_a_part_of_a_packed_merged_container_land(checkpoints):
     """``k_proj.weight`` of a packed merged ``qkv_proj`` is rows of the container's weight: a write to it must reach
     the packed weight (before, the rows came from a dense copy and the write was dropped without a word)."""
@@ -494,6 +514,7 @@ def test_writes_to_a_part_of_a_packed_merged_container_land(checkpoints):
         assert torch.equal(fused(IDS).logits, plain(IDS).logits)
 
 
+@BF16_PACKS
 @pytest.mark.parametrize("others", [{}, MERGED], ids=["alone", "with-qkv-gate_up"])
 def test_pissa_rewrites_packed_base_weights(checkpoints, others):
     """PiSSA replaces each base weight by its residual when the adapter is created; on packed layers (and on slices of
@@ -509,6 +530,7 @@ def test_pissa_rewrites_packed_base_weights(checkpoints, others):
         torch.testing.assert_close(fused(IDS).logits, plain(IDS).logits, rtol=1e-2, atol=1e-2)
 
 
+@BF16_PACKS
 def test_transformers_code_that_reads_a_packed_weight_runs_as_on_plain(checkpoints, tmp_path):
     """``resize_token_embeddings`` with a packed untied head, ``init_weights`` and ``apply(_init_weights)`` (which
     leaves loaded weights alone on transformers 5.x: the packed parameters keep its mark), and accelerate's
@@ -539,6 +561,7 @@ def test_transformers_code_that_reads_a_packed_weight_runs_as_on_plain(checkpoin
     assert sorted(saved[0]) == sorted(saved[1]) and all(torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
 
 
+@BF16_PACKS
 def test_inductor_runs_a_packed_merged_projection_once_per_layer(checkpoints):
     """Under torch.compile the siblings of a packed container share one merged GEMM (no per-part rows exist, and
     the compiled graph would not merge identical calls of the opaque kernel)."""
@@ -558,6 +581,7 @@ def test_inductor_runs_a_packed_merged_projection_once_per_layer(checkpoints):
     assert torch.allclose(got.logits, expected, atol=kit.TOLERANCES[torch.bfloat16] * (float(expected.abs().max()) + 1))
 
 
+@BF16_PACKS
 def test_inductor_compiles_a_packed_layer():
     original = _linear(96, 64, torch.bfloat16, bias=False)
     fused = _fuse_layer(original, exact=True)
@@ -569,6 +593,7 @@ def test_inductor_compiles_a_packed_layer():
         assert torch.equal(compiled(x), original(x))
 
 
+@BF16_PACKS
 def test_a_layer_whose_weight_the_model_reads_directly_stays_dense(tmp_path):
     """Mamba's mixer reads ``self.dt_proj.weight`` (and its causal-LM class ``self.lm_head.weight``) instead of
     calling the layers: those stay dense, the layers only ever called are packed, and decoding matches."""
@@ -600,6 +625,7 @@ def test_a_distributed_job_keeps_every_weight_dense(checkpoints, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(_decode(fused)[1], _decode(reference)[1], strict=True))
 
 
+@BF16_PACKS
 def test_fsdp2_over_packed_weights_is_refused_by_name(checkpoints):
     """A model that packed its weights in a single process, then wrapped once a process group is up: FSDP2's
     ``fully_shard`` raises naming the family, the module and the ways out, instead of torch's missing-kernel error."""
