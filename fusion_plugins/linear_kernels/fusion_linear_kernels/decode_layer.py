@@ -28,8 +28,10 @@ switched.
 
 **Which layers.** A module with the children ``input_layernorm``, ``self_attn``, ``post_attention_layernorm`` and
 ``mlp`` (and :data:`SANDWICH`'s two more norms in Gemma 2 and 3), whose norms hold a 1-D weight and one epsilon
-(``variance_epsilon`` or ``eps``), whose MLP has ``down_proj`` and either ``gate_proj`` and ``up_proj`` (plain
-``nn.Linear`` layers) or the ``gate_up`` family's merged projection, with dense weights the GEMV kernel reads. Names
+(``variance_epsilon`` or ``eps``), whose MLP has ``down_proj``, an activation (``act_fn`` or ``activation_fn``) and
+either ``gate_proj`` and ``up_proj`` (plain ``nn.Linear`` layers), the ``gate_up`` family's merged projection, or a
+``gate_up_proj`` the checkpoint holds merged (Phi-3's and GLM's: the gate's rows, then the up's), with dense weights
+the GEMV kernel reads. Names
 are only the pre-filter: each form is verified once per load on its real weights (:meth:`LayerForm.of` and
 :func:`refusal`): the norms' and the activation's kinds on inputs of their own, the composition with stand-ins for the
 attention and the MLP (bit for bit, independent of the weights, and the attention passed its arguments as they are),
@@ -180,11 +182,13 @@ class LayerForm:
             norms = (modules["input_layernorm"], modules["post_attention_layernorm"])
         mlp = modules["mlp"]
         children = mlp._modules
-        down, act = children.get("down_proj"), children.get("act_fn")
+        down, act = children.get("down_proj"), children.get("act_fn", children.get("activation_fn"))
         merged = merged_projection(mlp)
         if merged is not None:
             container = merged.owner
             gate = up = container if len(merged.sizes) == 2 and merged.sizes[0] == merged.sizes[1] else None
+        elif isinstance(children.get("gate_up_proj"), nn.Linear):  # merged in the checkpoint (Phi-3, GLM)
+            gate = up = children["gate_up_proj"]
         else:
             gate, up = children.get("gate_proj"), children.get("up_proj")
         if gate is None or up is None or down is None or act is None:
@@ -197,7 +201,7 @@ class LayerForm:
         parts = cls.parts(layer)
         if parts is None:
             return ("not a decoder layer with norms, an attention and a gated MLP (input_layernorm, self_attn, "
-                    "post_attention_layernorm, mlp with gate, up and down projections and act_fn)")
+                    "post_attention_layernorm, mlp with gate, up and down projections and an activation)")
         norms, (_, gate, up, down, act) = parts[:-5], parts[-5:]
         epsilons = {_epsilon(norm) for norm in norms}
         if None in epsilons or len(epsilons) != 1:

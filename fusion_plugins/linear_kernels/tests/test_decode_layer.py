@@ -22,7 +22,15 @@ from fusion_linear_kernels.decode_layer import FORM_KEY, DecodeLayerMixin, Layer
 from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
 from one_row_gemv import fresh_kernels_of, skip_unless_built
 from torch import nn
-from transformers import AutoModelForCausalLM, Gemma2Config, GemmaConfig, LlamaConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    GemmaConfig,
+    GlmConfig,
+    LlamaConfig,
+    Phi3Config,
+    Qwen2Config,
+)
 
 import fusion_core
 from fusion_core.testing.decisions import original_fastest
@@ -32,14 +40,18 @@ pytestmark = pytest.mark.slow
 IDS = torch.tensor([[5, 17, 42, 9]])
 MERGED = {"qkv": True, "gate_up": True, "linear_kernels": True}
 ALONE = {"linear_kernels": True}
-CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gemma": GemmaConfig, "gemma2": Gemma2Config}
+CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gemma": GemmaConfig, "gemma2": Gemma2Config, "phi3": Phi3Config,
+           "glm": GlmConfig}
+TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+"""Special tokens inside the tiny vocabulary (Phi-3's and GLM's defaults lie beyond it)."""
 
 
 def _model(kind: str, **extra: Any) -> nn.Module:
     """A bf16 decoder of ``kind`` with two layers, its norms' weights random as trained ones are (around 1, or
     around 0 for Gemma's, which multiply by 1 + the weight)."""
     config = CONFIGS[kind](hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=8,
-                           num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=256, **extra)
+                           num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=256,
+                           **{**TOKENS, **extra})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
     with torch.no_grad():
@@ -112,8 +124,10 @@ def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
 
 @pytest.mark.usefixtures("step_kernels")
 @pytest.mark.parametrize(("kind", "families"), [("llama", MERGED), ("llama", ALONE), ("qwen2", MERGED),
-                                               ("gemma", MERGED), ("gemma2", MERGED)],
-                         ids=["llama-merged", "llama-alone", "qwen2-merged", "gemma-merged", "gemma2-merged"])
+                                               ("gemma", MERGED), ("gemma2", MERGED), ("phi3", ALONE),
+                                               ("glm", {"qkv": True, "linear_kernels": True})],
+                         ids=["llama-merged", "llama-alone", "qwen2-merged", "gemma-merged", "gemma2-merged",
+                              "phi3-its-own-merged", "glm-its-own-merged"])
 def test_recognised_layers_decode_as_their_modules_do(kind: str, families: dict[str, bool],
                                                       steps: list[nn.Module]) -> None:
     fused = fusion_core.fuse(_model(kind), families)
@@ -201,6 +215,24 @@ def test_layers_of_another_form_keep_their_class(kind: str, extra: dict[str, Any
     assert type(layer) is type(plain.model.layers[0])
     found = refusal(layer)
     assert found is not None and reason in found
+
+
+class _UpRowsFirst(nn.Module):
+    """A checkpoint-merged MLP whose ``gate_up_proj`` holds the up projection's rows first (built by class switch)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        up, gate = self.gate_up_proj(hidden_states).chunk(2, dim=-1)
+        return self.down_proj(up * self.activation_fn(gate))
+
+
+@pytest.mark.usefixtures("step_kernels")
+def test_a_checkpoint_merged_mlp_of_another_row_order_keeps_its_class() -> None:
+    model = _model("phi3")
+    for layer in model.model.layers:
+        layer.mlp.__class__ = type("UpFirstMLP", (_UpRowsFirst, type(layer.mlp)), {})
+    fused = fusion_core.fuse(model, ALONE)
+    assert not any(isinstance(layer, DecodeLayerMixin) for layer in fused.model.layers)
+    assert "the decode step's output differs from the forward's" in str(refusal(fused.model.layers[0]))
 
 
 class _DropsPositions(nn.Module):
