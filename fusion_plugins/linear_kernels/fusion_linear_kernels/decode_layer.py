@@ -27,16 +27,17 @@ its last bit: within the bound (:mod:`fusion_linear_kernels.tolerance`), and nev
 switched.
 
 **Which layers.** A module with the children ``input_layernorm``, ``self_attn``, ``post_attention_layernorm`` and
-``mlp`` (and :data:`SANDWICH`'s two more norms in Gemma 2 and 3), whose norms hold a 1-D weight and one epsilon
+``mlp`` (and two more norms in the sandwich forms of Gemma 2 and 3 and of GLM-4, named in
+:data:`~fusion_linear_kernels.layer_forms.SANDWICHES`), whose norms hold a 1-D weight and one epsilon
 (``variance_epsilon`` or ``eps``), whose MLP has ``down_proj``, an activation (``act_fn`` or ``activation_fn``) and
 either ``gate_proj`` and ``up_proj`` (plain ``nn.Linear`` layers), the ``gate_up`` family's merged projection, or a
-``gate_up_proj`` the checkpoint holds merged (Phi-3's and GLM's: the gate's rows, then the up's), with dense weights
-the GEMV kernel reads. Names
-are only the pre-filter: each form is verified once per load on its real weights (:meth:`LayerForm.of` and
-:func:`refusal`): the norms' and the activation's kinds on inputs of their own, the composition with stand-ins for the
-attention and the MLP (bit for bit, independent of the weights, and the attention passed its arguments as they are),
-and the arithmetic within the bound. A layer that does not verify (Granite's residual multipliers, Olmo 2's norms
-after the blocks, parallel blocks, LayerNorm, a ReLU MLP, a forward that returns a tuple) keeps its class.
+``gate_up_proj`` the checkpoint holds merged (Phi-3's and GLM's: the gate's rows, then the up's), with dense weights the
+GEMV kernel reads. Names are only the pre-filter: each form is verified once per load on its real weights
+(:meth:`LayerForm.of` and :func:`refusal`): the norms' and the activation's kinds on inputs of their own, the
+composition with stand-ins for the attention and the MLP (bit for bit, independent of the weights, and the attention
+passed its arguments as they are), and the arithmetic within the bound. A layer that does not verify (Granite's residual
+multipliers, Olmo 2's norms after the blocks, parallel blocks, LayerNorm, a ReLU MLP, a forward that returns a tuple)
+keeps its class.
 
 **When it runs.** Only for a step of one to eight rows that the original would run the same way: grad mode off, not
 traced, not training, no autocast, a contiguous CPU input of the weights' dtype, no positional arguments but the hidden
@@ -67,13 +68,13 @@ from fusion_linear_kernels.choice import Kind, choose, decided, generation, kind
 from fusion_linear_kernels.kernels import BLOCKED_ROWS, FEW_ROWS, FEW_ROWS_BLOCKED, LINEAR, ROW_DOT, Candidate
 from fusion_linear_kernels.layer_forms import (
     CHILDREN,
-    SANDWICH,
     Marker,
     StandIn,
     activation,
     composed,
     norm_kind,
     relative,
+    sandwich_of,
     swapped,
     tolerance,
 )
@@ -175,9 +176,10 @@ class LayerForm:
         modules = layer._modules
         if "self_attn" not in modules or not all(isinstance(modules.get(name), nn.Module) for name in CHILDREN):
             return None
-        if all(isinstance(modules.get(name), nn.Module) for name in SANDWICH):
-            norms = tuple(modules[name] for name in ("input_layernorm", SANDWICH[0], "post_attention_layernorm",
-                                                     SANDWICH[1]))
+        sandwich = sandwich_of(layer)
+        if sandwich is not None:
+            attention_out, mlp_in, mlp_out = sandwich
+            norms = tuple(modules[name] for name in ("input_layernorm", mlp_in, attention_out, mlp_out))
         else:
             norms = (modules["input_layernorm"], modules["post_attention_layernorm"])
         mlp = modules["mlp"]
@@ -297,7 +299,7 @@ class LayerForm:
         attention = result[0] if isinstance(result, tuple) else result  # (output, weights), as the forward unpacks it
         if not (type(attention) is torch.Tensor and attention.dtype is self.dtype
                 and attention.shape == hidden.shape):  # not what verification saw: the verified form's modules
-            return composed(layer, hidden, attention, self.flags & SANDWICH_FORM)
+            return composed(layer, hidden, attention, sandwich_of(layer) if self.flags & SANDWICH_FORM else None)
         attention = attention.contiguous()
         gated = hidden.new_empty(2 * rows * self.intermediate)
         scratch, out = torch.empty_like(hidden), torch.empty_like(hidden)  # the attention may hold its input
@@ -345,9 +347,9 @@ def refusal(layer: nn.Module) -> str | None:
     norms' and the activation's kinds on inputs of their own):
 
     - the composition, on no weights: with stand-ins for the attention and the MLP, the forward computes
-      ``r = h + attn(norm(h))``, then ``r + mlp(norm(r))`` with the layer's own norms bit for bit (in the sandwich form
-      of Gemma 2 and 3, ``r = h + norm(attn(norm(h)))``, then ``r + norm(mlp(norm(r)))``), and passes the attention
-      every argument it was given, as it is;
+      ``r = h + attn(norm(h))``, then ``r + mlp(norm(r))`` with the layer's own norms bit for bit (in the sandwich
+      forms of Gemma 2 and 3 and of GLM-4, ``r = h + norm(attn(norm(h)))``, then ``r + norm(mlp(norm(r)))``), and
+      passes the attention every argument it was given, as it is;
     - the arithmetic, on the loaded weights: with a stand-in attention, the step's output and its input norm are within
       two steps of the dtype's precision of the forward's (inputs small beside the MLP's output, which then dominates).
 
@@ -374,7 +376,8 @@ def _unverified(layer: nn.Module, form: LayerForm) -> str | None:
         except Exception as exc:  # any failure means the form is not this one
             return f"its forward does not run with the attention's arguments passed through ({exc!r:.120})"
         normed = layer._modules["input_layernorm"](hidden)
-        reference = composed(layer, hidden, normed.flip(-1) * scale, form.flags & SANDWICH_FORM)
+        reference = composed(layer, hidden, normed.flip(-1) * scale,
+                             sandwich_of(layer) if form.flags & SANDWICH_FORM else None)
     if not isinstance(output, torch.Tensor):
         return f"its forward returns {type(output).__name__}, not the hidden states alone"
     if not torch.equal(output, reference):

@@ -3,7 +3,8 @@ apart: the norms' kind and the activation's on inputs of their own, the composit
 and the MLP (:class:`StandIn`, :func:`composed`), the arithmetic within :func:`tolerance`.
 
 Two compositions: Llama's pre-norm layer (``r = h + attn(norm(h))``, then ``r + mlp(norm(r))``) and the sandwich of
-Gemma 2 and 3 (the attention's and the MLP's outputs normed before each residual: :data:`SANDWICH`'s two more norms).
+Gemma 2 and 3 and of GLM-4 (the attention's and the MLP's outputs normed before each residual: two more norms, named
+as :data:`SANDWICHES` lists).
 Two RMSNorms: Llama's (the normalised input rounded to the dtype, times the weight) and Gemma's (times 1 + the weight
 in float32, rounded once). Two activations: SiLU and GELU's tanh approximation.
 """
@@ -19,18 +20,31 @@ from torch import nn
 
 CHILDREN = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 """The children a layer must have to be considered (the pre-filter; the form is verified on the weights)."""
-SANDWICH = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-"""The two more norms of the sandwich form (Gemma 2 and 3): the MLP's input norm and its output's; the attention's
-output then goes through ``post_attention_layernorm`` before the residual."""
+Sandwich = tuple[str, str, str]
+"""The norms of a sandwich form by name: the attention output's, the MLP input's and the MLP output's."""
+SANDWICHES: tuple[Sandwich, ...] = (
+    ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"),  # Gemma 2 and 3
+    ("post_self_attn_layernorm", "post_attention_layernorm", "post_mlp_layernorm"),  # GLM-4
+)
+"""The sandwich forms' names (the composition is verified on the layer, whatever the names say)."""
 
 
-def composed(layer: nn.Module, hidden: torch.Tensor, attention: torch.Tensor, sandwich: int) -> torch.Tensor:
-    """What the verified form computes after the attention, by the layer's own modules: ``r = h + attention`` (the
-    attention's output normed first in the sandwich form), then ``r + mlp(norm(r))`` (the MLP's output normed)."""
+def sandwich_of(layer: nn.Module) -> Sandwich | None:
+    """The first of :data:`SANDWICHES` whose norms are all children of ``layer``, or None (a pre-norm layer)."""
     modules = layer._modules
-    if sandwich:
-        residual = hidden + modules["post_attention_layernorm"](attention)
-        return residual + modules[SANDWICH[1]](modules["mlp"](modules[SANDWICH[0]](residual)))
+    return next((names for names in SANDWICHES if all(isinstance(modules.get(name), nn.Module) for name in names)),
+                None)
+
+
+def composed(layer: nn.Module, hidden: torch.Tensor, attention: torch.Tensor,
+             sandwich: Sandwich | None) -> torch.Tensor:
+    """What the verified form computes after the attention, by the layer's own modules: ``r = h + attention`` (the
+    attention's output normed first in a sandwich form), then ``r + mlp(norm(r))`` (the MLP's output normed)."""
+    modules = layer._modules
+    if sandwich is not None:
+        attention_out, mlp_in, mlp_out = sandwich
+        residual = hidden + modules[attention_out](attention)
+        return residual + modules[mlp_out](modules["mlp"](modules[mlp_in](residual)))
     residual = hidden + attention
     return residual + modules["mlp"](modules["post_attention_layernorm"](residual))
 

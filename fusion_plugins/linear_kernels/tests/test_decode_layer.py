@@ -26,6 +26,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     GemmaConfig,
+    Glm4Config,
     GlmConfig,
     LlamaConfig,
     Phi3Config,
@@ -41,7 +42,7 @@ IDS = torch.tensor([[5, 17, 42, 9]])
 MERGED = {"qkv": True, "gate_up": True, "linear_kernels": True}
 ALONE = {"linear_kernels": True}
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gemma": GemmaConfig, "gemma2": Gemma2Config, "phi3": Phi3Config,
-           "glm": GlmConfig}
+           "glm": GlmConfig, "glm4": Glm4Config}
 TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 """Special tokens inside the tiny vocabulary (Phi-3's and GLM's defaults lie beyond it)."""
 
@@ -125,9 +126,10 @@ def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
 @pytest.mark.usefixtures("step_kernels")
 @pytest.mark.parametrize(("kind", "families"), [("llama", MERGED), ("llama", ALONE), ("qwen2", MERGED),
                                                ("gemma", MERGED), ("gemma2", MERGED), ("phi3", ALONE),
-                                               ("glm", {"qkv": True, "linear_kernels": True})],
+                                               ("glm", {"qkv": True, "linear_kernels": True}),
+                                               ("glm4", {"qkv": True, "linear_kernels": True})],
                          ids=["llama-merged", "llama-alone", "qwen2-merged", "gemma-merged", "gemma2-merged",
-                              "phi3-its-own-merged", "glm-its-own-merged"])
+                              "phi3-its-own-merged", "glm-its-own-merged", "glm4-sandwich"])
 def test_recognised_layers_decode_as_their_modules_do(kind: str, families: dict[str, bool],
                                                       steps: list[nn.Module]) -> None:
     fused = fusion_core.fuse(_model(kind), families)
