@@ -30,3 +30,7 @@ def needs_packing(dtype: torch.dtype) -> pytest.MarkDecorator:
     """A mark skipping the test where oneDNN does not pack ``dtype`` on this CPU, with oneDNN's reason."""
     reason = refusal(dtype)
     return pytest.mark.skipif(reason is not None, reason=f"oneDNN does not pack {dtype} on this CPU: {reason}")
+
+
+BF16_PACKS = needs_packing(torch.bfloat16)
+"""The mark of the tests that need a bfloat16 weight packed."""

@@ -19,7 +19,7 @@ import pytest
 import torch
 from fusion_linear_kernels import choice, experts, kernels, packed_experts, packing
 from fusion_linear_kernels.family import ExpertsKernelsMixin
-from onednn_packing import needs_packing
+from onednn_packing import BF16_PACKS
 from transformers import AutoModelForCausalLM
 
 import fusion_core
@@ -276,7 +276,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype = torch.flo
 
 
 @pytest.mark.parametrize("name", sorted(MOE_MODELS))
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_packing(torch.bfloat16))])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=BF16_PACKS)])
 def test_packed_experts_decode_and_prefill_like_the_configured_implementation(checkpoints, name, dtype,
                                                                              _packing_wins):
     plain = AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=dtype).eval()
@@ -305,7 +305,7 @@ def test_packed_experts_exact_mode_is_bit_identical_or_stays_dense(checkpoints, 
     assert torch.equal(tokens, expected_tokens) and torch.equal(logits, expected_logits)
 
 
-@needs_packing(torch.bfloat16)
+@BF16_PACKS
 def test_packed_experts_save_copy_pickle_convert_and_unfuse(checkpoints, tmp_path, _packing_wins):
     directory = checkpoints["qwen2_moe"]
     plain, fused = _load(directory, None), _load(directory, {"linear_kernels": True})
@@ -351,7 +351,7 @@ def test_packed_experts_under_autocast_give_what_the_original_gives(checkpoints,
     assert _packed_modules(fused)  # the packed stacks are back after each call
 
 
-@needs_packing(torch.bfloat16)
+@BF16_PACKS
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_packed_experts_compile_and_train_through_frozen_experts(checkpoints, backend, _packing_wins):
     """Compiled with fullgraph (the packed experts are one operator), and gradients reach the layers before a

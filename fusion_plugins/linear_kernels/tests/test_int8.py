@@ -15,7 +15,7 @@ import pytest
 import torch
 from fusion_linear_kernels import choice, compat, kernels
 from fusion_linear_kernels.tolerance import admission_bound
-from onednn_packing import needs_packing
+from onednn_packing import BF16_PACKS
 from torch.nn import functional as F
 from transformers import AutoModelForCausalLM
 
@@ -65,7 +65,7 @@ def test_decode_runs_the_int8_kernel_within_the_bound(checkpoint, others):
     assert kernels.INT8.name in choice.decisions().values()
 
 
-@needs_packing(torch.bfloat16)
+@BF16_PACKS
 def test_quantize_after_a_load_that_packed_the_weights(checkpoint, fake_times):
     """``quantize_`` reads each layer's ``weight`` as a dense tensor: a packed layer gives it through its dense view
     (before: torch's ``MkldnnCPU`` error), and the layer then holds and runs the quantized weight, exact mode giving

@@ -18,7 +18,7 @@ import torch
 from fusion_linear_kernels import LinearKernelsFamily, LinearKernelsMixin, LinearKernelsOptions, choice, compat, packing
 from fusion_linear_kernels.family import packing_plan
 from fusion_linear_kernels.packing import PrepackLinearWeight, is_packed
-from onednn_packing import needs_packing, refusal
+from onednn_packing import BF16_PACKS, needs_packing, refusal
 from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
@@ -30,9 +30,6 @@ from fusion_core.plugin import fuse_instance, same_bits
 from fusion_core.testing import kit
 from fusion_core.testing.decisions import original_fastest, original_slowest
 from fusion_core.testing.tiny_models import TEXT_MODELS
-
-BF16_PACKS = needs_packing(torch.bfloat16)
-"""Tests that need a bfloat16 weight packed: skipped where this CPU's oneDNN does not pack bfloat16."""
 
 pytestmark = pytest.mark.skipif(not compat.available(), reason="this torch build has no oneDNN prepacked linear")
 
@@ -84,6 +81,7 @@ def test_the_op_honours_the_transform_op_contract(exact):
     assert same_bits(back, weight)
 
 
+@needs_packing(torch.float32)  # bfloat16 too where it packs
 def test_the_inverse_is_the_original_bytes_and_meta_stays_meta():
     op = PrepackLinearWeight()
     for dtype in (dtype for dtype in (torch.bfloat16, torch.float32) if refusal(dtype) is None):
