@@ -1,14 +1,14 @@
 """Which candidate kernel each kind of linear call runs: measured once per kind on the real input.
 
-A *kind* is what a kernel's speed depends on: the device, the dtype, the weight's shape and
-strides, whether there is a bias, the input's row count (1 to :data:`MAX_ROWS`) and the mode
-(exact or within the bound). The first eager call of a kind (that this machine has no stored decision
-for: :class:`fusion_core.plugin.Decisions`, topic ``"linear_kernels.choice[<the candidates' names>]"``)
-computes every applicable candidate (:data:`fusion_linear_kernels.kernels.CANDIDATES`) on its real input,
-admits those whose output stands for ``F.linear``'s (:mod:`fusion_linear_kernels.tolerance`), times the
-admitted ones over a pass of copies of the weight (read from memory, as decode reads every layer's) and
-keeps the fastest for the kind; ``F.linear`` keeps a kind unless another candidate was faster by more than
-the facility's margin. Every layer of a model shares its kinds, so a decoder measures each shape once.
+A *kind* is what a kernel's speed depends on: the device, the dtype, the weight's shape and strides, whether there
+is a bias, the input's row count (1 to :data:`MAX_ROWS`) and the mode (exact or within the bound). The first eager
+call of a kind (that this machine has no stored decision for: :class:`fusion_core.plugin.Decisions`, topic
+``"linear_kernels.choice[<the candidates' names>]@<the GEMV kernel's code digest>"``) computes every applicable
+candidate (:data:`fusion_linear_kernels.kernels.CANDIDATES`) on its real input, admits those whose output stands for
+``F.linear``'s (:mod:`fusion_linear_kernels.tolerance`), times the admitted ones over a pass of copies of the weight
+(read from memory, as decode reads every layer's) and keeps the fastest for the kind; ``F.linear`` keeps a kind
+unless another candidate was faster by more than the facility's margin. Every layer of a model shares its kinds, so
+a decoder measures each shape once.
 
 Where the choice does not apply, the call runs ``F.linear``, the original kernel, without
 measuring (:func:`runs_original`): more than :data:`MAX_ROWS` rows (prefill, where every kernel is
@@ -46,7 +46,7 @@ import torch
 from torch.nn import functional as F
 
 from fusion_core.plugin import Decisions, device_key, distinct_copies
-from fusion_linear_kernels import compat, kernels
+from fusion_linear_kernels import compat, kernels, row_dot
 from fusion_linear_kernels.kernels import LINEAR, Candidate
 from fusion_linear_kernels.tolerance import admission_bound, admitted
 
@@ -67,9 +67,10 @@ def _named(name: object) -> Candidate | None:
 
 
 _DECISIONS: Decisions[Kind, Candidate] = Decisions(
-    f"linear_kernels.choice[{','.join(candidate.name for candidate in kernels.CANDIDATES)}]",
+    f"linear_kernels.choice[{','.join(candidate.name for candidate in kernels.CANDIDATES)}]@{row_dot.CODE_DIGEST}",
     save=lambda c: c.name, load=_named)
-"""Stored under a topic that names the candidates: a release that adds one measures its kinds again."""
+"""Stored under a topic that names the candidates and the GEMV kernel's code (:data:`~fusion_linear_kernels.row_dot.
+CODE_DIGEST`): a release that adds a candidate or changes the kernel measures its kinds again."""
 
 
 def rows_of(input: torch.Tensor) -> int:

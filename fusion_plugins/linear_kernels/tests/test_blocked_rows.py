@@ -105,6 +105,28 @@ def test_bfloat16_without_paired_dot_products_is_within_the_bound_too(buildable,
             assert admitted(out, reference, admission_bound(x, weight, reference), exact=False), (shape, inputs, block)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_without_the_even_odd_split_is_within_the_bound_too(buildable, bias):
+    """A CPU with AVX2 and FMA and no AVX-512 reads bfloat16 weights as even and odd elements (row_dot's even/odd
+    split); any other widens them in order. Built here from the source without the split, the widening path stays
+    within the bound at every block and row count, as the default build does (which of the two this CPU runs)."""
+    widening = compat.cpp_kernel(row_dot.argument_types(torch.bfloat16, bias),
+                                 row_dot.source(torch.bfloat16, bias, even_odd=False))
+    default = row_dot.kernel(torch.bfloat16, bias)
+    assert "_mm256_slli_epi32" not in row_dot.source(torch.bfloat16, bias, even_odd=False)
+    assert "_mm256_slli_epi32" in row_dot.source(torch.bfloat16, bias)
+    for shape in (SHAPE, NARROW):
+        weight, b, _ = one_row_layer(shape, torch.bfloat16, bias, GEN)
+        for inputs, block in row_dot.BUILT:
+            x = torch.randn(inputs, shape[1], generator=GEN).to(torch.bfloat16)
+            reference = F.linear(x, weight, b)
+            bound = admission_bound(x, weight, reference)
+            for built in (widening, default):
+                out = torch.empty(inputs, shape[0], dtype=torch.bfloat16)
+                built(weight, x, *((b,) if bias else ()), out, *shape, inputs, block)
+                assert admitted(out, reference, bound, exact=False), (shape, inputs, block)
+
+
 def test_every_block_it_reads_is_one_the_kernel_is_built_for():
     """A pair the kernel lacks would run F.linear (row_dot.gemv's guard), silently losing the kernel."""
     used = {(1, 1), (1, blocked_rows.ROWS)} | {(inputs, block) for inputs in range(2, row_dot.MAX_INPUTS + 1)

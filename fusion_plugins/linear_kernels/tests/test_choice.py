@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 import torch
-from fusion_linear_kernels import choice, kernels
+from fusion_linear_kernels import choice, kernels, row_dot
 from fusion_linear_kernels.kernels import LINEAR, Candidate
 from fusion_linear_kernels.tolerance import admission_bound, admitted
 from torch.nn import functional as F
@@ -266,3 +266,12 @@ def test_a_slice_of_the_last_position_runs_as_the_rows_decode_runs(fake_times):
         got = choice.linear(batch, weight, None)
         want = F.linear(batch, weight)
         assert got.shape == want.shape and admitted(got, want, admission_bound(batch, weight, want), exact=False)
+
+
+def test_a_decision_is_stored_per_build_of_the_gemv_kernel():
+    """Which kernel is fastest depends on the kernel's code (the even/odd split made row-dot, not blocked-rows, the
+    faster at 896-wide rows on an AVX2 CPU): a decision an earlier build's timings took is not reused by another."""
+    from fusion_linear_kernels import decode_layer
+
+    for table in (choice._DECISIONS, decode_layer._DECISIONS):
+        assert table.topic.endswith(f"@{row_dot.CODE_DIGEST}")
