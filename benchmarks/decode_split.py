@@ -6,6 +6,8 @@ are profiled, one with ``tokens`` new tokens and one with a single new token; th
 
 - ``GEMV <weight>``: a matrix product (``aten::mm``, ``addmm``, ``mv``, ``matmul``'s kernels, oneDNN's packed
   ``_linear_pointwise``, ``_weight_int8pack_mm``) by the shape of the weight it reads;
+- ``decode step: MLP <hidden>x<intermediate>`` and ``decode step: input norm``: the calls of ``linear_kernels``'
+  decode step (the MLP's call holds its three GEMVs, with the norms and residuals around them);
 - ``attention``: ``scaled_dot_product_attention`` and its kernels, and the batched products of eager attention;
 - ``other operators``: norms, RoPE, casts, argmax, the KV cache's copies, ...;
 - ``outside operators``: the step's wall time not spent inside any operator (Python, dispatch, generate's loop).
@@ -35,6 +37,9 @@ COMPILED = "## Call CompiledFxGraph"
 #: How ``linear_kernels``' GEMV kernel labels its calls (``fusion_linear_kernels.row_dot.gemv``: the row-dot,
 #: blocked-rows and few-rows candidates), with the weight's shape after it.
 BUILT_GEMV = "fusion::gemv"
+#: How ``linear_kernels``' decode step labels its kernel's calls (``fusion_linear_kernels.layer_kernel``): ``input
+#: norm``, or ``MLP`` and the widths (the gate, up and down GEMVs with the norms and residuals around them).
+DECODE_LAYER = "fusion::decode_layer"
 ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "aten::bmm", "aten::baddbmm")
 
 
@@ -44,6 +49,8 @@ def group_of(name: str, shapes: list[Any]) -> str:
         return "attention"
     if name.startswith(COMPILED):
         return "compiled code (--compile)"
+    if name.startswith(DECODE_LAYER):
+        return f"decode step: {name[len(DECODE_LAYER):].strip()} (linear_kernels' layer kernel)"
     if name.startswith(BUILT_GEMV):
         return f"GEMV {name[len(BUILT_GEMV):].strip()} (linear_kernels' GEMV kernel)"
     found = GEMM_WEIGHTS.get(name)
@@ -93,7 +100,8 @@ def decode_split(model: torch.nn.Module, prompt: torch.Tensor, tokens: int) -> d
 
 def split_rows(split: dict[str, float], floor_s: float, top: int = 8) -> list[list[str]]:
     """Table rows (group, ms/token, share of the floor): the ``top`` largest GEMV kinds, the rest grouped."""
-    gemv = sorted(((g, s) for g, s in split.items() if g.startswith("GEMV")), key=lambda item: -item[1])
+    gemv = sorted(((g, s) for g, s in split.items() if g.startswith(("GEMV", "decode step"))),
+                  key=lambda item: -item[1])
     kept = dict(gemv[:top])
     if gemv[top:]:
         kept["GEMV (other kinds)"] = sum(s for _, s in gemv[top:])

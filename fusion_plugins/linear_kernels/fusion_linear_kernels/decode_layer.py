@@ -293,8 +293,9 @@ class LayerForm:
         gate_bias, up_bias, down_bias = biases
         compiled = layer_kernel.kernel(self.dtype)
         normed = torch.empty_like(hidden)
-        compiled(hidden, hidden, norm, norm, norm, gate, up, down, gate, up, down, normed, normed, normed, self.eps,
-                 self.hidden, self.intermediate, rows, flags & ~MLP, *blocks)
+        row_dot.labelled_call(f"{layer_kernel.PROFILER_LABEL} input norm", compiled, hidden, hidden, norm, norm, norm,
+                              gate, up, down, gate, up, down, normed, normed, normed, self.eps, self.hidden,
+                              self.intermediate, rows, flags & ~MLP, *blocks)
         result = layer._modules["self_attn"](hidden_states=normed, **kwargs)
         attention = result[0] if isinstance(result, tuple) else result  # (output, weights), as the forward unpacks it
         if not (type(attention) is torch.Tensor and attention.dtype is self.dtype
@@ -303,9 +304,10 @@ class LayerForm:
         attention = attention.contiguous()
         gated = hidden.new_empty(2 * rows * self.intermediate)
         scratch, out = torch.empty_like(hidden), torch.empty_like(hidden)  # the attention may hold its input
-        compiled(hidden, attention, mlp_norm, attention_norm, out_norm, gate, up, down, _or(gate_bias, gate),
-                 _or(up_bias, up), _or(down_bias, down), scratch, gated, out, self.eps, self.hidden, self.intermediate,
-                 rows, flags, *blocks)
+        row_dot.labelled_call(f"{layer_kernel.PROFILER_LABEL} MLP {self.hidden}x{self.intermediate}", compiled,
+                              hidden, attention, mlp_norm, attention_norm, out_norm, gate, up, down,
+                              _or(gate_bias, gate), _or(up_bias, up), _or(down_bias, down), scratch, gated, out,
+                              self.eps, self.hidden, self.intermediate, rows, flags, *blocks)
         return out
 
 

@@ -20,6 +20,10 @@ MLP, GATE_UP_BIAS, DOWN_BIAS, GATE_UP_MERGED, SANDWICH_FORM, PLUS_ONE, GELU = 1,
 """The flags of a call: the rest of the layer (else the input norm alone); gate and up have biases; down has one; gate
 and up are one merged weight (up's rows follow gate's); the sandwich form; Gemma's norms (times 1 + the weight);
 GELU's tanh approximation (else SiLU)."""
+PROFILER_LABEL = "fusion::decode_layer"
+"""The name of the kernel's calls in torch's profiler, followed by ``input norm`` or by ``MLP`` and the MLP's widths
+(``hidden``x``intermediate``): the MLP call holds the gate, up and down GEMVs, the norms after the attention and the
+residuals."""
 
 _SOURCE = r"""
 static inline T rounded(float v) { return static_cast<T>(v); }

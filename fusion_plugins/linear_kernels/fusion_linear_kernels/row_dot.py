@@ -393,12 +393,18 @@ def gemv(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, b
     out = torch.empty(inputs, rows, dtype=weight.dtype)
     shape = (rows, width, inputs, block)
     arguments = (weight, x, out, *shape) if bias is None else (weight, x, bias.contiguous(), out, *shape)
-    if compat.profiling():  # not an operator of torch's: labelled, or the profiler books it as time outside operators
-        with torch.profiler.record_function(f"{PROFILER_LABEL} {rows}x{width}"):
+    labelled_call(f"{PROFILER_LABEL} {rows}x{width}", compiled, *arguments)
+    return out.view(*input.shape[:-1], rows)
+
+
+def labelled_call(label: str, compiled: Callable[..., None], *arguments: object) -> None:
+    """``compiled(*arguments)``, recorded as ``label`` while torch's profiler runs: a built kernel's call is not an
+    operator of torch's, so the profiler would book it as time outside operators."""
+    if compat.profiling():
+        with torch.profiler.record_function(label):
             compiled(*arguments)
     else:
         compiled(*arguments)
-    return out.view(*input.shape[:-1], rows)
 
 
 def applies(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

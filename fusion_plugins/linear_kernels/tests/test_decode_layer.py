@@ -371,3 +371,17 @@ def test_a_layer_kernel_that_cannot_be_built_leaves_the_modules_and_says_so_once
 def test_reset_state_forgets_the_built_layer_kernels(fresh_kernels: None) -> None:
     fusion_core.fuse(_model("llama"), MERGED)
     assert len(layer_kernel._KERNELS)  # fresh_kernels checks they are gone after fusion_core.reset_state()
+
+
+@pytest.mark.usefixtures("step_kernels")
+def test_the_steps_kernel_calls_are_labelled_for_the_profiler(steps: list[nn.Module]) -> None:
+    """The step's kernel is no operator of torch's: without its labels the profiler books the MLP's GEMVs as time
+    outside operators (what ``benchmarks/decode_split.py`` groups by these names)."""
+    fused = fusion_core.fuse(_model("qwen2"), MERGED)
+    _generate(fused, 2)  # the kinds decided
+    steps.clear()
+    with torch.profiler.profile() as recorded:
+        _generate(fused, 2)
+    names = [event.name for event in recorded.events()]
+    assert steps and names.count(f"{layer_kernel.PROFILER_LABEL} input norm") == len(steps)
+    assert names.count(f"{layer_kernel.PROFILER_LABEL} MLP 512x1536") == len(steps)
