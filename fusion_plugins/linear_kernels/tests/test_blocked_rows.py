@@ -86,42 +86,27 @@ def test_few_rows_are_within_the_bound_of_f_linear(buildable, dtype, bias, shape
     assert not admitted(got.flip(0), reference, bound, exact=False)  # the check bites: rows swapped
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_bfloat16_without_paired_dot_products_is_within_the_bound_too(buildable, bias):
-    """A CPU without AVX512-BF16 runs the widening path for bfloat16 at every block and row count: built here from
-    the source without the paired dot products, it stays within the bound (and the two builds differ, where this CPU
-    has them, only by the order of their sums)."""
-    widening = compat.cpp_kernel(row_dot.argument_types(torch.bfloat16, bias),
-                                 row_dot.source(torch.bfloat16, bias, paired=False))
-    assert "vdpbf16" not in row_dot.source(torch.bfloat16, bias, paired=False)
-    assert "_mm512_dpbf16_ps" in row_dot.source(torch.bfloat16, bias)
-    for shape in (SHAPE, NARROW):
-        weight, b, _ = one_row_layer(shape, torch.bfloat16, bias, GEN)
-        for inputs, block in row_dot.BUILT:
-            x = torch.randn(inputs, shape[1], generator=GEN).to(torch.bfloat16)
-            out = torch.empty(inputs, shape[0], dtype=torch.bfloat16)
-            widening(weight, x, *((b,) if bias else ()), out, *shape, inputs, block)
-            reference = F.linear(x, weight, b)
-            assert admitted(out, reference, admission_bound(x, weight, reference), exact=False), (shape, inputs, block)
+#: The bfloat16 paths only some CPUs run (row_dot.source's switches), and C++ that only that path holds.
+CPU_PATHS = {"paired": "_mm512_dpbf16_ps", "even_odd": "_mm256_slli_epi32"}
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_bfloat16_without_the_even_odd_split_is_within_the_bound_too(buildable, bias):
-    """A CPU with AVX2 and FMA and no AVX-512 reads bfloat16 weights as even and odd elements (row_dot's even/odd
-    split); any other widens them in order. Built here from the source without the split, the widening path stays
-    within the bound at every block and row count, as the default build does (which of the two this CPU runs)."""
-    widening = compat.cpp_kernel(row_dot.argument_types(torch.bfloat16, bias),
-                                 row_dot.source(torch.bfloat16, bias, even_odd=False))
-    default = row_dot.kernel(torch.bfloat16, bias)
-    assert "_mm256_slli_epi32" not in row_dot.source(torch.bfloat16, bias, even_odd=False)
-    assert "_mm256_slli_epi32" in row_dot.source(torch.bfloat16, bias)
+@pytest.mark.parametrize("path", sorted(CPU_PATHS))
+def test_bfloat16_without_a_path_of_some_cpus_is_within_the_bound_too(buildable, bias, path):
+    """Which bfloat16 path runs depends on the CPU: AVX512-BF16's paired dot products, AVX2's even and odd lanes (where
+    there is no AVX-512), else widening in order. Built here without one of those paths, the kernel stays within the
+    bound at every block and row count, as the default build does (whichever path this CPU runs)."""
+    without = row_dot.source(torch.bfloat16, bias, **{path: False})
+    assert CPU_PATHS[path] not in without and CPU_PATHS[path] in row_dot.source(torch.bfloat16, bias)
+    builds = (compat.cpp_kernel(row_dot.argument_types(torch.bfloat16, bias), without),
+              row_dot.kernel(torch.bfloat16, bias))
     for shape in (SHAPE, NARROW):
         weight, b, _ = one_row_layer(shape, torch.bfloat16, bias, GEN)
         for inputs, block in row_dot.BUILT:
             x = torch.randn(inputs, shape[1], generator=GEN).to(torch.bfloat16)
             reference = F.linear(x, weight, b)
             bound = admission_bound(x, weight, reference)
-            for built in (widening, default):
+            for built in builds:
                 out = torch.empty(inputs, shape[0], dtype=torch.bfloat16)
                 built(weight, x, *((b,) if bias else ()), out, *shape, inputs, block)
                 assert admitted(out, reference, bound, exact=False), (shape, inputs, block)
