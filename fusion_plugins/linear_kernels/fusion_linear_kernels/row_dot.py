@@ -32,8 +32,8 @@ kernel asks the CPU when it is loaded (``__builtin_cpu_supports``) and compiles 
 whatever flags Inductor's toolchain passes; other CPUs and compilers, float16 and float32 keep the widening path.
 The instruction treats subnormal inputs as zero: within the bound, like every other difference of these candidates.
 
-**Even and odd elements.** On CPUs with AVX2 and FMA and no AVX-512 (AMD Zen 2 and 3; Intel's client cores and
-servers before Skylake-SP), a bfloat16 call reads each 16-element chunk of a weight row as eight 32-bit lanes: a
+**Even and odd elements.** On CPUs with AVX2 and FMA and no AVX-512 (AMD Zen 1 to 3; most of Intel's client cores
+and its servers before Skylake-SP), a bfloat16 call reads each 16-element chunk of a weight row as eight 32-bit lanes: a
 bfloat16 is the top half of a float32, so a lane shifted left by 16 is the chunk's even element as a float32, and the
 lane with its low half cleared is the odd one. That widens sixteen elements in two instructions, where widening them
 in order also shuffles across the register's halves, and at these widths the two cores' arithmetic, not the memory,
@@ -127,6 +127,9 @@ static inline Acc widened(const float* p) { return Acc::loadu(p); }
 
 @PAIRED_DOTS@
 @EVEN_ODD@
+#ifndef FUSION_EVEN_ODD
+static inline const float* split_inputs(const T*, int64_t, int) { return nullptr; }  // the other paths
+#endif
 // The dot products of ROWS consecutive weight rows (w, row stride k) with IN input rows (x, row stride k), in
 // float32: sums[i * stride + r] for weight row r and input row i. split: the inputs as even_odd_dots reads them, or
 // nullptr (the other paths).
@@ -322,17 +325,8 @@ static void even_odd_dots(const at::BFloat16* w, const at::BFloat16* x, const fl
         sums[i * stride + r] = sum;
     }
 }
-#else
-static inline const float* split_inputs(const T*, int64_t, int) { return nullptr; }
 #endif
 """
-
-_NO_EVEN_ODD = "static inline const float* split_inputs(const T*, int64_t, int) { return nullptr; }\n"
-
-CODE_DIGEST = hashlib.sha256((_SOURCE + _PAIRED_DOTS + _EVEN_ODD + _NO_EVEN_ODD).encode()).hexdigest()[:12]
-"""A digest of the kernel's C++ (every dtype's, every path's): the topics of the decisions that measured it name it,
-so a build whose code changed (a release, a checkout of another commit) measures its kinds again instead of reusing
-what another build's timings decided."""
 
 Key = tuple[torch.dtype, bool]
 
@@ -351,7 +345,7 @@ def templates(dtype: torch.dtype, paired: bool = True, even_odd: bool = True) ->
     (:mod:`fusion_linear_kernels.decode_layer`)."""
     head = _SOURCE[:_SOURCE.index(_ENTRY)]
     return (head.replace("@PAIRED_DOTS@", _PAIRED_DOTS if paired else "")
-            .replace("@EVEN_ODD@", _EVEN_ODD if even_odd else _NO_EVEN_ODD).replace("@TYPE@", C_TYPES[dtype]))
+            .replace("@EVEN_ODD@", _EVEN_ODD if even_odd else "").replace("@TYPE@", C_TYPES[dtype]))
 
 
 def gemv_cases(bias: str) -> str:
@@ -360,6 +354,13 @@ def gemv_cases(bias: str) -> str:
     return "\n        ".join(f"case {inputs * 100 + block}: gemv<{block}, {inputs}>(w, x, {bias}, out, n, k); break;"
                                for inputs, block in BUILT)
 
+
+
+CODE_DIGEST = hashlib.sha256("".join(source(dtype, bias) for dtype in DTYPES for bias in (False, True))
+                             .encode()).hexdigest()[:12]
+"""A digest of the C++ every build of the kernel compiles (each dtype, with and without a bias): the topics of the
+decisions that measured it name it, so a build whose code changed (a release, a checkout of another commit) measures
+its kinds again instead of reusing what another build's timings decided."""
 
 def gemv_weight(weight: torch.Tensor) -> bool:
     """Whether the kernel reads ``weight``: a dense contiguous CPU weight of torch's own of at least
