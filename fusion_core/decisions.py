@@ -23,7 +23,7 @@ original's, is kept unless another was faster by more than :data:`MARGIN`.
 
     {"format": 1, "machines": {"<fingerprint digest>": {
         "fingerprint": {"cpu": ..., "cpu_flags": ..., "torch": ..., "torch_build": ..., "threads": ...},
-        "decisions": {"<topic>": {"<kind as JSON>": <decision>}}}}}
+        "decisions": {"<topic>[@<code>]": {"<kind as JSON>": <decision>}}}}}
 
 keyed by :func:`fingerprint` (CPU model and flags, core and thread counts, torch version and build,
 the versions of transformers, fusion-core and the plugins): another machine, or an upgrade, measures anew. Written
@@ -183,12 +183,19 @@ class Decisions(dict[K, T], Generic[K, T]):
     ``generation`` counts the times the table was cleared (:meth:`forget`, :func:`reset`): a caller that keeps a
     decision of its own to skip the lookup on a hot path (``linear_kernels``' layers) keeps it only while the
     generation it read it in lasts.
+
+    ``code`` names the version of the code whose speed the decisions rest on (a digest of a kernel built on the
+    machine: ``linear_kernels`` passes its GEMV kernel's): decisions stored under another are measured again, as for
+    another machine, since the store's fingerprint knows only the distributions' versions, which a checkout of other
+    code may share. The topic stays the table's name (what :attr:`topic`, a fake clock and ``fusion tune`` read).
     """
 
     def __init__(self, topic: str, save: Callable[[T], Any] | None = None,
-                 load: Callable[[Any], T | None] | None = None) -> None:
+                 load: Callable[[Any], T | None] | None = None, code: str = "") -> None:
         super().__init__()
         self.topic, self._save, self._load = topic, save, load
+        self.code = code
+        self._stored_as = f"{topic}@{code}" if code else topic
         self.generation = 0
         _TABLES[id(self)] = self
 
@@ -204,7 +211,7 @@ class Decisions(dict[K, T], Generic[K, T]):
             return self[kind]
         how, key = mode(), _key(kind)
         if how == "stored":
-            value = _stored(store_path()).get(self.topic, {}).get(key)
+            value = _stored(store_path()).get(self._stored_as, {}).get(key)
             value = None if value is None else (self._load or _tupled)(value)
             if value is not None:
                 self[kind] = value
@@ -212,7 +219,7 @@ class Decisions(dict[K, T], Generic[K, T]):
         value = self[kind] = measure()
         if how != "off":
             saved = value if self._save is None else self._save(value)
-            _change(lambda machines: _mine(machines).setdefault(self.topic, {}).update({key: saved}) is None)
+            _change(lambda machines: _mine(machines).setdefault(self._stored_as, {}).update({key: saved}) is None)
         return value
 
     def times(self, ways: Sequence[Callable[[], object]], device: torch.device) -> list[float]:
@@ -233,7 +240,7 @@ class Decisions(dict[K, T], Generic[K, T]):
         kind measures again."""
         self.clear()
         if mode() != "off":
-            _change(lambda machines: _mine(machines).pop(self.topic, None) is not None)
+            _change(lambda machines: _mine(machines).pop(self._stored_as, None) is not None)
 
 
 def reset() -> None:

@@ -314,6 +314,22 @@ def test_forgetting_a_topic_measures_it_again_and_keeps_the_others(store, clock)
     assert clock.timed == ["test.first", "test.second", "test.first"]
 
 
+def test_decisions_of_another_code_are_measured_again_and_both_kept(store, clock):
+    """A kernel built from other code (a checkout of another commit shares the distributions' versions) may rank the
+    ways otherwise: a table's ``code`` keeps its stored decisions apart, under the same topic."""
+    old: Decisions[Any, int] = Decisions("test.code", code="a")
+    assert _decide(old, "k") == 1
+    decisions.reset()
+    clock.times = [0.5, 1.0]  # the new code's first way wins
+    new: Decisions[Any, int] = Decisions("test.code", code="b")
+    assert _decide(new, "k") == 0 and clock.timed == ["test.code", "test.code"]  # measured again, same topic
+    assert _stored(store) == {"test.code@a": {'"k"': 1}, "test.code@b": {'"k"': 0}}
+    decisions.reset()
+    assert _decide(Decisions("test.code", code="a"), "k") == 1 and len(clock.timed) == 2  # the old one's, stored
+    new.forget()
+    assert set(_stored(store)) == {"test.code@a"}
+
+
 def test_clearing_a_table_starts_a_new_generation(store, clock):
     """What a hot path remembers of a decision outside the table (a layer's last kernel) lasts one generation."""
     table: Decisions[Any, int] = Decisions("test.generation")

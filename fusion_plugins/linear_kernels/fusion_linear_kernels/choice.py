@@ -3,7 +3,7 @@
 A *kind* is what a kernel's speed depends on: the device, the dtype, the weight's shape and strides, whether there
 is a bias, the input's row count (1 to :data:`MAX_ROWS`) and the mode (exact or within the bound). The first eager
 call of a kind (that this machine has no stored decision for: :class:`fusion_core.plugin.Decisions`, topic
-``"linear_kernels.choice[<the candidates' names>]@<the GEMV kernel's code digest>"``) computes every applicable
+``"linear_kernels.choice[<the candidates' names>]"``, stored per build of the GEMV kernel) computes every applicable
 candidate (:data:`fusion_linear_kernels.kernels.CANDIDATES`) on its real input, admits those whose output stands for
 ``F.linear``'s (:mod:`fusion_linear_kernels.tolerance`), times the admitted ones over a pass of copies of the weight
 (read from memory, as decode reads every layer's) and keeps the fastest for the kind; ``F.linear`` keeps a kind
@@ -67,9 +67,9 @@ def _named(name: object) -> Candidate | None:
 
 
 _DECISIONS: Decisions[Kind, Candidate] = Decisions(
-    f"linear_kernels.choice[{','.join(candidate.name for candidate in kernels.CANDIDATES)}]@{row_dot.CODE_DIGEST}",
-    save=lambda c: c.name, load=_named)
-"""Stored under a topic that names the candidates and the GEMV kernel's code (:data:`~fusion_linear_kernels.row_dot.
+    f"linear_kernels.choice[{','.join(candidate.name for candidate in kernels.CANDIDATES)}]",
+    save=lambda c: c.name, load=_named, code=row_dot.CODE_DIGEST)
+"""Stored under a topic that names the candidates, per build of the GEMV kernel (:data:`~fusion_linear_kernels.row_dot.
 CODE_DIGEST`): a release that adds a candidate or changes the kernel measures its kinds again."""
 
 

@@ -99,8 +99,8 @@ _BLOCKS = {ROW_DOT: 1, BLOCKED_ROWS: 8, FEW_ROWS: 1, FEW_ROWS_BLOCKED: 4}
 _ONE_ROW = (BLOCKED_ROWS, ROW_DOT)
 """The kernel's one-row candidates, the first kept on a tie (:func:`_block`)."""
 _DECISIONS: Decisions[Kind, Candidate] = Decisions(
-    f"linear_kernels.decode_layer[{','.join(candidate.name for candidate in _ONE_ROW)}]@{row_dot.CODE_DIGEST}",
-    save=lambda candidate: candidate.name,
+    f"linear_kernels.decode_layer[{','.join(candidate.name for candidate in _ONE_ROW)}]",
+    save=lambda candidate: candidate.name, code=row_dot.CODE_DIGEST,
     load=lambda name: next((candidate for candidate in (*_ONE_ROW, LINEAR) if candidate.name == name), None))
 """Which of :data:`_ONE_ROW` a step runs for a one-row kind decided for a kernel the step does not run (``F.linear``
 where neither is admitted on the kind's input: the step then gives way)."""

@@ -40,7 +40,7 @@ from torch import nn
 
 from fusion_core import FusedModule
 from fusion_core.plugin import Decisions, apply_gate, experts_implementation, is_expert_parallel, pass_size
-from fusion_linear_kernels import choice
+from fusion_linear_kernels import choice, row_dot
 from fusion_linear_kernels.choice import MAX_ROWS
 from fusion_linear_kernels.tolerance import admitted
 
@@ -54,8 +54,10 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 ExpertsKind = tuple[str, torch.dtype, tuple[tuple[int, ...], ...], int, int, str, bool]
 """(device, dtype, the 3-D weights' shapes, rows, routed experts per row, configured implementation, exact)."""
-_DECISIONS: Decisions[ExpertsKind, str] = Decisions(f"linear_kernels.experts[{','.join(CANDIDATES)}]")
-"""Stored under a topic that names the candidates: a release that adds one measures its kinds again."""
+_DECISIONS: Decisions[ExpertsKind, str] = Decisions(f"linear_kernels.experts[{','.join(CANDIDATES)}]",
+                                                                code=row_dot.CODE_DIGEST)
+"""Stored under a topic that names the candidates, per build of the GEMV kernel (:data:`~fusion_linear_kernels.row_dot.
+CODE_DIGEST`): a release that adds a candidate or changes the kernel measures its kinds again."""
 
 ExpertsForward = Callable[..., torch.Tensor]
 

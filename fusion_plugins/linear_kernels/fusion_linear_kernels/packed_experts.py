@@ -44,14 +44,15 @@ from torch.nn import functional as F
 
 from fusion_core import TransformOp
 from fusion_core.plugin import Decisions, Shape, experts_implementation, pass_size
-from fusion_linear_kernels import compat, experts, packing
+from fusion_linear_kernels import compat, experts, packing, row_dot
 from fusion_linear_kernels.data_parallel import refusal as strided_view_refusal
 from fusion_linear_kernels.tolerance import admitted
 
 #: Synthetic row counts on which a packed module must give the configured implementation's output.
 PROBE_ROWS = (1, 3)
 
-_DECISIONS: Decisions[tuple[object, ...], tuple[bool, str]] = Decisions("linear_kernels.packed_experts")
+_DECISIONS: Decisions[tuple[object, ...], tuple[bool, str]] = Decisions(
+    "linear_kernels.packed_experts", code=row_dot.CODE_DIGEST)
 
 
 class PackedExperts(torch.Tensor):

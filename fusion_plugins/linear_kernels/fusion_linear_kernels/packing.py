@@ -61,7 +61,7 @@ from torch.nn import functional as F
 
 from fusion_core import TransformOp
 from fusion_core.plugin import Decisions, Shape, distinct_copies, faster
-from fusion_linear_kernels import choice, compat
+from fusion_linear_kernels import choice, compat, row_dot
 from fusion_linear_kernels.data_parallel import in_distributed_job
 from fusion_linear_kernels.kernels import LINEAR, Candidate
 from fusion_linear_kernels.tolerance import admission_bound, admitted
@@ -77,7 +77,8 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 PackKind = tuple[tuple[int, ...], torch.dtype, bool]
 """(weight shape, dtype, exact): what a packing decision is filed under."""
-_DECISIONS: Decisions[PackKind, tuple[bool, str]] = Decisions("linear_kernels.packing")
+_DECISIONS: Decisions[PackKind, tuple[bool, str]] = Decisions(
+    "linear_kernels.packing", code=row_dot.CODE_DIGEST)
 
 
 def is_packed(tensor: torch.Tensor | None) -> bool:

@@ -358,9 +358,11 @@ def gemv_cases(bias: str) -> str:
 
 CODE_DIGEST = hashlib.sha256("".join(source(dtype, bias) for dtype in DTYPES for bias in (False, True))
                              .encode()).hexdigest()[:12]
-"""A digest of the C++ every build of the kernel compiles (each dtype, with and without a bias): the topics of the
-decisions that measured it name it, so a build whose code changed (a release, a checkout of another commit) measures
-its kinds again instead of reusing what another build's timings decided."""
+"""A digest of the C++ every build of the kernel compiles (each dtype, with and without a bias): the ``code`` of every
+:class:`~fusion_core.plugin.Decisions` table whose measurements run the kernel (the kernel choice, the decode step's
+blocks, packing against the dense kernels, the experts' implementations), so a build whose code changed (a release,
+a checkout of another commit) measures its kinds again instead of reusing what another build's timings decided."""
+
 
 def gemv_weight(weight: torch.Tensor) -> bool:
     """Whether the kernel reads ``weight``: a dense contiguous CPU weight of torch's own of at least

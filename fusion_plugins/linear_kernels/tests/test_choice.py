@@ -269,9 +269,11 @@ def test_a_slice_of_the_last_position_runs_as_the_rows_decode_runs(fake_times):
 
 
 def test_a_decision_is_stored_per_build_of_the_gemv_kernel():
-    """Which kernel is fastest depends on the kernel's code (the even/odd split made row-dot, not blocked-rows, the
-    faster at 896-wide rows on an AVX2 CPU): a decision an earlier build's timings took is not reused by another."""
-    from fusion_linear_kernels import decode_layer
+    """Which way is fastest depends on the kernel's code (the even/odd split made row-dot, not blocked-rows, the
+    faster at 896-wide rows on an AVX2 CPU): no table whose measurements run the kernel reuses a decision an earlier
+    build's timings took."""
+    from fusion_linear_kernels import decode_layer, experts, packed_experts, packing
 
-    for table in (choice._DECISIONS, decode_layer._DECISIONS):
-        assert table.topic.endswith(f"@{row_dot.CODE_DIGEST}")
+    for table in (choice._DECISIONS, decode_layer._DECISIONS, experts._DECISIONS, packed_experts._DECISIONS,
+                  packing._DECISIONS):
+        assert table.code == row_dot.CODE_DIGEST, table.topic
