@@ -43,9 +43,9 @@ EPYC (AVX2 and FMA only), bfloat16, over a pass of copies, GB/s, in order / even
 (medians of five interleaved passes; a throwaway probe that built both sources side by side): one input row 1152x896
 21.0 / 24.8, 9728x896 19.5 / 23.8, 151936x896 21.8 / 24.7, 896x4864 24.0 / 26.4, 8192x2048 20.8 / 26.5; two rows
 9728x896 18.5 / 24.5, four 11.4 / 16.5, eight 5.7 / 9.7. An AVX2 sum over the same bytes read 27-33 GB/s there. With
-the split, row-dot overtook blocked-rows at 896-wide rows, so the decisions the choice stores name the kernel's code
-(:data:`CODE_DIGEST`). The kernel asks the CPU when it is loaded, like the paired path; CPUs with AVX-512 keep their
-paths (the split was not measured on one).
+the split, row-dot overtook blocked-rows at 896-wide rows, so the decisions measured on the kernel are stored per
+build of it (:data:`CODE_DIGEST`). The kernel asks the CPU when it is loaded, like the paired path; CPUs with
+AVX-512 keep their paths (the split was not measured on one).
 
 **Reading ahead.** While it reads a block of weight rows, the kernel asks the CPU to fetch the same place of the
 next block (``__builtin_prefetch`` where the compiler has it, one request per 64-byte line, a hint that never
