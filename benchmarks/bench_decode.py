@@ -10,7 +10,9 @@ interleaved rounds whose order rotates (see :mod:`bench_common`):
 - ``plain`` and ``plain (2nd load)`` (the A/A control: the same operators, so its ratio shows the noise);
 - ``qkv+gate_up`` (the merged projections), ``linear_kernels`` alone, and ``qkv+gate_up+linear_kernels``;
 - any of these followed by `` (no decode step)``: its decoder layers run their modules, not ``linear_kernels``'
-  decode step (``fusion_linear_kernels.decode_layer``), so the step's gain is measured side by side.
+  decode step (``fusion_linear_kernels.decode_layer``), so the step's gain is measured side by side; or by
+  `` (no decode attention)``: the step calls each layer's attention module, not its own attention
+  (``fusion_linear_kernels.decode_attention``).
 
 Each round runs a greedy ``generate`` (``--prompt`` tokens, then ``--new-tokens``; decode ms/token is
 first to last new token) and a ``--prefill``-token forward (logits of the last position). Speed is the
@@ -82,6 +84,9 @@ CONTENDERS: dict[str, str | None] = {
 NO_DECODE_STEP = " (no decode step)"
 """A contender name ending so is that contender with its decoder layers' decode step dropped (each layer runs its
 modules, as before ``fusion_linear_kernels.decode_layer``): what the step buys, side by side."""
+NO_DECODE_ATTENTION = " (no decode attention)"
+"""A contender name ending so keeps its decode step, but each step calls the layer's attention module, as before
+``fusion_linear_kernels.decode_attention``: what the step's own attention buys, side by side."""
 
 
 def config_of(model: str, layers: int | None) -> Any:
@@ -224,12 +229,25 @@ def load_contender(path: Any, families: str | None, dtype: torch.dtype, quantize
     return model.eval()
 
 
-def without_decode_step(model: nn.Module) -> nn.Module:
-    """``model`` with every decoder layer's decode step dropped (see :data:`NO_DECODE_STEP`)."""
-    from fusion_linear_kernels.decode_layer import drop_decode_steps
+def without_decode_step(model: nn.Module, name: str) -> nn.Module:
+    """``model`` with every decoder layer's decode step dropped, or the step's own attention, as ``name`` ends (see
+    :data:`NO_DECODE_STEP` and :data:`NO_DECODE_ATTENTION`)."""
+    if not name.endswith((NO_DECODE_STEP, NO_DECODE_ATTENTION)):
+        return model
+    from fusion_linear_kernels.decode_layer import ATTENTION_KEY, drop_decode_steps
 
-    drop_decode_steps(model)
+    if name.endswith(NO_DECODE_STEP):
+        drop_decode_steps(model)
+    elif name.endswith(NO_DECODE_ATTENTION):
+        for module in model.modules():
+            module.__dict__.pop(ATTENTION_KEY, None)
     return model
+
+
+def _families_of(name: str) -> str | None:
+    """The families of the contender named ``name`` (a "+"-joined list where it is no contender above)."""
+    base = name.removesuffix(NO_DECODE_STEP).removesuffix(NO_DECODE_ATTENTION)
+    return CONTENDERS.get(base, base)
 
 
 def own_memory(model: nn.Module) -> nn.Module:
@@ -320,7 +338,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="model.forward = torch.compile(model.forward) for every contender (Inductor)")
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, from: "
                         + ", ".join(CONTENDERS) + f" (any with{NO_DECODE_STEP!r} after it: its decoder layers "
-                        "without linear_kernels' decode step)")
+                        f"without linear_kernels' decode step; with{NO_DECODE_ATTENTION!r}: the step calls the "
+                        "attention module)")
     parser.add_argument("--processes", type=int, default=None, metavar="N",
                         help="run the whole measurement in N fresh processes, one after another, and report each "
                         "contender's median process next to its worst (a load's decisions hold for its process)")
@@ -352,11 +371,8 @@ def main(argv: list[str] | None = None) -> None:
                             f"decode-{config.model_type if args.config else args.model}-{args.layers or 'all'}", log)
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
     # A name that is no contender above is a "+"-joined list of families (moe_experts, moe_experts+linear_kernels).
-    models = {name: load_contender(path, CONTENDERS.get(name.removesuffix(NO_DECODE_STEP),
-                                                        name.removesuffix(NO_DECODE_STEP)), dtype, args.quantize)
+    models = {name: without_decode_step(load_contender(path, _families_of(name), dtype, args.quantize), name)
               for name in names}
-    models = {name: without_decode_step(model) if name.endswith(NO_DECODE_STEP) else model
-              for name, model in models.items()}
     if not args.as_loaded:
         models = {name: own_memory(model) for name, model in models.items()}
     if args.frozen:
@@ -450,6 +466,7 @@ def main(argv: list[str] | None = None) -> None:
                             "prepacked" if is_packed else "dense", why])
     log(packed.text())
     from fusion_linear_kernels.decode_layer import (
+        ATTENTION_KEY,
         FORM_KEY,
         DecodeLayerMixin,
         candidates,
@@ -458,13 +475,15 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     steps = Table("linear_kernels decode step (decoder layers: norms and MLP in one kernel call each side of the "
-                  "attention)", ["contender", "layers with the step", "why not (the first other layer)"])
+                  "attention)", ["contender", "layers with the step", "of them with its attention",
+                                "why not (the first other layer)"])
     for name, model in models.items():
         if "linear_kernels" in name:
             switched = [module for module in model.modules() if isinstance(module, DecodeLayerMixin)]
             others = [layer for _, layer in candidates(model)]
             taking = sum(FORM_KEY in layer.__dict__ for layer in switched)
-            steps.rows.append([name, f"{taking} of {len(switched) + len(others)}",
+            attending = sum(ATTENTION_KEY in layer.__dict__ for layer in switched)
+            steps.rows.append([name, f"{taking} of {len(switched) + len(others)}", str(attending),
                                (refusal(others[0]) or "-") if others else "-"])
     for (_, _, shape, _, bias, rows, _, _), block in sorted(step_decisions().items(), key=str):
         steps.notes.append(f"{'x'.join(map(str, shape))} (bias {bias}, {rows} row): the step runs {block} (its kind "

@@ -63,7 +63,7 @@ from torch import nn
 
 from fusion_core import FusedModule, ModulePlan
 from fusion_core.plugin import Decisions, attached_plan, fuse_instance, fused_subclass, merged_projection
-from fusion_linear_kernels import compat, layer_kernel, row_dot
+from fusion_linear_kernels import compat, decode_attention, layer_kernel, row_dot
 from fusion_linear_kernels.choice import Kind, choose, decided, generation, kind_of, rows_of
 from fusion_linear_kernels.kernels import BLOCKED_ROWS, FEW_ROWS, FEW_ROWS_BLOCKED, LINEAR, ROW_DOT, Candidate
 from fusion_linear_kernels.layer_forms import (
@@ -90,6 +90,9 @@ from fusion_linear_kernels.layer_kernel import (
 
 FORM_KEY = "_fusion_decode_form"
 """Where a switched layer keeps its verified :class:`LayerForm` (its ``__dict__``)."""
+ATTENTION_KEY = "_fusion_decode_attention"
+"""Where a switched layer keeps its attention's verified :class:`~fusion_linear_kernels.decode_attention.
+AttentionForm` (its ``__dict__``), if it verified."""
 
 _BLOCKS = {ROW_DOT: 1, BLOCKED_ROWS: 8, FEW_ROWS: 1, FEW_ROWS_BLOCKED: 4}
 """The GEMV candidates the kernel runs, and the weight rows each reads side by side (see
@@ -296,8 +299,12 @@ class LayerForm:
         row_dot.labelled_call(f"{layer_kernel.PROFILER_LABEL} input norm", compiled, hidden, hidden, norm, norm, norm,
                               gate, up, down, gate, up, down, normed, normed, normed, self.eps, self.hidden,
                               self.intermediate, rows, flags & ~MLP, *blocks)
-        result = layer._modules["self_attn"](hidden_states=normed, **kwargs)
-        attention = result[0] if isinstance(result, tuple) else result  # (output, weights), as the forward unpacks it
+        module = layer._modules["self_attn"]
+        step = layer.__dict__.get(ATTENTION_KEY)
+        attention = step.run(module, normed, kwargs) if step is not None else None
+        if attention is None:
+            result = module(hidden_states=normed, **kwargs)
+            attention = result[0] if isinstance(result, tuple) else result  # (output, weights), as the forward does
         if not (type(attention) is torch.Tensor and attention.dtype is self.dtype
                 and attention.shape == hidden.shape):  # not what verification saw: the verified form's modules
             return composed(layer, hidden, attention, sandwich_of(layer) if self.flags & SANDWICH_FORM else None)
@@ -415,6 +422,7 @@ def switch_layers(model: nn.Module, family: str) -> None:
     """Give each decoder layer of ``model`` whose form verifies (:func:`refusal`, once per form) the decode step:
     its class switched through a plan of ``family`` (so ``unfuse`` restores it)."""
     verdicts: dict[tuple[Any, ...], str | None] = {}
+    attention_verdicts: dict[tuple[Any, ...], str | None] = {}
     for path, layer in candidates(model):
         form = LayerForm.of(layer)
         if isinstance(form, str):
@@ -428,6 +436,23 @@ def switch_layers(model: nn.Module, family: str) -> None:
                           fused_class=fused_layer_class(type(layer)), transforms=())
         fuse_instance(layer, plan)
         layer.__dict__[FORM_KEY] = form
+        attention = _attention_form(layer._modules["self_attn"], form, attention_verdicts)
+        if attention is not None:
+            layer.__dict__[ATTENTION_KEY] = attention
+
+
+def _attention_form(attention: nn.Module, form: LayerForm,
+                    verdicts: dict[tuple[Any, ...], str | None]) -> decode_attention.AttentionForm | None:
+    """The decode step's form of a switched layer's ``attention``, verified once per form
+    (:func:`~fusion_linear_kernels.decode_attention.verified`), or None where it does not verify."""
+    found = decode_attention.AttentionForm.of(attention)
+    if isinstance(found, str):
+        return None
+    key = (found.types, found.head_dim, found.scaling, found.cache_name, form.dtype, form.hidden)
+    if key not in verdicts:
+        checked = decode_attention.verified(attention, form.dtype, form.hidden)
+        verdicts[key] = checked if isinstance(checked, str) else None
+    return None if verdicts[key] is not None else found
 
 
 def drop_decode_steps(model: nn.Module) -> None:
@@ -435,3 +460,4 @@ def drop_decode_steps(model: nn.Module) -> None:
     so ``unfuse`` still restores it): the step turned off, to compare or to rule it out."""
     for module in model.modules():
         module.__dict__.pop(FORM_KEY, None)
+        module.__dict__.pop(ATTENTION_KEY, None)

@@ -1,0 +1,197 @@
+"""The attention of a decode step (one new token a sequence) with the fewest operators: the layer's own projections,
+the rotary embedding, the cache's own ``update`` and one call of torch's ``scaled_dot_product_attention``.
+
+transformers' attention module runs about thirty operators and several Python wrappers around its two GEMVs at a
+decode step (views and transposes of each projection, ``rotate_half`` twice, the attention interface's lookup and
+checks, a ``contiguous`` copy). Measured on the 2-core AMD EPYC (AVX2; transformers 5.25.0, bf16, Qwen2-0.5B with
+every family on; a throwaway probe alternating the two attentions in one process): 47.5 against 43.9 ms a token, about
+0.15 ms a layer. A switched decoder layer's decode step (:mod:`fusion_linear_kernels.decode_layer`) calls
+:meth:`AttentionForm.run` in place of its attention module where the attention's form verified at load, and the module
+itself where ``run`` declines.
+
+**Which attentions.** A module with ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` children (and a merged
+projection of the ``qkv`` family's, which the parts read), no other children, parameters or buffers, an integer
+``head_dim`` and ``layer_idx``, a float ``scaling`` and a forward that takes ``position_embeddings``,
+``attention_mask`` and the cache (``cache``, or ``past_key_values`` before transformers 5.x renamed it). Names are
+only the pre-filter: each form is verified once per load (:func:`verified`) on its real weights against the module's
+own forward, with a cache transformers builds: the cache's new keys and values bit for bit (the rotary embedding
+rounds as transformers' ``apply_rotary_pos_emb`` does: ``x * cos + rotate_half(x) * sin``, each product rounded to
+the dtype), the output within the bound (:func:`~fusion_linear_kernels.layer_forms.tolerance`: the attention
+function may group the heads another way than the release's wrapper). A norm of the queries or keys (Qwen3, Gemma 3,
+OLMo 2), a rotary embedding over part of the head or interleaved (GLM), soft-capping or attention sinks do not
+verify, and their attention runs as the module.
+
+**When it runs.** Besides what the layer's step requires: one new token a sequence (``[batch, 1, hidden]``), no
+attention mask (transformers passes none where every cached position is seen: no padding, no sliding window cut),
+the attention implementation ``sdpa``, a ``DynamicCache`` whose layer holds plain ``DynamicLayer`` keys already
+(not offloaded, not quantized, not a sliding window), the verified module types in place, no hooks on the attention
+module, no arguments but those listed in :data:`KNOWN` (``output_attentions`` false). Any other call runs the module.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusion_core.plugin import merged_projection
+from fusion_linear_kernels.layer_forms import relative, tolerance
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+"""The children a verified attention computes with (called as modules: their hooks and adapters run)."""
+CACHE_NAMES = ("cache", "past_key_values")
+"""The names of the attention forward's cache argument: transformers 5.x's, then 4.x's (5.x still accepts it)."""
+KNOWN = frozenset({"position_embeddings", "attention_mask", *CACHE_NAMES, "cache_position", "position_ids",
+                   "use_cache", "output_attentions"})
+"""The arguments a decoder layer passes its attention that :meth:`AttentionForm.run` reads or may ignore at a decode
+step (positions are in the rotary embedding already; the dynamic cache appends whatever the position)."""
+_PRIOR = 3
+"""The tokens verification puts in the cache before its decode step."""
+_SPREAD = 16.0
+"""The scale of the cached keys and values verification draws: scores far from zero, so that what an attention does
+to large scores (soft-capping, a clamp) shows beyond the bound."""
+
+
+def _cache_types() -> tuple[type, type] | None:
+    """transformers' ``DynamicCache`` and ``DynamicLayer`` (the layer class a dynamic cache appends to), or None where
+    this transformers has no cache layers (before 4.56)."""
+    try:
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+    except ImportError:
+        return None
+    return DynamicCache, DynamicLayer
+
+
+class AttentionForm:
+    """What a verified attention's decode step reads: its layer index in the cache, the head width, the softmax scale,
+    the name of its forward's cache argument and the types of the modules it calls (verified once per load)."""
+
+    __slots__ = ("cache_name", "head_dim", "layer_idx", "scaling", "types")
+
+    def __init__(self, layer_idx: int, head_dim: int, scaling: float, cache_name: str,
+                 types: tuple[type, ...]) -> None:
+        self.layer_idx, self.head_dim, self.scaling = layer_idx, head_dim, scaling
+        self.cache_name, self.types = cache_name, types
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return self.layer_idx, self.head_dim, self.scaling, self.cache_name, self.types
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self.__init__(*state)  # type: ignore[misc]
+
+    @staticmethod
+    def types_of(attention: nn.Module) -> tuple[type, ...]:
+        """The attention's type and its children's, in order: what a call checks is still in place."""
+        return (type(attention), *(type(child) for child in attention._modules.values()))
+
+    @classmethod
+    def of(cls, attention: nn.Module) -> AttentionForm | str:
+        """The form of ``attention`` as it is now, or why it has none (before verification)."""
+        children = attention._modules
+        merged = merged_projection(attention)
+        others = [name for name in children if name not in PROJECTIONS
+                  and not (merged is not None and children[name] is merged.owner)]
+        if not all(isinstance(children.get(name), nn.Module) for name in PROJECTIONS) or others:
+            return f"not an attention of q/k/v/o projections alone (children {list(children)})"
+        if attention._parameters or attention._buffers:
+            return "the attention holds parameters or buffers of its own (sinks, scales)"
+        values = attention.__dict__
+        layer_idx, head_dim, scaling = values.get("layer_idx"), values.get("head_dim"), values.get("scaling")
+        if not (type(layer_idx) is int and type(head_dim) is int and head_dim % 2 == 0 and type(scaling) is float):
+            return "no integer layer_idx and even head_dim, or no float scaling"
+        parameters = inspect.signature(type(attention).forward).parameters
+        cache_name = next((name for name in CACHE_NAMES if name in parameters), None)
+        if cache_name is None or not {"position_embeddings", "attention_mask"} <= parameters.keys():
+            return "its forward takes no position_embeddings, attention_mask and cache"
+        return cls(layer_idx, head_dim, scaling, cache_name, cls.types_of(attention))
+
+    def run(self, attention: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """The attention's output for ``hidden`` (its input, normed) at a decode step, or None where the call is not
+        one the step runs (see the module docs): the caller then calls the module."""
+        if (kwargs.keys() - KNOWN or kwargs.get("attention_mask") is not None or kwargs.get("output_attentions")
+                or hidden.dim() != 3 or hidden.shape[1] != 1 or attention._forward_hooks
+                or attention._forward_pre_hooks or self.types_of(attention) != self.types):
+            return None
+        caches = [kwargs[name] for name in CACHE_NAMES if kwargs.get(name) is not None]
+        embeddings = kwargs.get("position_embeddings")
+        types = _cache_types()
+        if len(caches) != 1 or types is None or not isinstance(embeddings, tuple) or len(embeddings) != 2:
+            return None
+        (cache,), (cache_type, layer_type) = caches, types
+        layers = cache.__dict__.get("layers") if type(cache) is cache_type else None
+        if (not isinstance(layers, list) or len(layers) <= self.layer_idx or cache.__dict__.get("offloading")
+                or type(layers[self.layer_idx]) is not layer_type or not layers[self.layer_idx].is_initialized
+                or getattr(attention.config, "_attn_implementation", None) != "sdpa"):
+            return None
+        cos, sin = embeddings
+        if not (type(cos) is torch.Tensor and type(sin) is torch.Tensor and cos.dtype is hidden.dtype
+                and sin.dtype is hidden.dtype and cos.shape[-1] == self.head_dim and cos.shape == sin.shape):
+            return None
+        return self._attend(attention, hidden, cos, sin, cache)
+
+    def _attend(self, attention: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: Any) -> torch.Tensor:
+        modules = attention._modules
+        batch, width = hidden.shape[0], self.head_dim
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        query, key, value = (modules[name](hidden).view(batch, 1, -1, width).transpose(1, 2)
+                             for name in PROJECTIONS[:3])
+        keys, values = cache.update(_rotated(key, cos, sin), value, self.layer_idx)
+        attended = F.scaled_dot_product_attention(_rotated(query, cos, sin), keys, values, scale=self.scaling,
+                                                  enable_gqa=query.shape[1] != keys.shape[1])
+        output: torch.Tensor = modules["o_proj"](attended.transpose(1, 2).reshape(batch, 1, -1))
+        return output
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding of ``x`` (``[batch, heads, tokens, head_dim]``) with the halves of the head rotated, each
+    product rounded to the dtype, as transformers' ``apply_rotary_pos_emb`` rounds."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def verified(attention: nn.Module, dtype: torch.dtype, width: int) -> AttentionForm | str:
+    """The form of ``attention`` (on its loaded weights, in eval mode, inputs ``width`` wide) where its decode step
+    gives the module's forward's keys and values bit for bit and its output within the bound, or why not.
+
+    Both run one token on a copy of one dynamic cache holding :data:`_PRIOR` random keys and values, on a random
+    rotation. The cache is filled through its own ``update``, not the forward, so no GEMV of another row count than a
+    decode step's is decided at load.
+    """
+    form = AttentionForm.of(attention)
+    types = _cache_types()
+    if isinstance(form, str) or types is None:
+        return form if isinstance(form, str) else "this transformers has no dynamic cache layers"
+    if getattr(attention.config, "_attn_implementation", None) != "sdpa":
+        return "its attention implementation is not sdpa"
+    generator = torch.Generator().manual_seed(0)
+    angles = torch.rand(1, 1, form.head_dim, generator=generator) * 6.0
+    hidden = torch.randn(1, 1, width, generator=generator).to(dtype)
+    step = {"position_embeddings": (angles.cos().to(dtype), angles.sin().to(dtype)), "attention_mask": None,
+            "cache_position": torch.tensor([_PRIOR])}
+    forward = type(attention).forward
+    cache_type, _ = types
+    try:
+        with torch.no_grad():
+            heads = attention._modules["k_proj"](hidden).shape[-1] // form.head_dim
+            prior = (torch.randn(2, 1, heads, _PRIOR, form.head_dim, generator=generator) * _SPREAD).to(dtype)
+            caches = [cache_type(), cache_type()]
+            for cache in caches:
+                cache.update(prior[0].clone(), prior[1].clone(), form.layer_idx)
+            result = forward(attention, hidden, **step, **{form.cache_name: caches[0]})
+            got = form.run(attention, hidden, {**step, form.cache_name: caches[1]})
+    except Exception as exc:  # any failure means the form is not this one
+        return f"its forward or the decode step's attention does not run on a dynamic cache ({exc!r:.120})"
+    expected = result[0] if isinstance(result, tuple) else result
+    if got is None or not isinstance(expected, torch.Tensor) or expected.shape != got.shape:
+        return "the decode step's attention does not run on the verification's step"
+    expected_layer, got_layer = (cache.layers[form.layer_idx] for cache in caches)
+    if not (torch.equal(expected_layer.keys, got_layer.keys) and torch.equal(expected_layer.values, got_layer.values)):
+        return "its cached keys or values differ (another rotary embedding, norms of the keys, another projection)"
+    difference = relative(expected, got)
+    if difference > tolerance(dtype):
+        return f"the decode step's attention differs from the forward's by {difference:.3g} of its largest element"
+    return form
