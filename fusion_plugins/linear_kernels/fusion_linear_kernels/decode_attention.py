@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion_core.plugin import merged_projection
+from fusion_linear_kernels import attention_kernel
 from fusion_linear_kernels.layer_forms import relative, tolerance
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -140,9 +141,13 @@ class AttentionForm:
         query, key, value = (modules[name](hidden).view(batch, 1, -1, width).transpose(1, 2)
                              for name in PROJECTIONS[:3])
         keys, values = cache.update(_rotated(key, cos, sin), value, self.layer_idx)
-        attended = F.scaled_dot_product_attention(_rotated(query, cos, sin), keys, values, scale=self.scaling,
-                                                  enable_gqa=query.shape[1] != keys.shape[1])
-        output: torch.Tensor = modules["o_proj"](attended.transpose(1, 2).reshape(batch, 1, -1))
+        query = _rotated(query, cos, sin)
+        attended = attention_kernel.attend(query, keys, values, self.scaling)
+        if attended is None:
+            attended = F.scaled_dot_product_attention(query, keys, values, scale=self.scaling,
+                                                      enable_gqa=query.shape[1] != keys.shape[1])
+            attended = attended.transpose(1, 2).reshape(batch, 1, -1)
+        output: torch.Tensor = modules["o_proj"](attended)
         return output
 
 

@@ -31,8 +31,9 @@ as ``weight`` is here). ``fusion_save_kwargs`` refuses a fused-layout save (``sa
 model holding packed weights, by name. The measured decisions (kernel, packing, experts) live in fusion-core's
 decisions facility (:class:`fusion_core.plugin.Decisions`), which ``fusion_core.reset_state()`` resets: no hook of this
 plugin's is needed for them. ``fusion_reset_state`` forgets the kernels built in this process (the GEMV's,
-:func:`fusion_linear_kernels.row_dot.clear`, and the decode step's, :func:`fusion_linear_kernels.layer_kernel.clear`:
-each is built again at its next call) and whether a failed build was already reported.
+:func:`fusion_linear_kernels.row_dot.clear`, and the decode step's, :func:`fusion_linear_kernels.layer_kernel.clear`
+and :func:`fusion_linear_kernels.attention_kernel.clear`: each is built again at its next call) and whether a failed
+build was already reported.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from torch import nn
 
 from fusion_core import ModulePlan, SaveError, hookimpl
 from fusion_core.plugin import MergedLinear, fuse_instance, merged_projection, presenting_fused
-from fusion_linear_kernels import layer_kernel, row_dot
+from fusion_linear_kernels import attention_kernel, layer_kernel, row_dot
 from fusion_linear_kernels.choice import Caller, traced_linear
 from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY, switch_layers
 from fusion_linear_kernels.direct_reads import read_directly
@@ -75,6 +76,7 @@ def register_fusion_families(register: Callable[[Any], None]) -> None:
 def fusion_reset_state() -> None:
     row_dot.clear()
     layer_kernel.clear()
+    attention_kernel.clear()
 
 
 @hookimpl(wrapper=True, tryfirst=True)

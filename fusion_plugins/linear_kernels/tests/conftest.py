@@ -57,3 +57,12 @@ def other_kernels_dense_weights(fake_times: Callable[[Any, Times], None]) -> Non
 
     fake_times(choice, original_slowest)
     fake_times(packing, original_fastest)
+
+
+@pytest.fixture
+def torch_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode step's own attention attends with torch's ``scaled_dot_product_attention``, as the attention modules
+    do (``fusion_linear_kernels.attention_kernel`` not built), so that a step gives its modules' bits."""
+    from fusion_linear_kernels import attention_kernel
+
+    monkeypatch.setattr(attention_kernel, "kernel", lambda dtype: None)

@@ -1,7 +1,9 @@
 """The decode step's own attention (``fusion_linear_kernels.decode_attention``): the attentions it verifies take it
-at one-token steps and give the tokens, logits and cached keys and values their modules give; attentions of another
-form run as modules, with the reason; every call it cannot take as the module would runs the module; the switched
-layers keep it through pickling and drop it on unfuse.
+at one-token steps and, attending with torch's kernel (``torch_attention``), give the tokens, logits and cached keys
+and values their modules give; with its own kernel (``fusion_linear_kernels.attention_kernel``), each step's logits
+are within the bound of the modules' and the kernel is as close to the exact attention as torch's; attentions of
+another form run as modules, with the reason; every call it cannot take as the module would runs the module; the
+switched layers keep it through pickling and drop it on unfuse.
 
 Kernel choices are decided by the fake clocks of ``test_decode_layer`` (the layers' GEMVs run the kernels the step
 runs), at the same widths.
@@ -17,8 +19,9 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
-from fusion_linear_kernels import decode_attention
+from fusion_linear_kernels import attention_kernel, decode_attention
 from fusion_linear_kernels.decode_attention import AttentionForm, verified
 from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY
 from test_decode_layer import (  # step_kernels: the fixture deciding the GEMVs
@@ -77,6 +80,7 @@ def _attentions(model: nn.Module) -> list[nn.Module]:
     return [layer.self_attn for layer in model.model.layers]
 
 
+@pytest.mark.usefixtures("torch_attention")
 @pytest.mark.parametrize(("kind", "families"), [("llama", MERGED), ("llama", ALONE), ("qwen2", MERGED),
                                                ("gemma", MERGED), ("mistral", ALONE)],
                          ids=["llama-merged", "llama-alone", "qwen2-merged", "gemma-merged", "mistral-alone"])
@@ -95,6 +99,7 @@ def test_recognised_attentions_decode_as_their_modules_do(kind: str, families: d
     assert all(_close(got, want) for got, want in zip(out.logits, expected.logits, strict=True))
 
 
+@pytest.mark.usefixtures("torch_attention")
 def test_the_step_caches_the_keys_and_values_the_module_caches(attended: list[nn.Module]) -> None:
     fused = fusion_core.fuse(_of("qwen2"), MERGED)
     reference = _modules_attend(fused)
@@ -169,6 +174,7 @@ def test_calls_the_attention_step_cannot_take_run_the_module(attended: list[nn.M
     assert not attended
 
 
+@pytest.mark.usefixtures("torch_attention")
 def test_a_sliding_window_cache_runs_the_module(attended: list[nn.Module]) -> None:
     fused = fusion_core.fuse(_of("mistral", sliding_window=3), ALONE)
     assert all(ATTENTION_KEY in layer.__dict__ for layer in fused.model.layers)
@@ -197,3 +203,52 @@ def test_a_transformers_without_cache_layers_keeps_the_modules(monkeypatch: pyte
     fused = fusion_core.fuse(_of("llama"), MERGED)
     assert all(FORM_KEY in layer.__dict__ and ATTENTION_KEY not in layer.__dict__ for layer in fused.model.layers)
     assert "no dynamic cache layers" in str(verified(fused.model.layers[0].self_attn, torch.bfloat16, 512))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize(("batch", "heads", "kv_heads", "width", "length"), [
+    (1, 14, 2, 64, 1), (1, 14, 2, 64, 37), (2, 8, 8, 128, 300), (1, 6, 1, 80, 19), (3, 4, 2, 24, 5)])
+def test_the_kernel_attends_as_close_to_the_exact_attention_as_torch(
+        dtype: torch.dtype, batch: int, heads: int, kv_heads: int, width: int, length: int) -> None:
+    if attention_kernel.kernel(dtype) is None:
+        pytest.skip(f"the attention kernel for {dtype} cannot be built here")
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(batch, heads, 1, width, generator=generator).to(dtype)
+    keys, values = (torch.randn(2, batch, kv_heads, length, width, generator=generator) * 4).to(dtype)
+    exact = F.scaled_dot_product_attention(query.double(), keys.double(), values.double(), scale=width**-0.5,
+                                           enable_gqa=True).transpose(1, 2).reshape(batch, 1, -1)
+    torch_ = F.scaled_dot_product_attention(query, keys, values, scale=width**-0.5, enable_gqa=True)
+    got = attention_kernel.attend(query, keys, values, width**-0.5)
+    assert got is not None and got.shape == exact.shape and got.dtype is dtype
+    worst = float((torch_.transpose(1, 2).reshape(exact.shape).double() - exact).abs().max())
+    assert float((got.double() - exact).abs().max()) <= max(worst, torch.finfo(dtype).eps * float(exact.abs().max()))
+
+
+def test_the_kernel_declines_what_it_does_not_take() -> None:
+    if attention_kernel.kernel(torch.bfloat16) is None:
+        pytest.skip("the attention kernel cannot be built here")
+    query, keys = torch.randn(1, 4, 1, 16).bfloat16(), torch.randn(1, 2, 5, 16).bfloat16()
+    assert attention_kernel.attend(query, keys, keys, 0.25) is not None
+    assert attention_kernel.attend(query, keys.float(), keys.float(), 0.25) is None  # another dtype
+    assert attention_kernel.attend(query, keys.transpose(2, 3).contiguous().transpose(2, 3), keys, 0.25) is None
+    assert attention_kernel.attend(query, torch.randn(1, 3, 5, 16).bfloat16(), keys, 0.25) is None  # 4 heads, 3 kv
+    assert attention_kernel.attend(query.expand(1, 4, 2, 16), keys, keys, 0.25) is None  # two query tokens
+
+
+def test_with_its_kernel_each_step_is_within_the_bound_of_the_modules(attended: list[nn.Module]) -> None:
+    if attention_kernel.kernel(torch.bfloat16) is None:
+        pytest.skip("the attention kernel cannot be built here")
+    fused = fusion_core.fuse(_of("qwen2"), MERGED)
+    reference = _modules_attend(fused)
+    attended.clear()
+    tokens = _generate(fused).sequences[0, IDS.shape[1]:]
+    assert len(attended) == 2 * 5
+    caches: list[Any] = [None, None]
+    with torch.no_grad():
+        for step, ids in enumerate([IDS, *tokens[:-1].view(-1, 1, 1)]):
+            logits = []
+            for index, model in enumerate((reference, fused)):
+                out = model(input_ids=ids, past_key_values=caches[index], use_cache=True)
+                caches[index] = out.past_key_values
+                logits.append(out.logits[:, -1])
+            assert _close(logits[1], logits[0]), step

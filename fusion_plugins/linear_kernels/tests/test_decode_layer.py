@@ -4,7 +4,9 @@ layers of another form keep their class, with the reason; every call the step ca
 runs the original forward; and the switched layers unfuse and pickle.
 
 Every kernel choice is decided by a fake clock on which ``blocked-rows`` measures fastest (or ``row-dot``), so the
-layers' GEMVs run the kernels the step runs. The widths are the smallest the GEMV kernel takes (weights of 1 MiB).
+layers' GEMVs run the kernels the step runs, and the step's own attention attends with torch's kernel, as the modules
+do (``torch_attention``; ``test_decode_attention.py`` covers the step's attention kernel). The widths are the smallest
+the GEMV kernel takes (weights of 1 MiB).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from transformers import (
 import fusion_core
 from fusion_core.testing.decisions import original_fastest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_attention")]
 
 IDS = torch.tensor([[5, 17, 42, 9]])
 MERGED = {"qkv": True, "gate_up": True, "linear_kernels": True}
