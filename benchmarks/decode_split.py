@@ -8,7 +8,8 @@ are profiled, one with ``tokens`` new tokens and one with a single new token; th
   ``_linear_pointwise``, ``_weight_int8pack_mm``) by the shape of the weight it reads;
 - ``decode step: MLP <hidden>x<intermediate>`` and ``decode step: input norm``: the calls of ``linear_kernels``'
   decode step (the MLP's call holds its three GEMVs, with the norms and residuals around them);
-- ``attention``: ``scaled_dot_product_attention`` and its kernels, and the batched products of eager attention;
+- ``attention``: ``scaled_dot_product_attention`` and its kernels, the batched products of eager attention, and the
+  attention kernel of ``linear_kernels``' decode step (``fusion::decode_attention``);
 - ``other operators``: norms, RoPE, casts, argmax, the KV cache's copies, ...;
 - ``outside operators``: the step's wall time not spent inside any operator (Python, dispatch, generate's loop).
 
@@ -40,7 +41,8 @@ BUILT_GEMV = "fusion::gemv"
 #: How ``linear_kernels``' decode step labels its kernel's calls (``fusion_linear_kernels.layer_kernel``): ``input
 #: norm``, or ``MLP`` and the widths (the gate, up and down GEMVs with the norms and residuals around them).
 DECODE_LAYER = "fusion::decode_layer"
-ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "aten::bmm", "aten::baddbmm")
+ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "aten::bmm", "aten::baddbmm",
+             "fusion::decode_attention")
 
 
 def group_of(name: str, shapes: list[Any]) -> str:

@@ -129,8 +129,9 @@ class AttentionForm:
             return None
         cos, sin = embeddings
         if not (type(cos) is torch.Tensor and type(sin) is torch.Tensor and cos.dtype is hidden.dtype
-                and sin.dtype is hidden.dtype and cos.shape[-1] == self.head_dim and cos.shape == sin.shape):
-            return None
+                and sin.dtype is hidden.dtype and cos.shape == sin.shape and cos.dim() == 3
+                and cos.shape[0] in (1, hidden.shape[0]) and cos.shape[1:] == (1, self.head_dim)):
+            return None  # not [batch, 1, head_dim], as verified (multimodal rotations: one a section)
         return self._attend(attention, hidden, cos, sin, cache)
 
     def _attend(self, attention: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

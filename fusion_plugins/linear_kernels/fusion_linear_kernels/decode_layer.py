@@ -9,8 +9,10 @@ with every family on. Here a layer ``linear_kernels`` recognises runs, at a step
 to eight sequences, a short prompt, the draft tokens assisted generation checks):
 
 1. one call of a C++ kernel for the input RMSNorm;
-2. the layer's own attention module, called as the original forward calls it (its projections, RoPE, the KV cache
-   and the attention function stay the model's own code, of whatever transformers release);
+2. the attention: at a one-token step of an attention whose form verified at load, the step's own
+   (:mod:`fusion_linear_kernels.decode_attention`: the layer's projections, the rotary embedding, the dynamic cache's
+   ``update``, a C++ kernel over the cache); else the layer's attention module, called as the original forward calls
+   it;
 3. one call for the rest: the residual add, the MLP's input norm, the gate and up GEMVs, the activation and the
    product, the down GEMV and the second residual add (in the sandwich form, the attention's and the MLP's outputs
    normed before their residuals).
