@@ -252,3 +252,22 @@ def test_with_its_kernel_each_step_is_within_the_bound_of_the_modules(attended: 
                 caches[index] = out.past_key_values
                 logits.append(out.logits[:, -1])
             assert _close(logits[1], logits[0]), step
+
+
+def test_rotations_of_another_shape_run_the_module() -> None:
+    fused = fusion_core.fuse(_of("llama"), MERGED)
+    layer = fused.model.layers[0]
+    form, attention = layer.__dict__[ATTENTION_KEY], layer.self_attn
+    hidden = torch.randn(1, 1, 512).bfloat16()
+    cache_type, _ = decode_attention._cache_types()  # type: ignore[misc]
+    cache = cache_type()
+    cache.update(*torch.randn(2, 1, 2, 3, 64).bfloat16(), form.layer_idx)
+    rotation = torch.randn(1, 1, 64).bfloat16()
+    call = {"attention_mask": None, "cache": cache}
+    with torch.no_grad():
+        assert form.run(attention, hidden, {**call, "position_embeddings": (rotation, rotation)}) is not None
+        sections = rotation.expand(3, 1, 1, 64)  # a multimodal rotation: one a section
+        assert form.run(attention, hidden, {**call, "position_embeddings": (sections, sections)}) is None
+        assert form.run(attention, hidden, {**call, "position_embeddings": (rotation, rotation), "output_attentions":
+                                            True}) is None
+        assert form.run(attention, hidden, {**call, "position_embeddings": (rotation, rotation), "other": 1}) is None
