@@ -1,13 +1,16 @@
 """The attention of a decode step (one new token a sequence) with the fewest operators: the layer's own projections,
-the rotary embedding, the cache's own ``update`` and one call of torch's ``scaled_dot_product_attention``.
+the rotary embedding, the cache's own ``update``, one call of a C++ kernel over the cache
+(:mod:`fusion_linear_kernels.attention_kernel`; torch's ``scaled_dot_product_attention`` where it cannot take the
+call) and the output projection.
 
 transformers' attention module runs about thirty operators and several Python wrappers around its two GEMVs at a
 decode step (views and transposes of each projection, ``rotate_half`` twice, the attention interface's lookup and
-checks, a ``contiguous`` copy). Measured on the 2-core AMD EPYC (AVX2; transformers 5.25.0, bf16, Qwen2-0.5B with
-every family on; a throwaway probe alternating the two attentions in one process): 47.5 against 43.9 ms a token, about
-0.15 ms a layer. A switched decoder layer's decode step (:mod:`fusion_linear_kernels.decode_layer`) calls
-:meth:`AttentionForm.run` in place of its attention module where the attention's form verified at load, and the module
-itself where ``run`` declines.
+checks, a ``contiguous`` copy), and torch's flash kernel runs a single query row as it runs a prompt. Measured on the
+2-core AMD EPYC (AVX2; transformers 5.25.0, bf16, Qwen2-0.5B with every family on; ``benchmarks/bench_decode.py``'s
+``(no decode attention)`` contender side by side, docs/benchmarks.md, "The decode step's own attention"): 38.8
+against 40.9 ms a token at 16 to 48 cached tokens, 55.7 against 84.9 at 1024. A switched decoder layer's decode step
+(:mod:`fusion_linear_kernels.decode_layer`) calls :meth:`AttentionForm.run` in place of its attention module where the
+attention's form verified at load, and the module itself where ``run`` declines.
 
 **Which attentions.** A module with ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` children (and a merged
 projection of the ``qkv`` family's, which the parts read), no other children, parameters or buffers, an integer
@@ -16,13 +19,13 @@ projection of the ``qkv`` family's, which the parts read), no other children, pa
 only the pre-filter: each form is verified once per load (:func:`verified`) on its real weights against the module's
 own forward, with a cache transformers builds: the cache's new keys and values bit for bit (the rotary embedding
 rounds as transformers' ``apply_rotary_pos_emb`` does: ``x * cos + rotate_half(x) * sin``, each product rounded to
-the dtype), the output within the bound (:func:`~fusion_linear_kernels.layer_forms.tolerance`: the attention
-function may group the heads another way than the release's wrapper). A norm of the queries or keys (Qwen3, Gemma 3,
-OLMo 2), a rotary embedding over part of the head or interleaved (GLM), soft-capping or attention sinks do not
-verify, and their attention runs as the module.
+the dtype), the output within the bound (:func:`~fusion_linear_kernels.layer_forms.tolerance`: the kernel sums in
+another order than torch's). A norm of the queries or keys (Qwen3, Gemma 3, OLMo 2), a rotary embedding over part
+of the head or interleaved (GLM), soft-capping or attention sinks do not verify, and their attention runs as the
+module.
 
-**When it runs.** Besides what the layer's step requires: one new token a sequence (``[batch, 1, hidden]``), no
-attention mask (transformers passes none where every cached position is seen: no padding, no sliding window cut),
+**When it runs.** Besides what the layer's step requires: one new token a sequence (``[batch, 1, hidden]``), the
+rotation's cosines and sines of the shape verified (``[batch or 1, 1, head_dim]``, the dtype's), no attention mask (transformers passes none where every cached position is seen: no padding, no sliding window cut),
 the attention implementation ``sdpa``, a ``DynamicCache`` whose layer holds plain ``DynamicLayer`` keys already
 (not offloaded, not quantized, not a sliding window), the verified module types in place, no hooks on the attention
 module, no arguments but those listed in :data:`KNOWN` (``output_attentions`` false). Any other call runs the module.
