@@ -25,10 +25,11 @@ of the head or interleaved (GLM), soft-capping or attention sinks do not verify,
 module.
 
 **When it runs.** Besides what the layer's step requires: one new token a sequence (``[batch, 1, hidden]``), the
-rotation's cosines and sines of the shape verified (``[batch or 1, 1, head_dim]``, the dtype's), no attention mask (transformers passes none where every cached position is seen: no padding, no sliding window cut),
-the attention implementation ``sdpa``, a ``DynamicCache`` whose layer holds plain ``DynamicLayer`` keys already
-(not offloaded, not quantized, not a sliding window), the verified module types in place, no hooks on the attention
-module, no arguments but those listed in :data:`KNOWN` (``output_attentions`` false). Any other call runs the module.
+rotation's cosines and sines of the shape verified (``[batch or 1, 1, head_dim]``, the dtype's), no attention mask
+(transformers passes none where every cached position is seen: no padding, no sliding window cut), the attention
+implementation ``sdpa``, a ``DynamicCache`` whose layer holds plain ``DynamicLayer`` keys already (not offloaded, not
+quantized, not a sliding window), the verified module types in place, no hooks on the attention module, no arguments but
+those listed in :data:`KNOWN` (``output_attentions`` false). Any other call runs the module.
 """
 
 from __future__ import annotations

@@ -21,9 +21,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from fusion_linear_kernels import attention_kernel, decode_attention
+from fusion_linear_kernels import attention_kernel, decode_attention, row_dot
 from fusion_linear_kernels.decode_attention import AttentionForm, verified
 from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY
+from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
+from one_row_gemv import fresh_kernels_of
 from test_decode_layer import (  # step_kernels: the fixture deciding the GEMVs
     ALONE,
     CONFIGS,
@@ -235,17 +237,21 @@ def test_the_kernel_declines_what_it_does_not_take() -> None:
     assert attention_kernel.attend(query.expand(1, 4, 2, 16), keys, keys, 0.25) is None  # two query tokens
 
 
-def test_with_its_kernel_each_step_is_within_the_bound_of_the_modules(attended: list[nn.Module]) -> None:
+@pytest.mark.parametrize("sequences", [1, 3])
+def test_with_its_kernel_each_step_is_within_the_bound_of_the_modules(sequences: int,
+                                                                      attended: list[nn.Module]) -> None:
     if attention_kernel.kernel(torch.bfloat16) is None:
         pytest.skip("the attention kernel cannot be built here")
     fused = fusion_core.fuse(_of("qwen2"), MERGED)
     reference = _modules_attend(fused)
+    prompts = torch.cat([IDS, IDS.flip(-1), IDS + 1])[:sequences]
     attended.clear()
-    tokens = _generate(fused).sequences[0, IDS.shape[1]:]
-    assert len(attended) == 2 * 5
+    with torch.no_grad():
+        tokens = fused.generate(prompts, max_new_tokens=6, min_new_tokens=6, do_sample=False)[:, IDS.shape[1]:]
+    assert len(attended) >= 2 * 4  # a first call of a few rows' kind runs the modules, which decide it
     caches: list[Any] = [None, None]
     with torch.no_grad():
-        for step, ids in enumerate([IDS, *tokens[:-1].view(-1, 1, 1)]):
+        for step, ids in enumerate([prompts, *tokens[:, :-1].T.unsqueeze(-1)]):
             logits = []
             for index, model in enumerate((reference, fused)):
                 out = model(input_ids=ids, past_key_values=caches[index], use_cache=True)
@@ -271,3 +277,38 @@ def test_rotations_of_another_shape_run_the_module() -> None:
         assert form.run(attention, hidden, {**call, "position_embeddings": (rotation, rotation), "output_attentions":
                                             True}) is None
         assert form.run(attention, hidden, {**call, "position_embeddings": (rotation, rotation), "other": 1}) is None
+
+
+@pytest.fixture
+def fresh_kernels() -> Iterator[None]:
+    """The attention kernel forgotten before the test, and gone after ``fusion_core.reset_state()``."""
+    yield from fresh_kernels_of(attention_kernel)
+
+
+def test_an_attention_kernel_that_cannot_be_built_leaves_torchs_and_says_so_once(
+        fresh_kernels: None, monkeypatch: pytest.MonkeyPatch, attended: list[nn.Module]) -> None:
+    from fusion_linear_kernels import compat
+
+    build = compat.cpp_kernel
+
+    def no_attention_kernel(argtypes: list[str], source: str) -> Any:
+        if "softmax_numerators" in source:
+            raise RuntimeError("no C++ compiler found")
+        return build(argtypes, source)
+
+    monkeypatch.setattr(compat, "cpp_kernel", no_attention_kernel)
+    monkeypatch.setenv("FUSION_CORE_DECISIONS", "off")  # no stored library file is read ...
+    row_dot.clear()  # ... nor one this process built
+    with pytest.warns(RowDotUnavailableWarning, match="decode attention kernel") as caught:
+        fused = fusion_core.fuse(_of("llama"), MERGED)
+        attended.clear()
+        out = _generate(fused)
+    assert len([w for w in caught if "decode attention kernel" in str(w.message)]) == 1
+    assert len(attended) == 2 * 5  # the step's attention, with torch's kernel
+    assert torch.equal(out.sequences, _generate(_modules_attend(fused)).sequences)
+
+
+def test_reset_state_forgets_the_built_attention_kernels(fresh_kernels: None) -> None:
+    fused = fusion_core.fuse(_of("llama"), MERGED)
+    assert all(ATTENTION_KEY in layer.__dict__ for layer in fused.model.layers)
+    assert len(attention_kernel._KERNELS)  # fresh_kernels checks they are gone after fusion_core.reset_state()
