@@ -1,10 +1,12 @@
-"""What the tests of the GEMV kernel's candidates (row-dot, blocked-rows, few-rows) share."""
+"""What the tests of the GEMV kernel's candidates (row-dot, blocked-rows, few-rows) and of the kernels built on it (the
+decode step's) share."""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -51,3 +53,34 @@ def without_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(compat, "cpp_kernel", no_compiler)
     monkeypatch.setenv("FUSION_CORE_DECISIONS", "off")
+
+
+def recorded_calls(monkeypatch: pytest.MonkeyPatch, owner: type, name: str) -> list[Any]:
+    """The first argument after ``self`` of every call of ``owner.name`` from now on, in order (the method still
+    runs): which modules a decode step ran on."""
+    calls: list[Any] = []
+    method = getattr(owner, name)
+
+    def recorded(self: Any, first: Any, *args: Any) -> Any:
+        calls.append(first)
+        return method(self, first, *args)
+
+    monkeypatch.setattr(owner, name, recorded)
+    return calls
+
+
+def without_the_kernel_of(monkeypatch: pytest.MonkeyPatch, marker: str) -> None:
+    """A machine where the kernels whose C++ holds ``marker`` cannot be built (the others can): no stored library
+    file is read (decisions off), nor one this process built (the GEMV's forgotten, built again)."""
+    from fusion_linear_kernels import compat, row_dot
+
+    build = compat.cpp_kernel
+
+    def refusing(argtypes: list[str], source: str) -> Any:
+        if marker in source:
+            raise RuntimeError("no C++ compiler found")
+        return build(argtypes, source)
+
+    monkeypatch.setattr(compat, "cpp_kernel", refusing)
+    monkeypatch.setenv("FUSION_CORE_DECISIONS", "off")
+    row_dot.clear()

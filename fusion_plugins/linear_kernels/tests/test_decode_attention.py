@@ -21,11 +21,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from fusion_linear_kernels import attention_kernel, decode_attention, row_dot
+from fusion_linear_kernels import attention_kernel, decode_attention
 from fusion_linear_kernels.decode_attention import AttentionForm, verified
 from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY
 from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
-from one_row_gemv import fresh_kernels_of
+from one_row_gemv import fresh_kernels_of, recorded_calls, without_the_kernel_of
 from test_decode_layer import (  # step_kernels: the fixture deciding the GEMVs
     ALONE,
     CONFIGS,
@@ -47,17 +47,9 @@ CONFIGS = {**CONFIGS, "qwen3": transformers.Qwen3Config, "mistral": transformers
 
 
 @pytest.fixture
-def attended(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[nn.Module]]:
+def attended(monkeypatch: pytest.MonkeyPatch) -> list[nn.Module]:
     """The attention modules each step's own attention ran for, in order."""
-    ran: list[nn.Module] = []
-    attend = AttentionForm._attend
-
-    def counted(self: AttentionForm, attention: nn.Module, *args: Any) -> torch.Tensor:
-        ran.append(attention)
-        return attend(self, attention, *args)
-
-    monkeypatch.setattr(AttentionForm, "_attend", counted)
-    yield ran
+    return recorded_calls(monkeypatch, AttentionForm, "_attend")
 
 
 def _of(kind: str, **extra: Any) -> nn.Module:
@@ -287,18 +279,7 @@ def fresh_kernels() -> Iterator[None]:
 
 def test_an_attention_kernel_that_cannot_be_built_leaves_torchs_and_says_so_once(
         fresh_kernels: None, monkeypatch: pytest.MonkeyPatch, attended: list[nn.Module]) -> None:
-    from fusion_linear_kernels import compat
-
-    build = compat.cpp_kernel
-
-    def no_attention_kernel(argtypes: list[str], source: str) -> Any:
-        if "softmax_numerators" in source:
-            raise RuntimeError("no C++ compiler found")
-        return build(argtypes, source)
-
-    monkeypatch.setattr(compat, "cpp_kernel", no_attention_kernel)
-    monkeypatch.setenv("FUSION_CORE_DECISIONS", "off")  # no stored library file is read ...
-    row_dot.clear()  # ... nor one this process built
+    without_the_kernel_of(monkeypatch, "softmax_numerators")
     with pytest.warns(RowDotUnavailableWarning, match="decode attention kernel") as caught:
         fused = fusion_core.fuse(_of("llama"), MERGED)
         attended.clear()

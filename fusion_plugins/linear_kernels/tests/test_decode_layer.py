@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from fusion_linear_kernels import choice, decode_layer, layer_kernel, packing, row_dot
+from fusion_linear_kernels import choice, decode_layer, layer_kernel, packing
 from fusion_linear_kernels.decode_layer import FORM_KEY, DecodeLayerMixin, LayerForm, drop_decode_steps, refusal
 from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
-from one_row_gemv import fresh_kernels_of, skip_unless_built
+from one_row_gemv import fresh_kernels_of, recorded_calls, skip_unless_built, without_the_kernel_of
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
@@ -90,17 +90,9 @@ def fresh_kernels() -> Iterator[None]:
 
 
 @pytest.fixture
-def steps(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[nn.Module]]:
+def steps(monkeypatch: pytest.MonkeyPatch) -> list[nn.Module]:
     """The layers each decode step ran on, in order."""
-    ran: list[nn.Module] = []
-    run = LayerForm.run
-
-    def counted(self: LayerForm, layer: nn.Module, *args: Any) -> torch.Tensor:
-        ran.append(layer)
-        return run(self, layer, *args)
-
-    monkeypatch.setattr(LayerForm, "run", counted)
-    yield ran
+    return recorded_calls(monkeypatch, LayerForm, "run")
 
 
 def _generate(model: nn.Module, tokens: int = 6) -> Any:
@@ -347,18 +339,7 @@ def test_the_kernel_is_not_built_for_dtypes_the_gemv_does_not_take() -> None:
 @pytest.mark.usefixtures("step_kernels")
 def test_a_layer_kernel_that_cannot_be_built_leaves_the_modules_and_says_so_once(
         fresh_kernels: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fusion_linear_kernels import compat
-
-    build = compat.cpp_kernel
-
-    def no_layer_kernel(argtypes: list[str], source: str) -> Any:
-        if "rms_norm" in source:
-            raise RuntimeError("no C++ compiler found")
-        return build(argtypes, source)
-
-    monkeypatch.setattr(compat, "cpp_kernel", no_layer_kernel)
-    monkeypatch.setenv("FUSION_CORE_DECISIONS", "off")  # no stored library file is read ...
-    row_dot.clear()  # ... nor one this process built
+    without_the_kernel_of(monkeypatch, "rms_norm")
     plain = _model("llama")
     with pytest.warns(RowDotUnavailableWarning, match="decode layer kernel") as caught:
         fused = fusion_core.fuse(copy.deepcopy(plain), MERGED)
