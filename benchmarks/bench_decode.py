@@ -229,18 +229,17 @@ def load_contender(path: Any, families: str | None, dtype: torch.dtype, quantize
     return model.eval()
 
 
-def without_decode_step(model: nn.Module, name: str) -> nn.Module:
-    """``model`` with every decoder layer's decode step dropped, or the step's own attention, as ``name`` ends (see
-    :data:`NO_DECODE_STEP` and :data:`NO_DECODE_ATTENTION`)."""
-    if not name.endswith((NO_DECODE_STEP, NO_DECODE_ATTENTION)):
-        return model
-    from fusion_linear_kernels.decode_layer import ATTENTION_KEY, drop_decode_steps
-
+def as_named(model: nn.Module, name: str) -> nn.Module:
+    """``model`` as the contender called ``name`` runs it: every decoder layer's decode step dropped, or the step's own
+    attention, where ``name`` ends so (see :data:`NO_DECODE_STEP` and :data:`NO_DECODE_ATTENTION`)."""
     if name.endswith(NO_DECODE_STEP):
+        from fusion_linear_kernels.decode_layer import drop_decode_steps
+
         drop_decode_steps(model)
     elif name.endswith(NO_DECODE_ATTENTION):
-        for module in model.modules():
-            module.__dict__.pop(ATTENTION_KEY, None)
+        from fusion_linear_kernels.decode_layer import drop_decode_attention
+
+        drop_decode_attention(model)
     return model
 
 
@@ -371,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
                             f"decode-{config.model_type if args.config else args.model}-{args.layers or 'all'}", log)
     names = [n.strip() for n in args.contenders.split(",") if n.strip()]
     # A name that is no contender above is a "+"-joined list of families (moe_experts, moe_experts+linear_kernels).
-    models = {name: without_decode_step(load_contender(path, _families_of(name), dtype, args.quantize), name)
+    models = {name: as_named(load_contender(path, _families_of(name), dtype, args.quantize), name)
               for name in names}
     if not args.as_loaded:
         models = {name: own_memory(model) for name, model in models.items()}

@@ -136,10 +136,13 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
     """The attention of ``query`` (``[batch, heads, 1, width]``) over ``keys`` and ``values`` (``[batch, kv_heads,
     length, width]``, contiguous, of the query's dtype) as ``[batch, 1, heads * width]``; None where the kernel cannot
     take them (the caller runs torch's)."""
+    if query.dim() != 4 or keys.dim() != 4:
+        return None
     batch, heads, tokens, width = query.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     compiled = kernel(query.dtype)
-    if (compiled is None or tokens != 1 or length == 0 or heads % kv_heads or keys.shape != values.shape
+    if (compiled is None or tokens != 1 or length == 0 or kv_heads == 0 or heads % kv_heads
+            or keys.shape != values.shape
             or keys.shape[0] != batch or keys.shape[3] != width or not (keys.dtype is values.dtype is query.dtype)
             or not (query.is_contiguous() and keys.is_contiguous() and values.is_contiguous())):
         return None

@@ -463,3 +463,10 @@ def drop_decode_steps(model: nn.Module) -> None:
     for module in model.modules():
         module.__dict__.pop(FORM_KEY, None)
         module.__dict__.pop(ATTENTION_KEY, None)
+
+
+def drop_decode_attention(model: nn.Module) -> None:
+    """Every switched layer of ``model`` keeps its decode step but calls its attention module at each step (the
+    step's own attention forgotten): to compare, or to rule it out."""
+    for module in model.modules():
+        module.__dict__.pop(ATTENTION_KEY, None)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import transformers
 from fusion_linear_kernels import attention_kernel, decode_attention
 from fusion_linear_kernels.decode_attention import AttentionForm, verified
-from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY
+from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY, drop_decode_attention
 from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
 from one_row_gemv import fresh_kernels_of, recorded_calls, without_the_kernel_of
 from test_decode_layer import (  # step_kernels: the fixture deciding the GEMVs
@@ -65,8 +65,8 @@ def _of(kind: str, **extra: Any) -> nn.Module:
 def _modules_attend(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose decode steps call their attention modules."""
     copied = copy.deepcopy(model)
-    for module in copied.modules():
-        module.__dict__.pop(ATTENTION_KEY, None)
+    drop_decode_attention(copied)
+    assert not any(ATTENTION_KEY in module.__dict__ for module in copied.modules())
     return copied
 
 
@@ -227,6 +227,8 @@ def test_the_kernel_declines_what_it_does_not_take() -> None:
     assert attention_kernel.attend(query, keys.transpose(2, 3).contiguous().transpose(2, 3), keys, 0.25) is None
     assert attention_kernel.attend(query, torch.randn(1, 3, 5, 16).bfloat16(), keys, 0.25) is None  # 4 heads, 3 kv
     assert attention_kernel.attend(query.expand(1, 4, 2, 16), keys, keys, 0.25) is None  # two query tokens
+    assert attention_kernel.attend(query[0], keys, keys, 0.25) is None  # no batch dimension
+    assert attention_kernel.attend(query, keys[:, :0], keys[:, :0], 0.25) is None  # no key/value heads
 
 
 @pytest.mark.parametrize("sequences", [1, 3])
