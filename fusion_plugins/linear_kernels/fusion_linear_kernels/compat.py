@@ -52,7 +52,11 @@ no operator of torch's, so the profiler sees them only where they label themselv
 A decoder layer's decode step (:mod:`fusion_linear_kernels.decode_layer`) computes its norms and MLP without calling
 those modules, so it must see whether a forward hook would have seen those calls: :func:`forward_hooks` reads each
 module's ``_forward_hooks`` and ``_forward_pre_hooks`` and the global ones in ``torch.nn.modules.module`` (where
-``register_forward_hook`` and ``register_module_forward_hook`` keep them; torch has no public way to ask).
+``register_forward_hook`` and ``register_module_forward_hook`` keep them; torch has no public way to ask). Its
+attention (:mod:`fusion_linear_kernels.decode_attention`) replaces the module's call where the model attends with
+``sdpa``, which :func:`attention_implementation` reads from the module's config (transformers'
+``config._attn_implementation``, which ``set_attn_implementation`` writes and its attention modules read at each call;
+transformers has no public getter on the config of 4.57).
 
 One private method of ``nn.Module`` is overridden, not called from here: the fused class's
 ``_apply`` (what ``.to()``, ``.half()``, ``.cuda()`` call on every module; unchanged since torch 1.0)
@@ -199,6 +203,13 @@ def forward_hooks(modules: Iterable[nn.Module]) -> bool:
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return True
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def attention_implementation(attention: nn.Module) -> str | None:
+    """The attention function a transformers attention module calls (``"sdpa"``, ``"eager"``, ...), from its config,
+    or None where it has none."""
+    implementation = getattr(getattr(attention, "config", None), "_attn_implementation", None)
+    return implementation if isinstance(implementation, str) else None
 
 
 def cpp_kernel(argtypes: list[str], source: str) -> Callable[..., None]:

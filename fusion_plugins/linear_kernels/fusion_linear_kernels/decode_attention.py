@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion_core.plugin import merged_projection
-from fusion_linear_kernels import attention_kernel
+from fusion_linear_kernels import attention_kernel, compat
 from fusion_linear_kernels.layer_forms import relative, tolerance
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -117,8 +117,8 @@ class AttentionForm:
         """The attention's output for ``hidden`` (its input, normed) at a decode step, or None where the call is not
         one the step runs (see the module docs): the caller then calls the module."""
         if (kwargs.keys() - KNOWN or kwargs.get("attention_mask") is not None or kwargs.get("output_attentions")
-                or hidden.dim() != 3 or hidden.shape[1] != 1 or attention._forward_hooks
-                or attention._forward_pre_hooks or self.types_of(attention) != self.types):
+                or hidden.dim() != 3 or hidden.shape[1] != 1 or compat.forward_hooks((attention,))
+                or self.types_of(attention) != self.types):
             return None
         caches = [kwargs[name] for name in CACHE_NAMES if kwargs.get(name) is not None]
         embeddings = kwargs.get("position_embeddings")
@@ -129,7 +129,7 @@ class AttentionForm:
         layers = cache.__dict__.get("layers") if type(cache) is cache_type else None
         if (not isinstance(layers, list) or len(layers) <= self.layer_idx or cache.__dict__.get("offloading")
                 or type(layers[self.layer_idx]) is not layer_type or not layers[self.layer_idx].is_initialized
-                or getattr(attention.config, "_attn_implementation", None) != "sdpa"):
+                or compat.attention_implementation(attention) != "sdpa"):
             return None
         cos, sin = embeddings
         if not (type(cos) is torch.Tensor and type(sin) is torch.Tensor and cos.dtype is hidden.dtype
@@ -175,7 +175,7 @@ def verified(attention: nn.Module, dtype: torch.dtype, width: int) -> AttentionF
     types = _cache_types()
     if isinstance(form, str) or types is None:
         return form if isinstance(form, str) else "this transformers has no dynamic cache layers"
-    if getattr(attention.config, "_attn_implementation", None) != "sdpa":
+    if compat.attention_implementation(attention) != "sdpa":
         return "its attention implementation is not sdpa"
     generator = torch.Generator().manual_seed(0)
     angles = torch.rand(1, 1, form.head_dim, generator=generator) * 6.0

@@ -161,9 +161,7 @@ def test_calls_the_attention_step_cannot_take_run_the_module(attended: list[nn.M
     handle.remove()
     assert len(seen) == 3 and attended == [fused.model.layers[1].self_attn] * 2
     attended.clear()
-    fused.config._attn_implementation = "eager"
-    for layer in fused.model.layers:
-        layer.self_attn.config._attn_implementation = "eager"
+    fused.set_attn_implementation("eager")
     _generate(fused, tokens=3)
     assert not attended
 
