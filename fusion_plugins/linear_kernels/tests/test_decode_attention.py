@@ -28,10 +28,8 @@ from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
 from one_row_gemv import fresh_kernels_of, recorded_calls, without_the_kernel_of
 from test_decode_layer import (  # step_kernels: the fixture deciding the GEMVs
     ALONE,
-    CONFIGS,
     IDS,
     MERGED,
-    TOKENS,
     _close,
     _generate,
     _model,
@@ -43,23 +41,10 @@ import fusion_core
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("step_kernels")]
 
-CONFIGS = {**CONFIGS, "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig}
-
-
 @pytest.fixture
 def attended(monkeypatch: pytest.MonkeyPatch) -> list[nn.Module]:
     """The attention modules each step's own attention ran for, in order."""
     return recorded_calls(monkeypatch, AttentionForm, "_attend")
-
-
-def _of(kind: str, **extra: Any) -> nn.Module:
-    if kind in ("qwen3", "mistral"):
-        config = CONFIGS[kind](hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=8,
-                               num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=256,
-                               **{**TOKENS, **extra})
-        torch.manual_seed(0)
-        return transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
-    return _model(kind, **extra)
 
 
 def _modules_attend(model: nn.Module) -> nn.Module:
@@ -80,7 +65,7 @@ def _attentions(model: nn.Module) -> list[nn.Module]:
                          ids=["llama-merged", "llama-alone", "qwen2-merged", "gemma-merged", "mistral-alone"])
 def test_recognised_attentions_decode_as_their_modules_do(kind: str, families: dict[str, bool],
                                                           attended: list[nn.Module]) -> None:
-    fused = fusion_core.fuse(_of(kind, **({"sliding_window": None} if kind == "mistral" else {})), families)
+    fused = fusion_core.fuse(_model(kind, **({"sliding_window": None} if kind == "mistral" else {})), families)
     layers = list(fused.model.layers)
     assert all(FORM_KEY in layer.__dict__ and ATTENTION_KEY in layer.__dict__ for layer in layers)
     reference = _modules_attend(fused)
@@ -95,7 +80,7 @@ def test_recognised_attentions_decode_as_their_modules_do(kind: str, families: d
 
 @pytest.mark.usefixtures("torch_attention")
 def test_the_step_caches_the_keys_and_values_the_module_caches(attended: list[nn.Module]) -> None:
-    fused = fusion_core.fuse(_of("qwen2"), MERGED)
+    fused = fusion_core.fuse(_model("qwen2"), MERGED)
     reference = _modules_attend(fused)
     attended.clear()  # the verification's
     caches = []
@@ -115,7 +100,7 @@ def test_the_step_caches_the_keys_and_values_the_module_caches(attended: list[nn
     ("glm", "cached keys or values differ"),  # the rotary embedding over half the head, interleaved
 ])
 def test_attentions_of_another_form_run_as_modules(kind: str, reason: str, attended: list[nn.Module]) -> None:
-    fused = fusion_core.fuse(_of(kind), ALONE)
+    fused = fusion_core.fuse(_model(kind), ALONE)
     layers = list(fused.model.layers)
     assert all(FORM_KEY in layer.__dict__ and ATTENTION_KEY not in layer.__dict__ for layer in layers)
     assert reason in str(verified(layers[0].self_attn, torch.bfloat16, 512))
@@ -125,7 +110,7 @@ def test_attentions_of_another_form_run_as_modules(kind: str, reason: str, atten
 
 
 def test_an_attention_whose_forward_computes_otherwise_does_not_verify() -> None:
-    model = _of("llama")
+    model = _model("llama")
     attention = model.model.layers[0].self_attn
     original = type(attention)
 
@@ -145,7 +130,7 @@ def test_an_attention_whose_forward_computes_otherwise_does_not_verify() -> None
 
 
 def test_calls_the_attention_step_cannot_take_run_the_module(attended: list[nn.Module]) -> None:
-    fused = fusion_core.fuse(_of("llama"), MERGED)
+    fused = fusion_core.fuse(_model("llama"), MERGED)
     reference = _modules_attend(fused)
     attended.clear()
     padded = torch.cat([IDS, torch.tensor([[0, 0, 7, 8]])])
@@ -168,7 +153,7 @@ def test_calls_the_attention_step_cannot_take_run_the_module(attended: list[nn.M
 
 @pytest.mark.usefixtures("torch_attention")
 def test_a_sliding_window_cache_runs_the_module(attended: list[nn.Module]) -> None:
-    fused = fusion_core.fuse(_of("mistral", sliding_window=3), ALONE)
+    fused = fusion_core.fuse(_model("mistral", sliding_window=3), ALONE)
     assert all(ATTENTION_KEY in layer.__dict__ for layer in fused.model.layers)
     attended.clear()
     expected = _generate(_modules_attend(fused))
@@ -179,7 +164,7 @@ def test_a_sliding_window_cache_runs_the_module(attended: list[nn.Module]) -> No
 
 
 def test_the_step_attention_survives_pickling_and_unfuse_drops_it(attended: list[nn.Module]) -> None:
-    fused = fusion_core.fuse(_of("llama"), MERGED)
+    fused = fusion_core.fuse(_model("llama"), MERGED)
     loaded = pickle.loads(pickle.dumps(fused))
     assert all(isinstance(layer.__dict__.get(ATTENTION_KEY), AttentionForm) for layer in loaded.model.layers)
     attended.clear()
@@ -192,7 +177,7 @@ def test_the_step_attention_survives_pickling_and_unfuse_drops_it(attended: list
 
 def test_a_transformers_without_cache_layers_keeps_the_modules(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(decode_attention, "_cache_types", lambda: None)
-    fused = fusion_core.fuse(_of("llama"), MERGED)
+    fused = fusion_core.fuse(_model("llama"), MERGED)
     assert all(FORM_KEY in layer.__dict__ and ATTENTION_KEY not in layer.__dict__ for layer in fused.model.layers)
     assert "no dynamic cache layers" in str(verified(fused.model.layers[0].self_attn, torch.bfloat16, 512))
 
@@ -234,7 +219,7 @@ def test_with_its_kernel_each_step_is_within_the_bound_of_the_modules(sequences:
                                                                       attended: list[nn.Module]) -> None:
     if attention_kernel.kernel(torch.bfloat16) is None:
         pytest.skip("the attention kernel cannot be built here")
-    fused = fusion_core.fuse(_of("qwen2"), MERGED)
+    fused = fusion_core.fuse(_model("qwen2"), MERGED)
     reference = _modules_attend(fused)
     prompts = torch.cat([IDS, IDS.flip(-1), IDS + 1])[:sequences]
     attended.clear()
@@ -253,7 +238,7 @@ def test_with_its_kernel_each_step_is_within_the_bound_of_the_modules(sequences:
 
 
 def test_rotations_of_another_shape_run_the_module() -> None:
-    fused = fusion_core.fuse(_of("llama"), MERGED)
+    fused = fusion_core.fuse(_model("llama"), MERGED)
     layer = fused.model.layers[0]
     form, attention = layer.__dict__[ATTENTION_KEY], layer.self_attn
     hidden = torch.randn(1, 1, 512).bfloat16()
@@ -281,7 +266,7 @@ def test_an_attention_kernel_that_cannot_be_built_leaves_torchs_and_says_so_once
         fresh_kernels: None, monkeypatch: pytest.MonkeyPatch, attended: list[nn.Module]) -> None:
     without_the_kernel_of(monkeypatch, "softmax_numerators")
     with pytest.warns(RowDotUnavailableWarning, match="decode attention kernel") as caught:
-        fused = fusion_core.fuse(_of("llama"), MERGED)
+        fused = fusion_core.fuse(_model("llama"), MERGED)
         attended.clear()
         out = _generate(fused)
     assert len([w for w in caught if "decode attention kernel" in str(w.message)]) == 1
@@ -290,6 +275,6 @@ def test_an_attention_kernel_that_cannot_be_built_leaves_torchs_and_says_so_once
 
 
 def test_reset_state_forgets_the_built_attention_kernels(fresh_kernels: None) -> None:
-    fused = fusion_core.fuse(_of("llama"), MERGED)
+    fused = fusion_core.fuse(_model("llama"), MERGED)
     assert all(ATTENTION_KEY in layer.__dict__ for layer in fused.model.layers)
     assert len(attention_kernel._KERNELS)  # fresh_kernels checks they are gone after fusion_core.reset_state()

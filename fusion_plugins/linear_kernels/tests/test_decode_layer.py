@@ -31,8 +31,10 @@ from transformers import (
     Glm4Config,
     GlmConfig,
     LlamaConfig,
+    MistralConfig,
     Phi3Config,
     Qwen2Config,
+    Qwen3Config,
 )
 
 import fusion_core
@@ -44,7 +46,7 @@ IDS = torch.tensor([[5, 17, 42, 9]])
 MERGED = {"qkv": True, "gate_up": True, "linear_kernels": True}
 ALONE = {"linear_kernels": True}
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gemma": GemmaConfig, "gemma2": Gemma2Config, "phi3": Phi3Config,
-           "glm": GlmConfig, "glm4": Glm4Config}
+           "glm": GlmConfig, "glm4": Glm4Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
 TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 """Special tokens inside the tiny vocabulary (Phi-3's and GLM's defaults lie beyond it)."""
 
