@@ -20,9 +20,10 @@ only the pre-filter: each form is verified once per load (:func:`verified`) on i
 own forward, with a cache transformers builds: the cache's new keys and values bit for bit (the rotary embedding
 rounds as transformers' ``apply_rotary_pos_emb`` does: ``x * cos + rotate_half(x) * sin``, each product rounded to
 the dtype), the output within the bound (:func:`~fusion_linear_kernels.layer_forms.tolerance`: the kernel sums in
-another order than torch's). A norm of the queries or keys (Qwen3, Gemma 3, OLMo 2), a rotary embedding over part
-of the head or interleaved (GLM), soft-capping or attention sinks do not verify, and their attention runs as the
-module.
+another order than torch's). A norm of the queries or keys (Qwen3, Gemma 3, OLMo 2) or sinks (a parameter of the
+attention's own) are refused by name; a rotary embedding over part of the head or interleaved (GLM) fails the keys'
+check; soft-capped scores run eager attention (transformers 5.x's Gemma 2), which is refused. Their attention runs as
+the module.
 
 **When it runs.** Besides what the layer's step requires: one new token a sequence (``[batch, 1, hidden]``), the
 rotation's cosines and sines of the shape verified (``[batch or 1, 1, head_dim]``, the dtype's), no attention mask
@@ -34,6 +35,7 @@ those listed in :data:`KNOWN` (``output_attentions`` false). Any other call runs
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -56,10 +58,11 @@ step (positions are in the rotary embedding already; the dynamic cache appends w
 _PRIOR = 3
 """The tokens verification puts in the cache before its decode step."""
 _SPREAD = 16.0
-"""The scale of the cached keys and values verification draws: scores far from zero, so that what an attention does
-to large scores (soft-capping, a clamp) shows beyond the bound."""
+"""The scale of the cached keys and values verification draws: scores and outputs far from zero, so that what a
+forward does to large values (a cap on its output: ``test_decode_attention.py``) shows beyond the bound."""
 
 
+@functools.cache
 def _cache_types() -> tuple[type, type] | None:
     """transformers' ``DynamicCache`` and ``DynamicLayer`` (the layer class a dynamic cache appends to), or None where
     this transformers has no cache layers (before 4.56)."""
