@@ -28,6 +28,12 @@ from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
 
 PROFILER_LABEL = "fusion::decode_attention"
 """The name of the kernel's calls in torch's profiler."""
+DTYPES = (torch.bfloat16, torch.float16)
+"""The dtypes the kernel attends in. A float32 model's step keeps torch's kernel, which runs float32 on GEMMs of its
+own: on a 2-core Xeon with AVX-512 (Ice Lake; 14/2 heads of 64, a throwaway timing) it took 120 us at 1024 cached
+tokens to this kernel's 107, and this kernel's float32 sums, added a cached token at a time, came out further from the
+exact attention than torch's (4.7e-6 against 3.3e-6 at most over 37 tokens; summed in float64 instead, 1.9e-6, but
+584 us). In bfloat16 torch's kernel took 771 us there, this one 115."""
 
 _SOURCE = r"""
 #include <vector>
@@ -128,8 +134,9 @@ _KERNELS: BuiltKernels[torch.dtype] = BuiltKernels(RowDotUnavailableWarning, _bu
 
 
 def kernel(dtype: torch.dtype) -> Any:
-    """The built attention kernel for ``dtype``, None where it cannot be built."""
-    return _KERNELS.get(dtype) if dtype in row_dot.DTYPES else None
+    """The built attention kernel for ``dtype``, None where it cannot be built or ``dtype`` is not one of
+    :data:`DTYPES`."""
+    return _KERNELS.get(dtype) if dtype in DTYPES else None
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor | None:

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from fusion_linear_kernels import attention_kernel, decode_attention
+from fusion_linear_kernels import attention_kernel, decode_attention, row_dot
 from fusion_linear_kernels.decode_attention import AttentionForm, verified
 from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY, drop_decode_attention
 from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
@@ -182,7 +182,16 @@ def test_a_transformers_without_cache_layers_keeps_the_modules(monkeypatch: pyte
     assert "no dynamic cache layers" in str(verified(fused.model.layers[0].self_attn, torch.bfloat16, 512))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", attention_kernel.DTYPES, ids=str)
+def test_the_kernel_builds_wherever_the_gemv_kernel_does(dtype: torch.dtype) -> None:
+    """The kernel's tests skip where it cannot be built (no C++ compiler); where the GEMV kernel builds with the same
+    toolchain, so must this one, or a source that does not compile would only skip them."""
+    if row_dot.kernel(dtype, False) is None:
+        pytest.skip(f"no C++ kernel for {dtype} builds here")
+    assert attention_kernel.kernel(dtype) is not None
+
+
+@pytest.mark.parametrize("dtype", attention_kernel.DTYPES, ids=str)
 @pytest.mark.parametrize(("batch", "heads", "kv_heads", "width", "length"), [
     (1, 14, 2, 64, 1), (1, 14, 2, 64, 37), (2, 8, 8, 128, 300), (1, 6, 1, 80, 19), (3, 4, 2, 24, 5)])
 def test_the_kernel_attends_as_close_to_the_exact_attention_as_torch(
@@ -207,6 +216,7 @@ def test_the_kernel_declines_what_it_does_not_take() -> None:
     query, keys = torch.randn(1, 4, 1, 16).bfloat16(), torch.randn(1, 2, 5, 16).bfloat16()
     assert attention_kernel.attend(query, keys, keys, 0.25) is not None
     assert attention_kernel.attend(query, keys.float(), keys.float(), 0.25) is None  # another dtype
+    assert attention_kernel.attend(query.float(), keys.float(), keys.float(), 0.25) is None  # float32: torch's
     assert attention_kernel.attend(query, keys.transpose(2, 3).contiguous().transpose(2, 3), keys, 0.25) is None
     assert attention_kernel.attend(query, torch.randn(1, 3, 5, 16).bfloat16(), keys, 0.25) is None  # 4 heads, 3 kv
     assert attention_kernel.attend(query.expand(1, 4, 2, 16), keys, keys, 0.25) is None  # two query tokens
