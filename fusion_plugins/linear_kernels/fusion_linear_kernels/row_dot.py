@@ -32,8 +32,8 @@ kernel asks the CPU when it is loaded (``__builtin_cpu_supports``) and compiles 
 whatever flags Inductor's toolchain passes; other CPUs and compilers, float16 and float32 keep the widening path.
 The instruction treats subnormal inputs as zero: within the bound, like every other difference of these candidates.
 
-**Even and odd elements.** On CPUs with AVX2 and FMA and no AVX-512 (AMD Zen 1 to 3; most of Intel's client cores
-and its servers before Skylake-SP), a bfloat16 call reads each 16-element chunk of a weight row as eight 32-bit lanes: a
+**Even and odd elements.** On CPUs with AVX2 and FMA and no AVX512-BF16 (AMD Zen 1 to 3; Intel's client cores and
+its servers up to Ice Lake), a bfloat16 call reads each 16-element chunk of a weight row as eight 32-bit lanes: a
 bfloat16 is the top half of a float32, so a lane shifted left by 16 is the chunk's even element as a float32, and the
 lane with its low half cleared is the odd one. That widens sixteen elements in two instructions, where widening them
 in order also shuffles across the register's halves, and at these widths the two cores' arithmetic, not the memory,
@@ -44,8 +44,13 @@ EPYC (AVX2 and FMA only), bfloat16, over a pass of copies, GB/s, in order / even
 21.0 / 24.8, 9728x896 19.5 / 23.8, 151936x896 21.8 / 24.7, 896x4864 24.0 / 26.4, 8192x2048 20.8 / 26.5; two rows
 9728x896 18.5 / 24.5, four 11.4 / 16.5, eight 5.7 / 9.7. An AVX2 sum over the same bytes read 27-33 GB/s there. With
 the split, row-dot overtook blocked-rows at 896-wide rows, so the decisions measured on the kernel are stored per
-build of it (:data:`CODE_DIGEST`). The kernel asks the CPU when it is loaded, like the paired path; CPUs with
-AVX-512 keep their paths (the split was not measured on one).
+build of it (:data:`CODE_DIGEST`). On a 2-core Xeon with AVX-512 and no AVX512-BF16 (Ice Lake), where the widening
+path is AVX-512's, the same split at AVX2's width read as fast at one row and faster at more (the same probe, in order
+/ even and odd / the split at AVX-512's width): one row 9728x896 18.2 / 18.0 / 18.8, 8192x2048 22.2 / 22.2 / 22.3;
+four rows 151936x896 12.4 / 15.2 / 16.0, 8192x2048 14.0 / 16.7 / 17.1, 896x4864 9.3 / 12.2 / 12.2; eight rows
+9728x896 7.6 / 8.8 / 7.8, 896x4864 5.6 / 7.5 / 4.8 (the wider split runs out of registers at eight rows), so the
+AVX2 split runs there too. The kernel asks the CPU when it is loaded, like the paired path; CPUs with AVX512-BF16
+keep the paired path, and widening in order for one input row read one weight row at a time.
 
 **Reading ahead.** While it reads a block of weight rows, the kernel asks the CPU to fetch the same place of the
 next block (``__builtin_prefetch`` where the compiler has it, one request per 64-byte line, a hint that never
@@ -258,14 +263,15 @@ _EVEN_ODD = r"""
 #include <immintrin.h>
 #include <vector>
 #define FUSION_EVEN_ODD 1
-// Where the CPU has AVX2 and FMA and no AVX-512 (even_odd_run), bfloat16 dot products read each 16-element chunk of a
-// weight row as eight 32-bit lanes: a bfloat16 is the top half of a float32, so the lane shifted left by 16 is the
-// chunk's even element as a float32, and the lane with its low half cleared is the odd one (two instructions for
-// sixteen elements, where widening them in order takes a shuffle across the register's halves as well). The inputs
-// are split once per call the same way (split_inputs): each chunk's eight even elements, then its eight odd ones, in
-// float32. The width's tail (k % 16) reads x itself.
+// Where the CPU has AVX2 and FMA and no AVX512-BF16 (even_odd_run), bfloat16 dot products read each 16-element
+// chunk of a weight row as eight 32-bit lanes: a bfloat16 is the top half of a float32, so the lane shifted left by
+// 16 is the chunk's even element as a float32, and the lane with its low half cleared is the odd one (two
+// instructions for sixteen elements, where widening them in order takes a shuffle across the register's halves as
+// well; on AVX-512 CPUs without AVX512-BF16 this AVX2 split also beat AVX-512's widening at two to eight rows). The
+// inputs are split once per call the same way (split_inputs): each chunk's eight even elements, then its eight odd
+// ones, in float32. The width's tail (k % 16) reads x itself.
 static const bool even_odd_run = (__builtin_cpu_init(), __builtin_cpu_supports("avx2") &&
-                                  __builtin_cpu_supports("fma") && !__builtin_cpu_supports("avx512f"));
+                                  __builtin_cpu_supports("fma") && !__builtin_cpu_supports("avx512bf16"));
 
 static const float* split_inputs(const T* x, int64_t k, int inputs) {
     if constexpr (!std::is_same_v<T, at::BFloat16>) {
@@ -334,7 +340,7 @@ Key = tuple[torch.dtype, bool]
 def source(dtype: torch.dtype, bias: bool, paired: bool = True, even_odd: bool = True) -> str:
     """The C++ of the kernel for weights of ``dtype``, with or without a bias; without the paired dot products where
     not ``paired`` (what a CPU without AVX512-BF16 runs, whatever the CPU at hand), without the even/odd split where
-    not ``even_odd`` (what a CPU without AVX2 and FMA, or one with AVX-512, runs)."""
+    not ``even_odd`` (what a CPU without AVX2 and FMA, or one with AVX512-BF16, runs)."""
     return (templates(dtype, paired, even_odd) + _SOURCE[_SOURCE.index(_ENTRY):].replace("@CASES@", gemv_cases("b"))
             .replace("@BIAS_ARG@", "const T* bias, " if bias else "").replace("@BIAS@", "bias" if bias else "nullptr"))
 

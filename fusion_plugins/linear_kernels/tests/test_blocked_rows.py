@@ -94,7 +94,7 @@ CPU_PATHS = {"paired": "_mm512_dpbf16_ps", "even_odd": "_mm256_slli_epi32"}
 @pytest.mark.parametrize("path", sorted(CPU_PATHS))
 def test_bfloat16_without_a_path_of_some_cpus_is_within_the_bound_too(buildable, bias, path):
     """Which bfloat16 path runs depends on the CPU: AVX512-BF16's paired dot products, AVX2's even and odd lanes (where
-    there is no AVX-512), else widening in order. Built here without one of those paths, the kernel stays within the
+    there is no AVX512-BF16), else widening in order. Built here without one of those paths, the kernel stays within the
     bound at every block and row count, as the default build does (whichever path this CPU runs)."""
     without = row_dot.source(torch.bfloat16, bias, **{path: False})
     assert CPU_PATHS[path] not in without and CPU_PATHS[path] in row_dot.source(torch.bfloat16, bias)
