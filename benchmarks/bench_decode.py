@@ -1,8 +1,9 @@
 """Decode at the memory-bandwidth floor: plain vs fused with and without ``linear_kernels``, beside the floor.
 
 Greedy decode reads every weight once per token, so its floor is the bytes a step reads over the
-read bandwidth of this machine, measured in the same run (three ways: a reduction over a cold 1 GiB
-buffer, the same on transparent huge pages where the system lends them (:func:`reduction_buffers`), and one
+read bandwidth of this machine, measured in the same run (three ways: a read of a cold 1 GiB buffer
+by a loop built for this CPU (:func:`built_read`; torch's reduction where none builds), the same on transparent huge
+pages where the system lends them (:func:`reduction_buffers`), and one
 ``torch.mv`` over each of the plain model's own linear weights in turn, the decode's own read pattern; the floor
 uses the fastest). Contenders, loaded from one checkpoint and run in
 interleaved rounds whose order rotates (see :mod:`bench_common`):
@@ -34,6 +35,7 @@ weight, and which weight kinds it holds prepacked (oneDNN's layout) with the tim
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import statistics
@@ -142,27 +144,78 @@ def stored_bytes(tensor: torch.Tensor) -> int:
 
 
 def reduction_buffers(nbytes: int) -> dict[str, torch.Tensor]:
-    """The float32 buffers of ``nbytes`` the floor's reduction reads: torch's own memory (small pages), and where the
-    system lends them, memory on transparent huge pages.
+    """The float32 buffers of ``nbytes`` the floor's read (:func:`read_once`) reads, each named by the way it is read:
+    torch's own memory (small pages), and where the system lends them, memory on transparent huge pages.
 
     A weight read from huge pages reads faster: on the 2-core Xeon VM (its host maps the guest's memory again, so
     every miss of the small-page TLB walks two page tables) a reduction over 942 MB read 21-26 GB/s on small pages
     and 35-36 GB/s on huge ones (a throwaway probe). The floor is the machine's best read, so both are measured and the
-    faster is taken, whether or not a contender's weights lie on huge pages. The reduction is a maximum over the bytes
-    as 16-bit integers (:func:`read_once`).
+    faster is taken, whether or not a contender's weights lie on huge pages.
     """
-    buffers = {"reduction": torch.ones(nbytes // 4, dtype=torch.float32)}
+    way = "built read" if built_read() is not None else "reduction"
+    buffers = {way: torch.ones(nbytes // 4, dtype=torch.float32)}
     huge = torch.empty(nbytes // 4, dtype=torch.float32)  # nothing written yet: the advice comes before the pages
     if advise_huge_pages(huge):
-        buffers["reduction on huge pages"] = huge.fill_(1.0)
+        buffers[f"{way} on huge pages"] = huge.fill_(1.0)
     return buffers
 
 
+_READ_SOURCE = r"""
+#include <torch/csrc/inductor/cpp_prefix.h>
+// Reads n 32-bit words once, four vectors of the CPU's width at a time, and stores their bitwise OR in out[0]:
+// nothing but loads and one cheap operation per load, so the reads are bound by the memory alone.
+extern "C" void kernel(const int32_t* p, int32_t* out, const int64_t n) {
+    using V = at::vec::Vectorized<int32_t>;
+    constexpr int64_t step = 4 * V::size();
+    int32_t total = 0;
+    #pragma omp parallel reduction(|:total)
+    {
+        V a(0), b(0), c(0), d(0);
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < n / step; ++i) {
+            const int32_t* q = p + i * step;
+            a = a | V::loadu(q);
+            b = b | V::loadu(q + V::size());
+            c = c | V::loadu(q + 2 * V::size());
+            d = d | V::loadu(q + 3 * V::size());
+        }
+        int32_t lanes[V::size()];
+        ((a | b) | (c | d)).store(lanes);
+        for (int64_t l = 0; l < V::size(); ++l) total |= lanes[l];
+    }
+    out[0] = total;
+}
+"""
+
+
+@functools.cache
+def built_read() -> Callable[..., None] | None:
+    """A read of a buffer built for this CPU (:data:`_READ_SOURCE`, by linear_kernels' toolchain, stored per machine
+    like its kernels), or None where it cannot be built.
+
+    torch's reductions are not the fastest reads on every CPU: on a 2-core Xeon with AVX-512 (Ice Lake) the int16
+    maximum of :func:`read_once` read 15.5-17.7 GB/s, while linear_kernels' own GEMV kernel read the weights of a
+    decode at 18-22 GB/s, so decode ran below its "floor" (0.89x in one round). The floor is the machine's best read,
+    so it must not be slower than a contender's."""
+    try:
+        from fusion_linear_kernels.row_dot import built_kernel
+
+        return built_kernel("bench_decode.read", ["const int32_t*", "int32_t*", "const int64_t"], _READ_SOURCE)
+    except Exception as error:  # no compiler, no plugin: torch's reduction alone measures the floor
+        print(f"   note: no built read for the floor ({type(error).__name__}: {error}); torch's reduction alone")
+        return None
+
+
 def read_once(buffer: torch.Tensor) -> None:
-    """Read every byte of ``buffer`` once: the maximum of its bytes as 16-bit integers, the fastest of torch's
-    reductions tried on the Xeon VM (942 MB, GB/s, small / huge pages: this 25.1 / 35.7, a float32 sum 23.9 / 30.0, a
-    float32 maximum 19.0 / 36.0; a throwaway probe)."""
-    buffer.view(torch.int16).max()
+    """Read every byte of ``buffer`` once: by :func:`built_read` where it was built, else the maximum of its bytes as
+    16-bit integers, the fastest of torch's reductions tried on the Xeon VM (942 MB, GB/s, small / huge pages: this
+    25.1 / 35.7, a float32 sum 23.9 / 30.0, a float32 maximum 19.0 / 36.0; a throwaway probe)."""
+    read = built_read()
+    if read is None:
+        buffer.view(torch.int16).max()
+    else:
+        words = buffer.view(torch.int32)
+        read(words, torch.empty(1, dtype=torch.int32), words.numel())
 
 
 def read_bandwidth(model: nn.Module, rounds: int = 3) -> dict[str, float]:
