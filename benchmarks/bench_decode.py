@@ -479,8 +479,9 @@ def main(argv: list[str] | None = None) -> None:
         ])
     table.notes += [
         f"floor {floor_ms:.1f} ms/token: {per_token / 1e9:.3f} GB read per token over "
-        + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bandwidth.items()) + " (the fastest), measured in this run",
-        "x its round's floor: each round's decode over the floor measured in that round (the reduction, its place in "
+        + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bandwidth.items())
+        + "; the floor takes the fastest, measured in this run",
+        "x its round's floor: each round's decode over the floor measured in that round (its read, its place in "
         "the rotation like a contender's; see round_floor), median [min-max]; that floor per round (ms/token): "
         + ", ".join(f"{s['decode'] * 1e3:.1f}" for s in samples[FLOOR]),
         f"{args.rounds} interleaved rounds; prompt {args.prompt}, {args.new_tokens} new tokens; first calls (s): "
