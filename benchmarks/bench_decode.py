@@ -162,8 +162,9 @@ def reduction_buffers(nbytes: int) -> dict[str, torch.Tensor]:
 
 _READ_SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
-// Reads n 32-bit words once, four vectors of the CPU's width at a time, and stores their bitwise OR in out[0]:
-// nothing but loads and one cheap operation per load, so the reads are bound by the memory alone.
+// Reads n 32-bit words once, four vectors of the CPU's width at a time (the last n % step one by one), and stores
+// their bitwise OR in out[0]: nothing but loads and one cheap operation per load, so the reads are bound by the
+// memory alone.
 extern "C" void kernel(const int32_t* p, int32_t* out, const int64_t n) {
     using V = at::vec::Vectorized<int32_t>;
     constexpr int64_t step = 4 * V::size();
@@ -183,6 +184,7 @@ extern "C" void kernel(const int32_t* p, int32_t* out, const int64_t n) {
         ((a | b) | (c | d)).store(lanes);
         for (int64_t l = 0; l < V::size(); ++l) total |= lanes[l];
     }
+    for (int64_t i = n - n % step; i < n; ++i) total |= p[i];
     out[0] = total;
 }
 """
@@ -244,11 +246,11 @@ def read_bandwidth(model: nn.Module, rounds: int = 3) -> dict[str, float]:
 
 
 def round_floor(per_token: int) -> Callable[[], dict[str, float]]:
-    """A pseudo-contender that measures the floor again in its place in every round: the reductions of
-    :func:`read_bandwidth`, best of three each, over 512 MiB buffers (still far beyond any cache). The read bandwidth
-    of a shared machine moves from minute to minute (on the 2-core AMD EPYC of docs/benchmarks.md, 25 to 67 GB/s
-    within an hour), so the run's best moment alone sets a floor that rounds taken at slower moments cannot reach; each
-    round's decode is also set against the floor of its own moment."""
+    """A pseudo-contender that measures the floor again in its place in every round: the buffer reads of
+    :func:`read_bandwidth` (:func:`read_once`), best of three each, over 512 MiB buffers (still far beyond any
+    cache). The read bandwidth of a shared machine moves from minute to minute (on the 2-core AMD EPYC of
+    docs/benchmarks.md, 25 to 67 GB/s within an hour), so the run's best moment alone sets a floor that rounds taken at
+    slower moments cannot reach; each round's decode is also set against the floor of its own moment."""
     buffers = list(reduction_buffers(1 << 29).values())
 
     def call() -> dict[str, float]:

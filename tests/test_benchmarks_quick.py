@@ -234,6 +234,26 @@ def test_decode_measures_the_shape_of_any_config_json(tmp_path: Path) -> None:
         config_from_file(tmp_path / "missing.json", None)
 
 
+def test_the_floors_built_read_reads_every_word() -> None:
+    """``bench_decode.built_read`` is the floor's read where it builds: a loop that ORs every 32-bit word of the
+    buffer, vectors at a time and the rest one by one, so a bit set in any single word, the last included, is in its
+    result."""
+    import torch
+
+    _on_benchmark_path()
+    from bench_decode import built_read
+
+    read = built_read()
+    if read is None:
+        pytest.skip("no C++ toolchain builds the floor's read here")
+    words = 1000 + 37  # not a multiple of any vector width
+    for place in (0, 517, words - 1):
+        buffer, out = torch.zeros(words, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+        buffer[place] = 1 << (place % 31)
+        read(buffer, out, words)
+        assert int(out) == 1 << (place % 31), place
+
+
 def test_a_timed_generate_makes_every_token_though_the_model_ends_its_text_at_once() -> None:
     """``bench_e2e.generate_call`` times exactly the tokens it asks for, as the decode rows assume, without
     ``min_new_tokens`` (its logits processors are no part of a plain ``generate``): here the head makes the
