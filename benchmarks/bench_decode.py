@@ -525,9 +525,9 @@ def main(argv: list[str] | None = None) -> None:
         FORM_KEY,
         DecodeLayerMixin,
         candidates,
-        decisions as step_decisions,
         refusal,
     )
+    from fusion_linear_kernels.step_blocks import decisions as step_decisions
 
     steps = Table("linear_kernels decode step (decoder layers: norms and MLP in one kernel call each side of the "
                   "attention)", ["contender", "layers with the step", "of them with its attention",

@@ -1,7 +1,9 @@
-"""The attention of a decode step (one new token a sequence) with the fewest operators: the layer's own projections,
-the rotary embedding, the cache's own ``update``, one call of a C++ kernel over the cache
-(:mod:`fusion_linear_kernels.attention_kernel`; torch's ``scaled_dot_product_attention`` where it cannot take the
-call) and the output projection.
+"""The attention of a decode step (one new token a sequence) with the fewest operators: the queries, keys and values
+with their rotary embedding (one call of :mod:`fusion_linear_kernels.projection_kernel` where the ``qkv`` family merged
+them and their kind runs the GEMV kernel; else the layer's own projections and torch operators), the cache's own
+``update``, one call of a C++ kernel over the cache (:mod:`fusion_linear_kernels.attention_kernel`; torch's
+``scaled_dot_product_attention`` where it cannot take the call) and the output projection (the GEMV kernel on its
+weight where the layer's MLP would run it, else the module).
 
 transformers' attention module runs about thirty operators and several Python wrappers around its two GEMVs at a
 decode step (views and transposes of each projection, ``rotate_half`` twice, the attention interface's lookup and
@@ -44,11 +46,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion_core.plugin import merged_projection
-from fusion_linear_kernels import attention_kernel, compat
+from fusion_linear_kernels import attention_kernel, compat, projection_kernel, row_dot
+from fusion_linear_kernels.choice import generation
 from fusion_linear_kernels.layer_forms import relative, tolerance
+from fusion_linear_kernels.step_blocks import block, module_block, undecided
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-"""The children a verified attention computes with (called as modules: their hooks and adapters run)."""
+"""The children a verified attention computes with (with a hook on any of them, all are called as modules)."""
 CACHE_NAMES = ("cache", "past_key_values")
 """The names of the attention forward's cache argument: transformers 5.x's, then 4.x's (5.x still accepts it)."""
 KNOWN = frozenset({"position_embeddings", "attention_mask", *CACHE_NAMES, "cache_position", "position_ids",
@@ -77,12 +81,13 @@ class AttentionForm:
     """What a verified attention's decode step reads: its layer index in the cache, the head width, the softmax scale,
     the name of its forward's cache argument and the types of the modules it calls (verified once per load)."""
 
-    __slots__ = ("cache_name", "head_dim", "layer_idx", "scaling", "types")
+    __slots__ = ("_kept", "cache_name", "head_dim", "layer_idx", "scaling", "types")
 
     def __init__(self, layer_idx: int, head_dim: int, scaling: float, cache_name: str,
                  types: tuple[type, ...]) -> None:
         self.layer_idx, self.head_dim, self.scaling = layer_idx, head_dim, scaling
         self.cache_name, self.types = cache_name, types
+        self._kept: dict[int, tuple[int, tuple[int | None, int | None]]] = {}  # rows -> (generation, blocks)
 
     def __getstate__(self) -> tuple[Any, ...]:
         return self.layer_idx, self.head_dim, self.scaling, self.cache_name, self.types
@@ -145,18 +150,73 @@ class AttentionForm:
                 cache: Any) -> torch.Tensor:
         modules = attention._modules
         batch, width = hidden.shape[0], self.head_dim
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        query, key, value = (modules[name](hidden).view(batch, 1, -1, width).transpose(1, 2)
-                             for name in PROJECTIONS[:3])
-        keys, values = cache.update(_rotated(key, cos, sin), value, self.layer_idx)
-        query = _rotated(query, cos, sin)
+        blocks = self._blocks(attention, hidden)
+        if blocks is not None and blocks[0] is not None:
+            merged = merged_projection(attention)
+            owner = merged.owner  # type: ignore[union-attr]
+            heads, kv_heads = merged.sizes[0] // width, merged.sizes[1] // width  # type: ignore[union-attr]
+            query, key, value = projection_kernel.project(
+                hidden.reshape(batch, -1).contiguous(), owner._parameters["weight"], owner._parameters.get("bias"),
+                cos.contiguous(), sin.contiguous(), heads, kv_heads, width, blocks[0])
+            keys, values = cache.update(key, value, self.layer_idx)
+        else:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+            query, key, value = (modules[name](hidden).view(batch, 1, -1, width).transpose(1, 2)
+                                 for name in PROJECTIONS[:3])
+            keys, values = cache.update(_rotated(key, cos, sin), value, self.layer_idx)
+            query = _rotated(query, cos, sin)
         attended = attention_kernel.attend(query, keys, values, self.scaling)
         if attended is None:
             attended = F.scaled_dot_product_attention(query, keys, values, scale=self.scaling,
                                                       enable_gqa=query.shape[1] != keys.shape[1])
             attended = attended.transpose(1, 2).reshape(batch, 1, -1)
+        if blocks is not None and blocks[1] is not None:
+            o_proj = modules["o_proj"]
+            return row_dot.gemv(attended, o_proj._parameters["weight"], o_proj._parameters.get("bias"), blocks[1])
         output: torch.Tensor = modules["o_proj"](attended)
         return output
+
+    def _blocks(self, attention: nn.Module, hidden: torch.Tensor) -> tuple[int | None, int | None] | None:
+        """The GEMV blocks the step runs its merged q/k/v projection and its output projection with in C++, each None
+        where that projection runs as its module; None where a child is hooked.
+
+        The q/k/v projection runs in C++ (:mod:`fusion_linear_kernels.projection_kernel`) only where its module would
+        run the same kernel (:func:`~fusion_linear_kernels.step_blocks.module_block`), so the cached keys and values
+        are the module's bit for bit; the output projection wherever the layer's MLP would
+        (:func:`~fusion_linear_kernels.step_blocks.block`). Kept per input rows for the decisions' generation once
+        every kind is decided (until then the modules run, and their first calls decide)."""
+        modules = attention._modules
+        if compat.forward_hooks(modules.values()):
+            return None
+        rows, current = hidden.shape[0], generation()
+        kept = self._kept.get(rows)
+        if kept is not None and kept[0] == current:
+            return kept[1]
+        settled, qkv, output = True, None, None
+        merged = merged_projection(attention)
+        if (merged is not None and merged.merging and projection_kernel.kernel(hidden.dtype) is not None
+                and len(merged.sizes) == 3 and merged.sizes[1] == merged.sizes[2]
+                and not any(size % self.head_dim for size in merged.sizes)):
+            x = hidden.reshape(rows, -1)
+            weight, bias = merged.owner._parameters.get("weight"), merged.owner._parameters.get("bias")
+            if isinstance(weight, torch.Tensor) and row_dot.gemv_weight(weight) and (bias is None or _dense(bias)):
+                settled, qkv = not undecided(x, weight, bias), module_block(x, weight, bias)
+        o_proj = modules["o_proj"]
+        weight, bias = o_proj._parameters.get("weight"), o_proj._parameters.get("bias")
+        if (isinstance(o_proj, nn.Linear) and isinstance(weight, torch.Tensor) and row_dot.gemv_weight(weight)
+                and weight.dtype is hidden.dtype and (bias is None or _dense(bias))):
+            # Its input is the attention's output, not at hand: a random one of its shape (where the one-row fallback
+            # measures, it checks its candidates' outputs on this input, which zeros would not test).
+            attended = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+            settled, output = settled and not undecided(attended, weight, bias), block(attended, weight, bias)
+        blocks = (qkv, output)
+        if settled:
+            self._kept[rows] = (current, blocks)
+        return blocks
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    return type(tensor) in (torch.Tensor, nn.Parameter) and tensor.is_cpu and tensor.is_contiguous()
 
 
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -172,7 +232,8 @@ def verified(attention: nn.Module, dtype: torch.dtype, width: int) -> AttentionF
 
     Both run one token on a copy of one dynamic cache holding :data:`_PRIOR` random keys and values, on a random
     rotation. The cache is filled through its own ``update``, not the forward, so no GEMV of another row count than a
-    decode step's is decided at load.
+    decode step's is decided at load. The step runs once before, on a third copy: its first call runs the modules,
+    whose kinds that decides, so the call verified runs the projections in C++ wherever decode will.
     """
     form = AttentionForm.of(attention)
     types = _cache_types()
@@ -191,17 +252,18 @@ def verified(attention: nn.Module, dtype: torch.dtype, width: int) -> AttentionF
         with torch.no_grad():
             heads = attention._modules["k_proj"](hidden).shape[-1] // form.head_dim
             prior = (torch.randn(2, 1, heads, _PRIOR, form.head_dim, generator=generator) * _SPREAD).to(dtype)
-            caches = [cache_type(), cache_type()]
+            caches = [cache_type(), cache_type(), cache_type()]
             for cache in caches:
                 cache.update(prior[0].clone(), prior[1].clone(), form.layer_idx)
+            form.run(attention, hidden, {**step, form.cache_name: caches[2]})  # its modules decide their kinds ...
             result = forward(attention, hidden, **step, **{form.cache_name: caches[0]})
-            got = form.run(attention, hidden, {**step, form.cache_name: caches[1]})
+            got = form.run(attention, hidden, {**step, form.cache_name: caches[1]})  # ... so this runs what decode does
     except Exception as exc:  # any failure means the form is not this one
         return f"its forward or the decode step's attention does not run on a dynamic cache ({exc!r:.120})"
     expected = result[0] if isinstance(result, tuple) else result
     if got is None or not isinstance(expected, torch.Tensor) or expected.shape != got.shape:
         return "the decode step's attention does not run on the verification's step"
-    expected_layer, got_layer = (cache.layers[form.layer_idx] for cache in caches)
+    expected_layer, got_layer = (cache.layers[form.layer_idx] for cache in caches[:2])
     if not (torch.equal(expected_layer.keys, got_layer.keys) and torch.equal(expected_layer.values, got_layer.values)):
         return "its cached keys or values differ (another rotary embedding, norms of the keys, another projection)"
     difference = relative(expected, got)

@@ -17,16 +17,16 @@ to eight sequences, a short prompt, the draft tokens assisted generation checks)
    product, the down GEMV and the second residual add (in the sandwich form, the attention's and the MLP's outputs
    normed before their residuals).
 
-The GEMVs are the ones :mod:`fusion_linear_kernels.row_dot` builds (the same C++ templates, compiled into this
-kernel), run with the block each projection's kind decided (:func:`~fusion_linear_kernels.choice.decided`:
-``row-dot``, ``blocked-rows``, ``few-rows`` or ``few-rows-blocked``), so they give the bits the layer's own modules
-give (a one-row kind decided for ``torch.mv`` or ``F.linear`` runs the faster of the kernel's one-row blocks:
-:func:`_block`). The norms, the activation and the residuals round to the model's dtype where transformers'
-operators do (a float32 mean of squares; Llama's norm rounds the normalised input, then multiplies by the weight,
-Gemma's multiplies by 1 + the weight in float32 and rounds once; the activation in float32 vectors with torch's own
-``exp`` and ``tanh``, rounded, times ``up``); the mean sums in another order than torch's, so a result may differ in
-its last bit: within the bound (:mod:`fusion_linear_kernels.tolerance`), and never in exact mode, where no layer is
-switched.
+The GEMVs are the ones :mod:`fusion_linear_kernels.row_dot` builds (the same C++ templates, compiled into this kernel),
+run with the block each projection's kind decided (:func:`~fusion_linear_kernels.choice.decided`: ``row-dot``,
+``blocked-rows``, ``few-rows`` or ``few-rows-blocked``), so they give the bits the layer's own modules give (a one-row
+kind decided for ``torch.mv`` or ``F.linear`` runs the faster of the kernel's one-row blocks:
+:func:`~fusion_linear_kernels.step_blocks.block`). The norms, the activation and the residuals round to the model's
+dtype where transformers' operators do (a float32 mean of squares; Llama's norm rounds the normalised input, then
+multiplies by the weight, Gemma's multiplies by 1 + the weight in float32 and rounds once; the activation in float32
+vectors with torch's own ``exp`` and ``tanh``, rounded, times ``up``); the mean sums in another order than torch's, so a
+result may differ in its last bit: within the bound (:mod:`fusion_linear_kernels.tolerance`), and never in exact mode,
+where no layer is switched.
 
 **Which layers.** A module with the children ``input_layernorm``, ``self_attn``, ``post_attention_layernorm`` and
 ``mlp`` (and two more norms in the sandwich forms of Gemma 2 and 3 and of GLM-4, named in
@@ -45,8 +45,8 @@ keeps its class.
 traced, not training, no autocast, a contiguous CPU input of the weights' dtype, no positional arguments but the hidden
 states, no forward hooks on the layer's norms and MLP (nor global ones), the verified module types in place (a LoRA
 adapter or a quantizer's layer there, a packed weight, turns it off) and a kind decided for each GEMV (at two to eight
-rows, for a kernel the step runs; see :func:`_block`). Any other call runs the original forward, which decides the
-kinds on its first call.
+rows, for a kernel the step runs; see :func:`~fusion_linear_kernels.step_blocks.block`). Any other call runs the
+original forward, which decides the kinds on its first call.
 
 Measured on the 2-core Xeon VM (AMX-BF16), torch 2.13.0, transformers 5.25.0, bf16, every family on, side by side
 with the layers' modules in one run (``benchmarks/bench_decode.py``'s ``(no decode step)`` contender;
@@ -64,10 +64,9 @@ import torch
 from torch import nn
 
 from fusion_core import FusedModule, ModulePlan
-from fusion_core.plugin import Decisions, attached_plan, fuse_instance, fused_subclass, merged_projection
+from fusion_core.plugin import attached_plan, fuse_instance, fused_subclass, merged_projection
 from fusion_linear_kernels import compat, decode_attention, layer_kernel, row_dot
-from fusion_linear_kernels.choice import Kind, choose, decided, generation, kind_of, rows_of
-from fusion_linear_kernels.kernels import BLOCKED_ROWS, FEW_ROWS, FEW_ROWS_BLOCKED, LINEAR, ROW_DOT, Candidate
+from fusion_linear_kernels.choice import generation
 from fusion_linear_kernels.layer_forms import (
     CHILDREN,
     Marker,
@@ -89,61 +88,13 @@ from fusion_linear_kernels.layer_kernel import (
     PLUS_ONE,
     SANDWICH_FORM,
 )
+from fusion_linear_kernels.step_blocks import block
 
 FORM_KEY = "_fusion_decode_form"
 """Where a switched layer keeps its verified :class:`LayerForm` (its ``__dict__``)."""
 ATTENTION_KEY = "_fusion_decode_attention"
 """Where a switched layer keeps its attention's verified :class:`~fusion_linear_kernels.decode_attention.
 AttentionForm` (its ``__dict__``), if it verified."""
-
-_BLOCKS = {ROW_DOT: 1, BLOCKED_ROWS: 8, FEW_ROWS: 1, FEW_ROWS_BLOCKED: 4}
-"""The GEMV candidates the kernel runs, and the weight rows each reads side by side (see
-:mod:`fusion_linear_kernels.blocked_rows`)."""
-
-
-_ONE_ROW = (BLOCKED_ROWS, ROW_DOT)
-"""The kernel's one-row candidates, the first kept on a tie (:func:`_block`)."""
-_DECISIONS: Decisions[Kind, Candidate] = Decisions(
-    f"linear_kernels.decode_layer[{','.join(candidate.name for candidate in _ONE_ROW)}]",
-    save=lambda candidate: candidate.name, code=row_dot.CODE_DIGEST,
-    load=lambda name: next((candidate for candidate in (*_ONE_ROW, LINEAR) if candidate.name == name), None))
-"""Which of :data:`_ONE_ROW` a step runs for a one-row kind decided for a kernel the step does not run (``F.linear``
-where neither is admitted on the kind's input: the step then gives way)."""
-
-
-def _block(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int | None:
-    """The weight rows the step's GEMV of ``input`` by ``weight`` reads side by side: the block of the kernel its kind
-    decided; or None where the kind is undecided, or decided at two to eight rows for one the step does not run.
-
-    A one-row kind decided for ``torch.mv`` or ``F.linear`` takes the faster of the kernel's own one-row blocks
-    admitted on its input, measured once per kind as the kind's decision was (:func:`~fusion_linear_kernels.choice.
-    choose`, timed by :data:`_DECISIONS`). At one row every candidate reads the weight at about the
-    memory's speed, so such a decision is won by a small margin, on a noisy moment as often as not; refusing the step
-    for it costs the whole step. Measured on the 2-core Xeon VM (Qwen2-0.5B, every family on, bf16; a throwaway run,
-    decisions measured afresh): a load whose down projection (896x4864) decided ``mv`` at 0.403 ms a call, where the
-    kernel took about the same, ran none of its 24 layers' steps, which are worth about 9 ms a token there (54.4
-    against 63.6 side by side, docs/benchmarks.md).
-    At two to eight rows a decision for ``F.linear`` (oneDNN's GEMM, which can beat a GEMV there) stands.
-    """
-    candidate = decided(input, weight, bias)
-    if (candidate is not None and candidate not in _BLOCKS and rows_of(input) == 1
-            and all(one.applies(input, weight, bias) for one in _ONE_ROW)):
-        kind = kind_of(input, weight, bias, False)
-        candidate = _DECISIONS.get(kind) or _DECISIONS.decide(kind, lambda: choose(
-            input, weight, bias, False, _ONE_ROW, keep=_ONE_ROW[0], table=_DECISIONS))
-    return None if candidate is None else _BLOCKS.get(candidate)
-
-
-def decisions() -> dict[Kind, str]:
-    """The one-row block each kind's step runs where the kind decided a kernel the step does not run (:func:`_block`),
-    by name: measured in this process, or stored for this machine."""
-    return {kind: candidate.name for kind, candidate in _DECISIONS.items()}
-
-
-def clear_decisions() -> None:
-    """Forget which one-row block each kind's step runs, here and stored for this machine (:data:`_DECISIONS`)."""
-    _DECISIONS.forget()
-
 
 def _epsilon(norm: nn.Module) -> float | None:
     for name in ("variance_epsilon", "eps"):
@@ -280,11 +231,11 @@ class LayerForm:
         kept = self._blocks.get(rows)
         if kept is not None and kept[0] == current:
             return kept[1]
-        gate_up = _block(hidden.reshape(rows, self.hidden), gate, gate_bias)
+        gate_up = block(hidden.reshape(rows, self.hidden), gate, gate_bias)
         # The down projection's input is the activation's product, not at hand: a random one of its shape (where the
         # one-row fallback measures, it checks its candidates' outputs on this input, which zeros would not test).
         product = torch.randn(rows, self.intermediate, generator=torch.Generator().manual_seed(0)).to(self.dtype)
-        down_block = _block(product, down, down_bias)
+        down_block = block(product, down, down_bias)
         if gate_up is None or down_block is None:
             return None
         blocks = (gate_up, down_block)

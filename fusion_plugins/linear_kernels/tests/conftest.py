@@ -34,14 +34,14 @@ def fake_times(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Any, Times
     ``decode_layer``) are timed by ``times(number of ways)`` instead of a clock
     (:func:`fusion_core.testing.decisions.fake_clock`); the others keep the clock. Every ``linear_kernels`` decision is
     forgotten before and after."""
-    from fusion_linear_kernels import choice, decode_layer, experts, packed_experts, packing
+    from fusion_linear_kernels import choice, experts, packed_experts, packing, step_blocks
 
     from fusion_core.plugin import Decisions
 
     by_topic: dict[str, Times] = {}
     monkeypatch.setattr(Decisions, "times", fake_clock(by_topic))
     forget = (choice.clear_decisions, packing.clear_pack_decisions, experts.clear_decisions,
-              packed_experts.clear_decisions, decode_layer.clear_decisions)
+              packed_experts.clear_decisions, step_blocks.clear_decisions)
     for clear in forget:
         clear()
     yield lambda module, fake: by_topic.update({module._DECISIONS.topic: fake})

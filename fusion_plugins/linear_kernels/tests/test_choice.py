@@ -272,8 +272,8 @@ def test_a_decision_is_stored_per_build_of_the_gemv_kernel():
     """Which way is fastest depends on the kernel's code (the even/odd split made row-dot, not blocked-rows, the
     faster at 896-wide rows on an AVX2 CPU): no table whose measurements run the kernel reuses a decision an earlier
     build's timings took."""
-    from fusion_linear_kernels import decode_layer, experts, packed_experts, packing
+    from fusion_linear_kernels import experts, packed_experts, packing, step_blocks
 
-    for table in (choice._DECISIONS, decode_layer._DECISIONS, experts._DECISIONS, packed_experts._DECISIONS,
+    for table in (choice._DECISIONS, step_blocks._DECISIONS, experts._DECISIONS, packed_experts._DECISIONS,
                   packing._DECISIONS):
         assert table.code == row_dot.CODE_DIGEST, table.topic

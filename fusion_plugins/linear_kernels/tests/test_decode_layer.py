@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from fusion_linear_kernels import choice, decode_layer, layer_kernel, packing
+from fusion_linear_kernels import choice, layer_kernel, packing, step_blocks
 from fusion_linear_kernels.decode_layer import FORM_KEY, DecodeLayerMixin, LayerForm, drop_decode_steps, refusal
 from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
 from one_row_gemv import fresh_kernels_of, recorded_calls, skip_unless_built, without_the_kernel_of
@@ -52,11 +52,11 @@ TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
 def _model(kind: str, **extra: Any) -> nn.Module:
-    """A bf16 decoder of ``kind`` with two layers, its norms' weights random as trained ones are (around 1, or
-    around 0 for Gemma's, which multiply by 1 + the weight)."""
-    config = CONFIGS[kind](hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=8,
-                           num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=256,
-                           **{**TOKENS, **extra})
+    """A bf16 decoder of ``kind`` with two layers (its config's other fields, and these, from ``extra``), its norms'
+    weights random as trained ones are (around 1, or around 0 for Gemma's, which multiply by 1 + the weight)."""
+    config = CONFIGS[kind](**{"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 2,
+                              "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024,
+                              "max_position_embeddings": 256, **TOKENS, **extra})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
     with torch.no_grad():
@@ -161,7 +161,7 @@ def test_a_batch_of_sequences_decodes_as_the_modules_do(steps: list[nn.Module]) 
 
 def _one_row_steps() -> dict[str, str]:
     """The one-row block each kind's step took where its kind decided a kernel the step does not run."""
-    return {str(kind[2]): candidate.name for kind, candidate in decode_layer._DECISIONS.items()}
+    return {str(kind[2]): candidate.name for kind, candidate in step_blocks._DECISIONS.items()}
 
 
 @pytest.mark.parametrize("one_row", ["blocked-rows", "row-dot"])
@@ -170,7 +170,7 @@ def test_a_one_row_kind_decided_for_mv_takes_the_faster_of_the_kernels_one_row_b
     skip_unless_built(lambda: layer_kernel.kernel(torch.bfloat16), "the decode layer kernel")
     fake_times(choice, _fastest(1))  # torch.mv, the second of the candidates timed
     fake_times(packing, original_fastest)
-    fake_times(decode_layer, _fastest(0 if one_row == "blocked-rows" else 1))
+    fake_times(step_blocks, _fastest(0 if one_row == "blocked-rows" else 1))
     fused = fusion_core.fuse(_model("llama"), MERGED)
     steps.clear()  # the verification's
     layers = list(fused.model.layers)
@@ -190,7 +190,7 @@ def test_kinds_of_a_few_rows_decided_for_f_linear_keep_the_modules(fake_times: C
     skip_unless_built(lambda: layer_kernel.kernel(torch.bfloat16), "the decode layer kernel")
     fake_times(choice, original_fastest)  # every kind keeps F.linear
     fake_times(packing, original_fastest)
-    fake_times(decode_layer, _fastest(0))
+    fake_times(step_blocks, _fastest(0))
     fused = fusion_core.fuse(_model("qwen2"), MERGED)
     steps.clear()  # the verification's
     with torch.no_grad():

@@ -1,0 +1,133 @@
+"""The decode step's q/k/v projection in one C++ call (``fusion_linear_kernels.projection_kernel``): the kernel gives
+the queries, keys and values the module's GEMV and transformers' rotation give, bit for bit; a merged attention's
+decode steps run it (and its output projection through the GEMV kernel directly) and cache the keys and values, and
+give the logits, that its modules give; a hooked projection, or q/k/v not merged, runs the modules; load verification
+runs the kernel, so a kernel that rotated otherwise would leave the attention its modules.
+
+The attentions here are wider than ``test_decode_layer``'s (1024, 16 query heads) so that the merged projection and the
+output projection are weights the GEMV kernel reads (``row_dot.MIN_BYTES``); kernel choices are decided by its fake
+clocks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from fusion_linear_kernels import projection_kernel, row_dot
+from fusion_linear_kernels.decode_attention import _rotated, verified
+from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY
+from one_row_gemv import skip_unless_built
+from test_decode_layer import (  # step_kernels: the fixture deciding the GEMVs
+    ALONE,
+    MERGED,
+    _generate,
+    _model,
+    step_kernels,  # noqa: F401
+)
+from torch import nn
+
+import fusion_core
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("step_kernels")]
+
+WIDE = {"hidden_size": 1024, "num_attention_heads": 16}
+"""A merged q/k/v weight of 1280x1024 and an output projection of 1024x1024: above ``row_dot.MIN_BYTES``."""
+
+
+@pytest.fixture
+def projected(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The merged weight's shape of every call of the projection kernel from now on (the kernel still runs)."""
+    skip_unless_built(lambda: projection_kernel.kernel(torch.bfloat16), "the decode projection kernel")
+    calls: list[tuple[int, ...]] = []
+    project = projection_kernel.project
+
+    def recorded(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> Any:
+        calls.append(tuple(weight.shape))
+        return project(x, weight, *args)
+
+    monkeypatch.setattr(projection_kernel, "project", recorded)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", projection_kernel.DTYPES, ids=str)
+def test_the_kernel_builds_wherever_the_gemv_kernel_does(dtype: torch.dtype) -> None:
+    """The tests beside this one skip where the kernel cannot be built; a source that does not compile must fail."""
+    if row_dot.kernel(dtype, False) is None:
+        pytest.skip("the GEMV kernel cannot be built here")
+    assert projection_kernel.kernel(dtype) is not None
+
+
+@pytest.mark.parametrize("dtype", projection_kernel.DTYPES, ids=str)
+@pytest.mark.parametrize(("rows", "block"), [(1, 1), (1, 8), (3, 1), (3, 4)])
+@pytest.mark.parametrize("biased", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("rotations", ["one", "each"])
+def test_the_kernel_projects_and_rotates_as_the_gemv_and_transformers_do(dtype: torch.dtype, rows: int, block: int,
+                                                                         biased: bool, rotations: str) -> None:
+    skip_unless_built(lambda: projection_kernel.kernel(dtype), "the decode projection kernel")
+    heads, kv_heads, width, hidden = 6, 2, 64, 320
+    generator = torch.Generator().manual_seed(rows * 10 + block)
+    weight = (torch.randn((heads + 2 * kv_heads) * width, hidden, generator=generator) / 8).to(dtype)
+    bias = torch.randn(weight.shape[0], generator=generator).to(dtype) if biased else None
+    x = torch.randn(rows, hidden, generator=generator).to(dtype)
+    angles = torch.rand(rows if rotations == "each" else 1, 1, width, generator=generator) * 20
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    query, key, value = projection_kernel.project(x, weight, bias, cos, sin, heads, kv_heads, width, block)
+    merged = row_dot.gemv(x, weight, bias, block)  # the GEMV the module runs for this kind
+    parts = merged.split([heads * width, kv_heads * width, kv_heads * width], dim=-1)
+    want_query, want_key, want_value = (part.reshape(rows, 1, -1, width).transpose(1, 2) for part in parts)
+    rotation = (cos.unsqueeze(1), sin.unsqueeze(1))
+    assert query.is_contiguous() and key.is_contiguous() and value.is_contiguous()
+    assert torch.equal(query, _rotated(want_query, *rotation))
+    assert torch.equal(key, _rotated(want_key, *rotation))
+    assert torch.equal(value, want_value)
+
+
+def _hooked(model: nn.Module) -> nn.Module:
+    """``model`` with a forward hook that changes nothing on each attention's key projection: its decode steps run
+    the attention's modules (a hook must see its module's call)."""
+    for layer in model.model.layers:
+        layer.self_attn.k_proj.register_forward_hook(lambda module, args, output: None)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"], ids=["bias", "no-bias"])
+def test_merged_attentions_project_in_one_call_and_give_what_their_modules_give(
+        kind: str, projected: list[tuple[int, ...]]) -> None:
+    fused = fusion_core.fuse(_model(kind, **WIDE), MERGED)
+    reference = _hooked(fusion_core.fuse(_model(kind, **WIDE), MERGED))
+    assert all(FORM_KEY in layer.__dict__ and ATTENTION_KEY in layer.__dict__
+               for model in (fused, reference) for layer in model.model.layers)
+    projected.clear()  # the verification's
+    expected = _generate(reference)
+    assert not projected
+    out = _generate(fused)
+    assert projected == [(1280, 1024)] * 2 * 5  # the four-token prefill runs the modules, then five one-token steps
+    assert torch.equal(out.sequences, expected.sequences)
+    assert all(torch.equal(got, want) for got, want in zip(out.logits, expected.logits, strict=True))
+    caches = [result["cache"] if "cache" in result else result["past_key_values"] for result in (out, expected)]
+    for got, want in zip(*(cache.layers for cache in caches), strict=True):
+        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+
+
+def test_projections_not_merged_run_the_modules(projected: list[tuple[int, ...]]) -> None:
+    fused = fusion_core.fuse(_model("qwen2", **WIDE), ALONE)
+    assert all(ATTENTION_KEY in layer.__dict__ for layer in fused.model.layers)
+    out = _generate(fused)
+    assert not projected
+    assert torch.equal(out.sequences, _generate(_hooked(fusion_core.fuse(_model("qwen2", **WIDE), ALONE))).sequences)
+
+
+def test_load_verification_runs_the_projection_kernel(monkeypatch: pytest.MonkeyPatch,
+                                                       projected: list[tuple[int, ...]]) -> None:
+    project = projection_kernel.project
+
+    def turned(*args: Any) -> tuple[torch.Tensor, ...]:  # the keys' halves rotated the other way round
+        query, key, value = project(*args)
+        return query, torch.cat(key.chunk(2, dim=-1)[::-1], dim=-1), value
+
+    monkeypatch.setattr(projection_kernel, "project", turned)
+    fused = fusion_core.fuse(_model("qwen2", **WIDE), MERGED)
+    assert all(FORM_KEY in layer.__dict__ and ATTENTION_KEY not in layer.__dict__ for layer in fused.model.layers)
+    reason = verified(fused.model.layers[0].self_attn, torch.bfloat16, 1024)
+    assert isinstance(reason, str) and "cached keys or values differ" in reason
