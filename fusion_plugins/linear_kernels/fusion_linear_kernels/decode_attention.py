@@ -1,9 +1,9 @@
 """The attention of a decode step (one new token a sequence) with the fewest operators: the queries, keys and values
-with their rotary embedding (one call of :mod:`fusion_linear_kernels.projection_kernel` where the ``qkv`` family merged
-them and their kind runs the GEMV kernel; else the layer's own projections and torch operators), the cache's own
-``update``, one call of a C++ kernel over the cache (:mod:`fusion_linear_kernels.attention_kernel`; torch's
-``scaled_dot_product_attention`` where it cannot take the call) and the output projection (the GEMV kernel on its
-weight where the layer's MLP would run it, else the module).
+with their rotary embedding (one call of :mod:`fusion_linear_kernels.projection_kernel` where the ``qkv`` family or the
+checkpoint merged them and their kind runs the GEMV kernel; else the layer's own projections and torch operators), the
+cache's own ``update``, one call of a C++ kernel over the cache (:mod:`fusion_linear_kernels.attention_kernel`;
+torch's ``scaled_dot_product_attention`` where it cannot take the call) and the output projection (the GEMV kernel on
+its weight where the layer's MLP would run it, else the module).
 
 transformers' attention module runs about thirty operators and several Python wrappers around its two GEMVs at a
 decode step (views and transposes of each projection, ``rotate_half`` twice, the attention interface's lookup and
@@ -15,7 +15,8 @@ against 40.9 ms a token at 16 to 48 cached tokens, 55.7 against 84.9 at 1024. A 
 attention's form verified at load, and the module itself where ``run`` declines.
 
 **Which attentions.** A module with ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` children (and a merged
-projection of the ``qkv`` family's, which the parts read), no other children, parameters or buffers, an integer
+projection of the ``qkv`` family's, which the parts read), or with ``qkv_proj`` and ``o_proj`` where the checkpoint
+holds q, k and v merged (Phi-3's: :data:`MERGED_PROJECTIONS`), no other children, parameters or buffers, an integer
 ``head_dim`` and ``layer_idx``, a float ``scaling`` and a forward that takes ``position_embeddings``,
 ``attention_mask`` and the cache (``cache``, or ``past_key_values`` before transformers 5.x renamed it). Names are
 only the pre-filter: each form is verified once per load (:func:`verified`) on its real weights against the module's
@@ -53,6 +54,9 @@ from fusion_linear_kernels.step_blocks import block, module_block, undecided
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 """The children a verified attention computes with (with a hook on any of them, all are called as modules)."""
+MERGED_PROJECTIONS = ("qkv_proj", "o_proj")
+"""The children of an attention whose checkpoint holds q, k and v merged (Phi-3's): the queries', then the keys', then
+the values' rows, as many key as value heads (the attention's ``num_key_value_heads``)."""
 CACHE_NAMES = ("cache", "past_key_values")
 """The names of the attention forward's cache argument: transformers 5.x's, then 4.x's (5.x still accepts it)."""
 KNOWN = frozenset({"position_embeddings", "attention_mask", *CACHE_NAMES, "cache_position", "position_ids",
@@ -81,16 +85,16 @@ class AttentionForm:
     """What a verified attention's decode step reads: its layer index in the cache, the head width, the softmax scale,
     the name of its forward's cache argument and the types of the modules it calls (verified once per load)."""
 
-    __slots__ = ("_kept", "cache_name", "head_dim", "layer_idx", "scaling", "types")
+    __slots__ = ("_kept", "cache_name", "head_dim", "layer_idx", "scaling", "sizes", "types")
 
     def __init__(self, layer_idx: int, head_dim: int, scaling: float, cache_name: str,
-                 types: tuple[type, ...]) -> None:
+                 types: tuple[type, ...], sizes: tuple[int, int, int] | None = None) -> None:
         self.layer_idx, self.head_dim, self.scaling = layer_idx, head_dim, scaling
-        self.cache_name, self.types = cache_name, types
+        self.cache_name, self.types, self.sizes = cache_name, types, sizes
         self._kept: dict[int, tuple[int, tuple[int | None, int | None]]] = {}  # rows -> (generation, blocks)
 
     def __getstate__(self) -> tuple[Any, ...]:
-        return self.layer_idx, self.head_dim, self.scaling, self.cache_name, self.types
+        return self.layer_idx, self.head_dim, self.scaling, self.cache_name, self.types, self.sizes
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         self.__init__(*state)  # type: ignore[misc]
@@ -105,10 +109,11 @@ class AttentionForm:
         """The form of ``attention`` as it is now, or why it has none (before verification)."""
         children = attention._modules
         merged = merged_projection(attention)
-        others = [name for name in children if name not in PROJECTIONS
+        names = MERGED_PROJECTIONS if merged is None and "qkv_proj" in children else PROJECTIONS
+        others = [name for name in children if name not in names
                   and not (merged is not None and children[name] is merged.owner)]
-        if not all(isinstance(children.get(name), nn.Module) for name in PROJECTIONS) or others:
-            return f"not an attention of q/k/v/o projections alone (children {list(children)})"
+        if not all(isinstance(children.get(name), nn.Module) for name in names) or others:
+            return f"not an attention of q/k/v/o projections alone, nor of qkv and o (children {list(children)})"
         if attention._parameters or attention._buffers:
             return "the attention holds parameters or buffers of its own (sinks, scales)"
         values = attention.__dict__
@@ -119,7 +124,13 @@ class AttentionForm:
         cache_name = next((name for name in CACHE_NAMES if name in parameters), None)
         if cache_name is None or not {"position_embeddings", "attention_mask"} <= parameters.keys():
             return "its forward takes no position_embeddings, attention_mask and cache"
-        return cls(layer_idx, head_dim, scaling, cache_name, cls.types_of(attention))
+        sizes = None
+        if names is MERGED_PROJECTIONS:
+            rows, kv_heads = getattr(children["qkv_proj"], "out_features", None), values.get("num_key_value_heads")
+            if not (type(rows) is int and type(kv_heads) is int and rows > 2 * kv_heads * head_dim):
+                return "its merged qkv_proj has no out_features, or the attention no num_key_value_heads"
+            sizes = (rows - 2 * kv_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+        return cls(layer_idx, head_dim, scaling, cache_name, cls.types_of(attention), sizes)
 
     def run(self, attention: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:
         """The attention's output for ``hidden`` (its input, normed) at a decode step, or None where the call is not
@@ -151,18 +162,18 @@ class AttentionForm:
         modules = attention._modules
         batch, width = hidden.shape[0], self.head_dim
         blocks = self._blocks(attention, hidden)
-        if blocks is not None and blocks[0] is not None:
-            merged = merged_projection(attention)
-            owner = merged.owner  # type: ignore[union-attr]
-            heads, kv_heads = merged.sizes[0] // width, merged.sizes[1] // width  # type: ignore[union-attr]
+        merged = self._merged(attention) if blocks is not None and blocks[0] is not None else None
+        if merged is not None:
+            owner, sizes = merged
             query, key, value = projection_kernel.project(
                 hidden.reshape(batch, -1).contiguous(), owner._parameters["weight"], owner._parameters.get("bias"),
-                cos.contiguous(), sin.contiguous(), heads, kv_heads, width, blocks[0])
+                cos.contiguous(), sin.contiguous(), sizes[0] // width, sizes[1] // width, width, blocks[0])
             keys, values = cache.update(key, value, self.layer_idx)
         else:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-            query, key, value = (modules[name](hidden).view(batch, 1, -1, width).transpose(1, 2)
-                                 for name in PROJECTIONS[:3])
+            parts = (modules["qkv_proj"](hidden).split(self.sizes, dim=-1) if self.sizes is not None
+                     else (modules[name](hidden) for name in PROJECTIONS[:3]))
+            query, key, value = (part.view(batch, 1, -1, width).transpose(1, 2) for part in parts)
             keys, values = cache.update(_rotated(key, cos, sin), value, self.layer_idx)
             query = _rotated(query, cos, sin)
         attended = attention_kernel.attend(query, keys, values, self.scaling)
@@ -175,6 +186,18 @@ class AttentionForm:
             return row_dot.gemv(attended, o_proj._parameters["weight"], o_proj._parameters.get("bias"), blocks[1])
         output: torch.Tensor = modules["o_proj"](attended)
         return output
+
+    def _merged(self, attention: nn.Module) -> tuple[nn.Module, tuple[int, ...]] | None:
+        """The module holding the attention's q/k/v projection merged, and the queries', keys' and values' widths in
+        its rows: the checkpoint's ``qkv_proj``, or the ``qkv`` family's container while it runs merged; None where
+        the projections are apart (or the widths are not whole heads, as many key as value heads)."""
+        if self.sizes is not None:
+            return attention._modules["qkv_proj"], self.sizes
+        merged = merged_projection(attention)
+        if (merged is None or not merged.merging or len(merged.sizes) != 3 or merged.sizes[1] != merged.sizes[2]
+                or any(size % self.head_dim for size in merged.sizes)):
+            return None
+        return merged.owner, merged.sizes
 
     def _blocks(self, attention: nn.Module, hidden: torch.Tensor) -> tuple[int | None, int | None] | None:
         """The GEMV blocks the step runs its merged q/k/v projection and its output projection with in C++, each None
@@ -193,12 +216,10 @@ class AttentionForm:
         if kept is not None and kept[0] == current:
             return kept[1]
         settled, qkv, output = True, None, None
-        merged = merged_projection(attention)
-        if (merged is not None and merged.merging and projection_kernel.kernel(hidden.dtype) is not None
-                and len(merged.sizes) == 3 and merged.sizes[1] == merged.sizes[2]
-                and not any(size % self.head_dim for size in merged.sizes)):
+        merged = self._merged(attention)
+        if merged is not None and projection_kernel.kernel(hidden.dtype) is not None:
             x = hidden.reshape(rows, -1)
-            weight, bias = merged.owner._parameters.get("weight"), merged.owner._parameters.get("bias")
+            weight, bias = merged[0]._parameters.get("weight"), merged[0]._parameters.get("bias")
             if isinstance(weight, torch.Tensor) and row_dot.gemv_weight(weight) and (bias is None or _dense(bias)):
                 settled, qkv = not undecided(x, weight, bias), module_block(x, weight, bias)
         o_proj = modules["o_proj"]
@@ -250,7 +271,8 @@ def verified(attention: nn.Module, dtype: torch.dtype, width: int) -> AttentionF
     cache_type, _ = types
     try:
         with torch.no_grad():
-            heads = attention._modules["k_proj"](hidden).shape[-1] // form.head_dim
+            heads = (form.sizes[1] if form.sizes is not None
+                     else attention._modules["k_proj"](hidden).shape[-1]) // form.head_dim
             prior = (torch.randn(2, 1, heads, _PRIOR, form.head_dim, generator=generator) * _SPREAD).to(dtype)
             caches = [cache_type(), cache_type(), cache_type()]
             for cache in caches:

@@ -1,7 +1,8 @@
 """The decode step's q/k/v projection in one C++ call (``fusion_linear_kernels.projection_kernel``): the kernel gives
 the queries, keys and values the module's GEMV and transformers' rotation give, bit for bit; a merged attention's
 decode steps run it (and its output projection through the GEMV kernel directly) and cache the keys and values, and
-give the logits, that its modules give; a hooked projection, or q/k/v not merged, runs the modules; load verification
+give the logits, that its modules give, whether the ``qkv`` family merged it or the checkpoint (Phi-3's ``qkv_proj``);
+a hooked projection, or q/k/v not merged, runs the modules; load verification
 runs the kernel, so a kernel that rotated otherwise would leave the attention its modules.
 
 The attentions here are wider than ``test_decode_layer``'s (1024, 16 query heads) so that the merged projection and the
@@ -84,18 +85,19 @@ def test_the_kernel_projects_and_rotates_as_the_gemv_and_transformers_do(dtype: 
 
 
 def _hooked(model: nn.Module) -> nn.Module:
-    """``model`` with a forward hook that changes nothing on each attention's key projection: its decode steps run
+    """``model`` with a forward hook that changes nothing on each attention's output projection: its decode steps run
     the attention's modules (a hook must see its module's call)."""
     for layer in model.model.layers:
-        layer.self_attn.k_proj.register_forward_hook(lambda module, args, output: None)
+        layer.self_attn.o_proj.register_forward_hook(lambda module, args, output: None)
     return model
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama"], ids=["bias", "no-bias"])
+@pytest.mark.parametrize(("kind", "families"), [("qwen2", MERGED), ("llama", MERGED), ("phi3", ALONE)],
+                         ids=["bias", "no-bias", "merged-in-the-checkpoint"])
 def test_merged_attentions_project_in_one_call_and_give_what_their_modules_give(
-        kind: str, projected: list[tuple[int, ...]]) -> None:
-    fused = fusion_core.fuse(_model(kind, **WIDE), MERGED)
-    reference = _hooked(fusion_core.fuse(_model(kind, **WIDE), MERGED))
+        kind: str, families: dict[str, bool], projected: list[tuple[int, ...]]) -> None:
+    fused = fusion_core.fuse(_model(kind, **WIDE), families)
+    reference = _hooked(fusion_core.fuse(_model(kind, **WIDE), families))
     assert all(FORM_KEY in layer.__dict__ and ATTENTION_KEY in layer.__dict__
                for model in (fused, reference) for layer in model.model.layers)
     projected.clear()  # the verification's
