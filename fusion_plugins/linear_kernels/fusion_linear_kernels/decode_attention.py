@@ -14,19 +14,20 @@ against 40.9 ms a token at 16 to 48 cached tokens, 55.7 against 84.9 at 1024. A 
 (:mod:`fusion_linear_kernels.decode_layer`) calls :meth:`AttentionForm.run` in place of its attention module where the
 attention's form verified at load, and the module itself where ``run`` declines.
 
-**Which attentions.** A module with ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` children (and a merged
-projection of the ``qkv`` family's, which the parts read), or with ``qkv_proj`` and ``o_proj`` where the checkpoint
-holds q, k and v merged (Phi-3's: :data:`MERGED_PROJECTIONS`), no other children, parameters or buffers, an integer
-``head_dim`` and ``layer_idx``, a float ``scaling`` and a forward that takes ``position_embeddings``,
-``attention_mask`` and the cache (``cache``, or ``past_key_values`` before transformers 5.x renamed it). Names are
-only the pre-filter: each form is verified once per load (:func:`verified`) on its real weights against the module's
-own forward, with a cache transformers builds: the cache's new keys and values bit for bit (the rotary embedding
-rounds as transformers' ``apply_rotary_pos_emb`` does: ``x * cos + rotate_half(x) * sin``, each product rounded to
-the dtype), the output within the bound (:func:`~fusion_linear_kernels.layer_forms.tolerance`: the kernel sums in
-another order than torch's). A norm of the queries or keys (Qwen3, Gemma 3, OLMo 2) or sinks (a parameter of the
-attention's own) are refused by name; a rotary embedding over part of the head or interleaved (GLM) fails the keys'
-check; soft-capped scores run eager attention (transformers 5.x's Gemma 2), which is refused. Their attention runs as
-the module.
+**Which attentions.** A module with ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj`` children (and a merged projection
+of the ``qkv`` family's, which the parts read), or with ``qkv_proj`` and ``o_proj`` where the checkpoint holds q, k and
+v merged (Phi-3's: :data:`MERGED_PROJECTIONS`), and RMSNorms of the queries and keys or not (:data:`NORMS`: Qwen3's and
+Gemma 3's over each head, OLMo 2's over all), no other children, parameters or buffers, an integer ``head_dim`` and
+``layer_idx``, a float ``scaling`` and a forward that takes ``position_embeddings``, ``attention_mask`` and the cache
+(``cache``, or ``past_key_values`` before transformers 5.x renamed it). Names are only the pre-filter: each form is
+verified once per load (:func:`verified`) on its real weights against the module's own forward, with a cache
+transformers builds: the cache's new keys and values bit for bit (the rotary embedding rounds as transformers'
+``apply_rotary_pos_emb`` does: ``x * cos + rotate_half(x) * sin``, each product rounded to the dtype; with norms of the
+queries and keys, the keys within the bound, as the projection kernel's norms sum in another order than torch's), the
+output within the bound (:func:`~fusion_linear_kernels.layer_forms.tolerance`: the kernel sums in another order than
+torch's). Sinks (a parameter of the attention's own) are refused by name; a rotary embedding over part of the head or
+interleaved (GLM) fails the keys' check; soft-capped scores run eager attention (transformers 5.x's Gemma 2), which is
+refused. Their attention runs as the module.
 
 **When it runs.** Besides what the layer's step requires: one new token a sequence (``[batch, 1, hidden]``), the
 rotation's cosines and sines of the shape verified (``[batch or 1, 1, head_dim]``, the dtype's), no attention mask
@@ -49,11 +50,14 @@ from torch import nn
 from fusion_core.plugin import merged_projection
 from fusion_linear_kernels import attention_kernel, compat, projection_kernel, row_dot
 from fusion_linear_kernels.choice import generation
-from fusion_linear_kernels.layer_forms import relative, tolerance
+from fusion_linear_kernels.layer_forms import epsilon, norm_kind, relative, tolerance
 from fusion_linear_kernels.step_blocks import block, module_block, undecided
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 """The children a verified attention computes with (with a hook on any of them, all are called as modules)."""
+NORMS = ("q_norm", "k_norm")
+"""The RMSNorms of the queries and the keys an attention may hold besides its projections (Qwen3's and Gemma 3's
+over each head, OLMo 2's over all of them), applied to the projections' outputs before the rotary embedding."""
 MERGED_PROJECTIONS = ("qkv_proj", "o_proj")
 """The children of an attention whose checkpoint holds q, k and v merged (Phi-3's): the queries', then the keys', then
 the values' rows, as many key as value heads (the attention's ``num_key_value_heads``)."""
@@ -85,16 +89,17 @@ class AttentionForm:
     """What a verified attention's decode step reads: its layer index in the cache, the head width, the softmax scale,
     the name of its forward's cache argument and the types of the modules it calls (verified once per load)."""
 
-    __slots__ = ("_kept", "cache_name", "head_dim", "layer_idx", "scaling", "sizes", "types")
+    __slots__ = ("_kept", "cache_name", "head_dim", "layer_idx", "norms", "scaling", "sizes", "types")
 
     def __init__(self, layer_idx: int, head_dim: int, scaling: float, cache_name: str,
-                 types: tuple[type, ...], sizes: tuple[int, int, int] | None = None) -> None:
+                 types: tuple[type, ...], sizes: tuple[int, int, int] | None = None,
+                 norms: tuple[float, bool] | None = None) -> None:
         self.layer_idx, self.head_dim, self.scaling = layer_idx, head_dim, scaling
-        self.cache_name, self.types, self.sizes = cache_name, types, sizes
+        self.cache_name, self.types, self.sizes, self.norms = cache_name, types, sizes, norms
         self._kept: dict[int, tuple[int, tuple[int | None, int | None]]] = {}  # rows -> (generation, blocks)
 
     def __getstate__(self) -> tuple[Any, ...]:
-        return self.layer_idx, self.head_dim, self.scaling, self.cache_name, self.types, self.sizes
+        return self.layer_idx, self.head_dim, self.scaling, self.cache_name, self.types, self.sizes, self.norms
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         self.__init__(*state)  # type: ignore[misc]
@@ -110,7 +115,8 @@ class AttentionForm:
         children = attention._modules
         merged = merged_projection(attention)
         names = MERGED_PROJECTIONS if merged is None and "qkv_proj" in children else PROJECTIONS
-        others = [name for name in children if name not in names
+        normed = all(name in children for name in NORMS)
+        others = [name for name in children if name not in names and not (normed and name in NORMS)
                   and not (merged is not None and children[name] is merged.owner)]
         if not all(isinstance(children.get(name), nn.Module) for name in names) or others:
             return f"not an attention of q/k/v/o projections alone, nor of qkv and o (children {list(children)})"
@@ -130,7 +136,10 @@ class AttentionForm:
             if not (type(rows) is int and type(kv_heads) is int and rows > 2 * kv_heads * head_dim):
                 return "its merged qkv_proj has no out_features, or the attention no num_key_value_heads"
             sizes = (rows - 2 * kv_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
-        return cls(layer_idx, head_dim, scaling, cache_name, cls.types_of(attention), sizes)
+        norms = _norms(children["q_norm"], children["k_norm"], head_dim) if normed else None
+        if isinstance(norms, str):
+            return norms
+        return cls(layer_idx, head_dim, scaling, cache_name, cls.types_of(attention), sizes, norms)
 
     def run(self, attention: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:
         """The attention's output for ``hidden`` (its input, normed) at a decode step, or None where the call is not
@@ -165,14 +174,22 @@ class AttentionForm:
         merged = self._merged(attention) if blocks is not None and blocks[0] is not None else None
         if merged is not None:
             owner, sizes = merged
+            norms = None
+            if self.norms is not None:
+                eps, plus_one = self.norms
+                norms = projection_kernel.Norms(modules["q_norm"]._parameters["weight"],
+                                                modules["k_norm"]._parameters["weight"], eps, plus_one)
             query, key, value = projection_kernel.project(
                 hidden.reshape(batch, -1).contiguous(), owner._parameters["weight"], owner._parameters.get("bias"),
-                cos.contiguous(), sin.contiguous(), sizes[0] // width, sizes[1] // width, width, blocks[0])
+                cos.contiguous(), sin.contiguous(), sizes[0] // width, sizes[1] // width, width, blocks[0], norms)
             keys, values = cache.update(key, value, self.layer_idx)
         else:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-            parts = (modules["qkv_proj"](hidden).split(self.sizes, dim=-1) if self.sizes is not None
-                     else (modules[name](hidden) for name in PROJECTIONS[:3]))
+            parts = list(modules["qkv_proj"](hidden).split(self.sizes, dim=-1) if self.sizes is not None
+                         else (modules[name](hidden) for name in PROJECTIONS[:3]))
+            if self.norms is not None:  # each over a head (the module's input [batch, 1, heads, width]) or all
+                parts[:2] = (norm(part.view(batch, 1, -1, width)) if norm.weight.numel() == width else norm(part)
+                             for norm, part in zip((modules["q_norm"], modules["k_norm"]), parts, strict=False))
             query, key, value = (part.view(batch, 1, -1, width).transpose(1, 2) for part in parts)
             keys, values = cache.update(_rotated(key, cos, sin), value, self.layer_idx)
             query = _rotated(query, cos, sin)
@@ -199,6 +216,15 @@ class AttentionForm:
             return None
         return merged.owner, merged.sizes
 
+    def _norms_read(self, attention: nn.Module, sizes: tuple[int, ...], dtype: torch.dtype) -> bool:
+        """Whether the kernel reads the norms of the queries and keys as the modules hold them (none, or dense weights
+        of the dtype, each a head's width or its part's)."""
+        if self.norms is None:
+            return True
+        weights = [attention._modules[name]._parameters.get("weight") for name in NORMS]
+        return all(isinstance(weight, torch.Tensor) and _dense(weight) and weight.dtype is dtype
+                   and weight.numel() in (self.head_dim, size) for weight, size in zip(weights, sizes, strict=False))
+
     def _blocks(self, attention: nn.Module, hidden: torch.Tensor) -> tuple[int | None, int | None] | None:
         """The GEMV blocks the step runs its merged q/k/v projection and its output projection with in C++, each None
         where that projection runs as its module; None where a child is hooked.
@@ -220,7 +246,8 @@ class AttentionForm:
         if merged is not None and projection_kernel.kernel(hidden.dtype) is not None:
             x = hidden.reshape(rows, -1)
             weight, bias = merged[0]._parameters.get("weight"), merged[0]._parameters.get("bias")
-            if isinstance(weight, torch.Tensor) and row_dot.gemv_weight(weight) and (bias is None or _dense(bias)):
+            if (isinstance(weight, torch.Tensor) and row_dot.gemv_weight(weight) and (bias is None or _dense(bias))
+                    and self._norms_read(attention, merged[1], hidden.dtype)):
                 settled, qkv = not undecided(x, weight, bias), module_block(x, weight, bias)
         o_proj = modules["o_proj"]
         weight, bias = o_proj._parameters.get("weight"), o_proj._parameters.get("bias")
@@ -236,6 +263,22 @@ class AttentionForm:
         return blocks
 
 
+def _norms(query: nn.Module, key: nn.Module, width: int) -> tuple[float, bool] | str:
+    """The epsilon of the norms of the queries and keys, and whether they multiply by 1 + the weight (Gemma's), or
+    why they are not RMSNorms the step computes (one epsilon, one kind, each over a head or all the heads)."""
+    epsilons = {epsilon(query), epsilon(key)}
+    weights = [norm._parameters.get("weight") for norm in (query, key)]
+    if None in epsilons or len(epsilons) != 1 or not all(isinstance(w, torch.Tensor) and w.dim() == 1 for w in weights):
+        return "its norms of the queries and keys hold no 1-D weight and one epsilon (variance_epsilon or eps)"
+    (eps,) = epsilons
+    tensors = [w for w in weights if isinstance(w, torch.Tensor)]
+    kinds = {norm_kind(norm, w.dtype, eps, w.numel()) for norm, w in zip((query, key), tensors, strict=True)}
+    if None in kinds or len(kinds) != 1 or any(w.numel() % width for w in tensors):
+        return "its norms of the queries and keys are not RMSNorms (Llama's or Gemma's) over heads, both alike"
+    (plus_one,) = kinds
+    return eps, bool(plus_one)
+
+
 def _dense(tensor: torch.Tensor) -> bool:
     return type(tensor) in (torch.Tensor, nn.Parameter) and tensor.is_cpu and tensor.is_contiguous()
 
@@ -249,7 +292,8 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 def verified(attention: nn.Module, dtype: torch.dtype, width: int) -> AttentionForm | str:
     """The form of ``attention`` (on its loaded weights, in eval mode, inputs ``width`` wide) where its decode step
-    gives the module's forward's keys and values bit for bit and its output within the bound, or why not.
+    gives the module's forward's keys and values bit for bit (the keys within the bound where the attention norms
+    them: :mod:`~fusion_linear_kernels.projection_kernel`) and its output within the bound, or why not.
 
     Both run one token on a copy of one dynamic cache holding :data:`_PRIOR` random keys and values, on a random
     rotation. The cache is filled through its own ``update``, not the forward, so no GEMV of another row count than a
@@ -286,7 +330,9 @@ def verified(attention: nn.Module, dtype: torch.dtype, width: int) -> AttentionF
     if got is None or not isinstance(expected, torch.Tensor) or expected.shape != got.shape:
         return "the decode step's attention does not run on the verification's step"
     expected_layer, got_layer = (cache.layers[form.layer_idx] for cache in caches[:2])
-    if not (torch.equal(expected_layer.keys, got_layer.keys) and torch.equal(expected_layer.values, got_layer.values)):
+    keys_match = (torch.equal(expected_layer.keys, got_layer.keys) if form.norms is None  # see projection_kernel
+                  else relative(expected_layer.keys, got_layer.keys) <= tolerance(dtype))
+    if not (keys_match and torch.equal(expected_layer.values, got_layer.values)):
         return "its cached keys or values differ (another rotary embedding, norms of the keys, another projection)"
     difference = relative(expected, got)
     if difference > tolerance(dtype):

@@ -73,6 +73,7 @@ from fusion_linear_kernels.layer_forms import (
     StandIn,
     activation,
     composed,
+    epsilon,
     norm_kind,
     relative,
     sandwich_of,
@@ -95,14 +96,6 @@ FORM_KEY = "_fusion_decode_form"
 ATTENTION_KEY = "_fusion_decode_attention"
 """Where a switched layer keeps its attention's verified :class:`~fusion_linear_kernels.decode_attention.
 AttentionForm` (its ``__dict__``), if it verified."""
-
-def _epsilon(norm: nn.Module) -> float | None:
-    for name in ("variance_epsilon", "eps"):
-        value = norm.__dict__.get(name)
-        if isinstance(value, float | int) and not isinstance(value, bool):
-            return float(value)
-    return None
-
 
 class LayerForm:
     """What a recognised layer's decode step reads: the widths, the norms' epsilon, the dtype, the form's flags
@@ -161,7 +154,7 @@ class LayerForm:
             return ("not a decoder layer with norms, an attention and a gated MLP (input_layernorm, self_attn, "
                     "post_attention_layernorm, mlp with gate, up and down projections and an activation)")
         norms, (_, gate, up, down, act) = parts[:-5], parts[-5:]
-        epsilons = {_epsilon(norm) for norm in norms}
+        epsilons = {epsilon(norm) for norm in norms}
         if None in epsilons or len(epsilons) != 1:
             return "its norms hold no epsilon (variance_epsilon or eps), or different ones"
         (eps,) = epsilons

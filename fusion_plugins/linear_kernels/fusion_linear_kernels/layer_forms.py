@@ -49,6 +49,15 @@ def composed(layer: nn.Module, hidden: torch.Tensor, attention: torch.Tensor,
     return residual + modules["mlp"](modules["post_attention_layernorm"](residual))
 
 
+def epsilon(norm: nn.Module) -> float | None:
+    """The epsilon a norm holds (``variance_epsilon`` or ``eps``), or None."""
+    for name in ("variance_epsilon", "eps"):
+        value = norm.__dict__.get(name)
+        if isinstance(value, float | int) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
 def norm_kind(norm: nn.Module, dtype: torch.dtype, eps: float, width: int) -> bool | None:
     """Whether ``norm`` is Gemma's RMSNorm (times 1 + the weight in float32; True) or Llama's (the normalised input
     rounded, times the weight; False), by its output on a random input; None for neither."""

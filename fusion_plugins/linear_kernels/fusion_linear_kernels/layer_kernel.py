@@ -25,7 +25,7 @@ PROFILER_LABEL = "fusion::decode_layer"
 (``hidden``x``intermediate``): the MLP call holds the gate, up and down GEMVs, the norms after the attention and the
 residuals."""
 
-_SOURCE = r"""
+NORM_SOURCE = r"""
 static inline T rounded(float v) { return static_cast<T>(v); }
 static inline float wide(T v) { return static_cast<float>(v); }
 
@@ -42,7 +42,11 @@ static void rms_norm(const T* h, const T* weight, T* out, float eps, int64_t n, 
         for (int64_t i = 0; i < n; ++i) out[i] = rounded(wide(weight[i]) * wide(rounded(wide(h[i]) * scale)));
     }
 }
+"""
+"""The C++ of transformers' RMSNorms (``T`` defined before it), shared with the projection kernel's norms of the
+queries and keys (:mod:`fusion_linear_kernels.projection_kernel`)."""
 
+_SOURCE = NORM_SOURCE + r"""
 static void rms_norms(const T* h, const T* weight, T* out, float eps, int64_t n, int64_t rows, bool plus_one) {
     for (int64_t r = 0; r < rows; ++r) rms_norm(h + r * n, weight, out + r * n, eps, n, plus_one);
 }

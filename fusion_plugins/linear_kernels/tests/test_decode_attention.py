@@ -61,9 +61,10 @@ def _attentions(model: nn.Module) -> list[nn.Module]:
 
 @pytest.mark.usefixtures("torch_attention")
 @pytest.mark.parametrize(("kind", "families"), [("llama", MERGED), ("llama", ALONE), ("qwen2", MERGED),
-                                               ("gemma", MERGED), ("mistral", ALONE), ("phi3", ALONE)],
+                                               ("gemma", MERGED), ("mistral", ALONE), ("phi3", ALONE),
+                                               ("qwen3", MERGED)],
                          ids=["llama-merged", "llama-alone", "qwen2-merged", "gemma-merged", "mistral-alone",
-                              "phi3-merged-in-the-checkpoint"])
+                              "phi3-merged-in-the-checkpoint", "qwen3-norms-of-the-queries-and-keys"])
 def test_recognised_attentions_decode_as_their_modules_do(kind: str, families: dict[str, bool],
                                                           attended: list[nn.Module]) -> None:
     fused = fusion_core.fuse(_model(kind, **({"sliding_window": None} if kind == "mistral" else {})), families)
@@ -96,7 +97,6 @@ def test_the_step_caches_the_keys_and_values_the_module_caches(attended: list[nn
 
 
 @pytest.mark.parametrize(("kind", "reason"), [
-    ("qwen3", "not an attention of q/k/v/o projections alone"),  # norms of the queries and keys
     ("glm", "cached keys or values differ"),  # the rotary embedding over half the head, interleaved
 ])
 def test_attentions_of_another_form_run_as_modules(kind: str, reason: str, attended: list[nn.Module]) -> None:

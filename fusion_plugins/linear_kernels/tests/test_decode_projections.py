@@ -18,10 +18,12 @@ import torch
 from fusion_linear_kernels import projection_kernel, row_dot
 from fusion_linear_kernels.decode_attention import _rotated, verified
 from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY
+from fusion_linear_kernels.layer_forms import relative, tolerance
 from one_row_gemv import skip_unless_built
 from test_decode_layer import (  # step_kernels: the fixture deciding the GEMVs
     ALONE,
     MERGED,
+    _close,
     _generate,
     _model,
     step_kernels,  # noqa: F401
@@ -84,6 +86,41 @@ def test_the_kernel_projects_and_rotates_as_the_gemv_and_transformers_do(dtype: 
     assert torch.equal(value, want_value)
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, plus_one: bool) -> torch.Tensor:
+    """transformers' RMSNorm of ``x`` over its last dimension: Llama's (times the weight) or Gemma's (1 + it)."""
+    wide = x.float()
+    normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return (normed * (1.0 + weight.float())).to(x.dtype) if plus_one else weight * normed.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", projection_kernel.DTYPES, ids=str)
+@pytest.mark.parametrize("over", ["each-head", "all-heads"])
+@pytest.mark.parametrize("plus_one", [False, True], ids=["llama-norms", "gemma-norms"])
+def test_the_kernel_norms_the_queries_and_keys_within_the_bound(dtype: torch.dtype, over: str,
+                                                                plus_one: bool) -> None:
+    skip_unless_built(lambda: projection_kernel.kernel(dtype), "the decode projection kernel")
+    heads, kv_heads, width, hidden, rows = 6, 2, 64, 320, 3
+    generator = torch.Generator().manual_seed(1)
+    weight = (torch.randn((heads + 2 * kv_heads) * width, hidden, generator=generator) / 8).to(dtype)
+    x = torch.randn(rows, hidden, generator=generator).to(dtype)
+    angles = torch.rand(1, 1, width, generator=generator) * 20
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    sizes = (width, width) if over == "each-head" else (heads * width, kv_heads * width)
+    q_norm, k_norm = ((torch.randn(size, generator=generator) * 0.2 + (0.0 if plus_one else 1.0)).to(dtype)
+                      for size in sizes)
+    norms = projection_kernel.Norms(q_norm, k_norm, 1e-6, plus_one)
+    query, key, value = projection_kernel.project(x, weight, None, cos, sin, heads, kv_heads, width, 1, norms)
+    parts = row_dot.gemv(x, weight, None, 1).split([heads * width, kv_heads * width, kv_heads * width], dim=-1)
+    rotation = (cos.unsqueeze(1), sin.unsqueeze(1))
+    for got, part, norm in ((query, parts[0], q_norm), (key, parts[1], k_norm)):
+        normed = (_rms_norm(part.reshape(rows, 1, -1, width), norm, plus_one) if over == "each-head"
+                  else _rms_norm(part.reshape(rows, 1, -1), norm, plus_one).reshape(rows, 1, -1, width))
+        want = _rotated(normed.transpose(1, 2), *rotation)
+        assert relative(want, got) <= tolerance(dtype)
+        assert (got == want).float().mean() > 0.9  # the same bits but where the means of squares round apart
+    assert torch.equal(value, parts[2].reshape(rows, 1, -1, width).transpose(1, 2))
+
+
 def _hooked(model: nn.Module) -> nn.Module:
     """``model`` with a forward hook that changes nothing on each attention's output projection: its decode steps run
     the attention's modules (a hook must see its module's call)."""
@@ -92,10 +129,14 @@ def _hooked(model: nn.Module) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize(("kind", "families"), [("qwen2", MERGED), ("llama", MERGED), ("phi3", ALONE)],
-                         ids=["bias", "no-bias", "merged-in-the-checkpoint"])
+@pytest.mark.parametrize(("kind", "families"), [("qwen2", MERGED), ("llama", MERGED), ("phi3", ALONE),
+                                               ("qwen3", MERGED)],
+                         ids=["bias", "no-bias", "merged-in-the-checkpoint", "norms-of-the-queries-and-keys"])
 def test_merged_attentions_project_in_one_call_and_give_what_their_modules_give(
         kind: str, families: dict[str, bool], projected: list[tuple[int, ...]]) -> None:
+    """Bit for bit, but where the attention norms its queries and keys: the kernel's norms sum in another order than
+    torch's, so the keys and the logits are within the bound."""
+    same = torch.equal if kind != "qwen3" else _close
     fused = fusion_core.fuse(_model(kind, **WIDE), families)
     reference = _hooked(fusion_core.fuse(_model(kind, **WIDE), families))
     assert all(FORM_KEY in layer.__dict__ and ATTENTION_KEY in layer.__dict__
@@ -106,10 +147,10 @@ def test_merged_attentions_project_in_one_call_and_give_what_their_modules_give(
     out = _generate(fused)
     assert projected == [(1280, 1024)] * 2 * 5  # the four-token prefill runs the modules, then five one-token steps
     assert torch.equal(out.sequences, expected.sequences)
-    assert all(torch.equal(got, want) for got, want in zip(out.logits, expected.logits, strict=True))
+    assert all(same(got, want) for got, want in zip(out.logits, expected.logits, strict=True))
     caches = [result["cache"] if "cache" in result else result["past_key_values"] for result in (out, expected)]
     for got, want in zip(*(cache.layers for cache in caches), strict=True):
-        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+        assert same(got.keys, want.keys) and same(got.values, want.values)
 
 
 def test_projections_not_merged_run_the_modules(projected: list[tuple[int, ...]]) -> None:
