@@ -27,6 +27,7 @@ from torch import nn
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
+    Gemma3TextConfig,
     GemmaConfig,
     Glm4Config,
     GlmConfig,
@@ -45,7 +46,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("torch_attention")]
 IDS = torch.tensor([[5, 17, 42, 9]])
 MERGED = {"qkv": True, "gate_up": True, "linear_kernels": True}
 ALONE = {"linear_kernels": True}
-CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gemma": GemmaConfig, "gemma2": Gemma2Config, "phi3": Phi3Config,
+CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "gemma": GemmaConfig, "gemma2": Gemma2Config,
+           "gemma3": Gemma3TextConfig, "phi3": Phi3Config,
            "glm": GlmConfig, "glm4": Glm4Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
 TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 """Special tokens inside the tiny vocabulary (Phi-3's and GLM's defaults lie beyond it)."""
