@@ -13,7 +13,8 @@ interleaved rounds whose order rotates (see :mod:`bench_common`):
 - any of these followed by `` (no decode step)``: its decoder layers run their modules, not ``linear_kernels``'
   decode step (``fusion_linear_kernels.decode_layer``), so the step's gain is measured side by side; or by
   `` (no decode attention)``: the step calls each layer's attention module, not its own attention
-  (``fusion_linear_kernels.decode_attention``).
+  (``fusion_linear_kernels.decode_attention``); or by `` (projections as modules)``: the step's own attention calls
+  its projection modules, not the projection kernel (``fusion_linear_kernels.projection_kernel``).
 
 Each round runs a greedy ``generate`` (``--prompt`` tokens, then ``--new-tokens``; decode ms/token is
 first to last new token) and a ``--prefill``-token forward (logits of the last position). Speed is the
@@ -89,6 +90,12 @@ modules, as before ``fusion_linear_kernels.decode_layer``): what the step buys, 
 NO_DECODE_ATTENTION = " (no decode attention)"
 """A contender name ending so keeps its decode step, but each step calls the layer's attention module, as before
 ``fusion_linear_kernels.decode_attention``: what the step's own attention buys, side by side."""
+PROJECTIONS_AS_MODULES = " (projections as modules)"
+"""A contender name ending so keeps the step's own attention, but it calls the attention's projection modules (each
+attention's output projection holds a forward hook that does nothing, and the step gives a hooked child its call), as
+before ``fusion_linear_kernels.projection_kernel``: what the projection kernel buys, side by side. The hook itself costs
+the contender a call a layer."""
+SUFFIXES = (NO_DECODE_STEP, NO_DECODE_ATTENTION, PROJECTIONS_AS_MODULES)
 
 
 def config_of(model: str, layers: int | None) -> Any:
@@ -286,7 +293,7 @@ def load_contender(path: Any, families: str | None, dtype: torch.dtype, quantize
 
 def as_named(model: nn.Module, name: str) -> nn.Module:
     """``model`` as the contender called ``name`` runs it: every decoder layer's decode step dropped, or the step's own
-    attention, where ``name`` ends so (see :data:`NO_DECODE_STEP` and :data:`NO_DECODE_ATTENTION`)."""
+    attention, or its projections run as modules, where ``name`` ends so (see :data:`SUFFIXES`)."""
     if name.endswith(NO_DECODE_STEP):
         from fusion_linear_kernels.decode_layer import drop_decode_steps
 
@@ -295,12 +302,19 @@ def as_named(model: nn.Module, name: str) -> nn.Module:
         from fusion_linear_kernels.decode_layer import drop_decode_attention
 
         drop_decode_attention(model)
+    elif name.endswith(PROJECTIONS_AS_MODULES):
+        for module in model.modules():
+            output = module._modules.get("o_proj")
+            if isinstance(output, nn.Module):
+                output.register_forward_hook(lambda module, args, output: None)
     return model
 
 
 def _families_of(name: str) -> str | None:
     """The families of the contender named ``name`` (a "+"-joined list where it is no contender above)."""
-    base = name.removesuffix(NO_DECODE_STEP).removesuffix(NO_DECODE_ATTENTION)
+    base = name
+    for suffix in SUFFIXES:
+        base = base.removesuffix(suffix)
     return CONTENDERS.get(base, base)
 
 
@@ -393,7 +407,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, from: "
                         + ", ".join(CONTENDERS) + f" (any with{NO_DECODE_STEP!r} after it: its decoder layers "
                         f"without linear_kernels' decode step; with{NO_DECODE_ATTENTION!r}: the step calls the "
-                        "attention module)")
+                        f"attention module; with{PROJECTIONS_AS_MODULES!r}: the step's attention calls its "
+                        "projection modules)")
     parser.add_argument("--processes", type=int, default=None, metavar="N",
                         help="run the whole measurement in N fresh processes, one after another, and report each "
                         "contender's median process next to its worst (a load's decisions hold for its process)")

@@ -375,3 +375,21 @@ def test_the_training_census_tells_rounding_noise_from_a_wrong_gradient(tmp_path
     assert census._beyond_rounding(plain, inputs, loss, expected, {**expected, bias: -expected[bias]}, [bias]) == []
     assert verdict(bias, expected[bias] + 1e-4)  # a real difference, though small next to the weights'
     assert verdict(weight, expected[weight] * 1.001)
+
+
+def test_a_decode_contenders_suffix_names_its_families_and_turns_its_part_off() -> None:
+    """``bench_decode.py``'s contender suffixes keep the base contender's families, and `` (projections as modules)``
+    hooks every attention's output projection (a hook that changes nothing), so the step's own attention gives that
+    child its call and runs the projections as modules."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _on_benchmark_path()
+    from bench_decode import CONTENDERS, PROJECTIONS_AS_MODULES, SUFFIXES, _families_of, as_named
+
+    base = "qkv+gate_up+linear_kernels"
+    assert all(_families_of(base + suffix) == CONTENDERS[base] for suffix in SUFFIXES)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                         num_key_value_heads=2, num_hidden_layers=2, vocab_size=256))
+    assert as_named(model, base + PROJECTIONS_AS_MODULES) is model
+    assert all(len(layer.self_attn.o_proj._forward_hooks) == 1 for layer in model.model.layers)
+    assert not any(module._forward_hooks for name, module in model.named_modules() if not name.endswith("o_proj"))
