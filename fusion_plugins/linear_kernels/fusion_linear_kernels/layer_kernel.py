@@ -25,7 +25,7 @@ PROFILER_LABEL = "fusion::decode_layer"
 (``hidden``x``intermediate``): the MLP call holds the gate, up and down GEMVs, the norms after the attention and the
 residuals."""
 
-NORM_SOURCE = r"""
+_SHARED_SOURCE = r"""
 static inline T rounded(float v) { return static_cast<T>(v); }
 static inline float wide(T v) { return static_cast<float>(v); }
 
@@ -42,14 +42,6 @@ static void rms_norm(const T* h, const T* weight, T* out, float eps, int64_t n, 
         for (int64_t i = 0; i < n; ++i) out[i] = rounded(wide(weight[i]) * wide(rounded(wide(h[i]) * scale)));
     }
 }
-"""
-"""The C++ of transformers' RMSNorms (``T`` defined before it), shared with the projection kernel's norms of the
-queries and keys (:mod:`fusion_linear_kernels.projection_kernel`)."""
-
-_SOURCE = NORM_SOURCE + r"""
-static void rms_norms(const T* h, const T* weight, T* out, float eps, int64_t n, int64_t rows, bool plus_one) {
-    for (int64_t r = 0; r < rows; ++r) rms_norm(h + r * n, weight, out + r * n, eps, n, plus_one);
-}
 
 // out[i, r] = w[r] . x[i] (+ bias[r]) for each of the inputs' rows, block weight rows side by side: the GEMV's
 // instances (row_dot.BUILT).
@@ -58,6 +50,16 @@ static void rows_gemv(const T* w, const T* x, const T* bias, T* out, int64_t n, 
     switch (inputs * 100 + block) {
         @CASES@
     }
+}
+"""
+SHARED_SOURCE = _SHARED_SOURCE.replace("@CASES@", row_dot.gemv_cases("bias"))
+"""The C++ a decode step's kernels share (after :func:`row_dot.templates`, which defines ``T`` and the GEMV): rounding
+to ``T``, transformers' RMSNorms and the GEMV over one to eight input rows with a block of weight rows. The projection
+kernel (:mod:`fusion_linear_kernels.projection_kernel`) norms the queries and keys and runs its GEMV with them."""
+
+_SOURCE = SHARED_SOURCE + r"""
+static void rms_norms(const T* h, const T* weight, T* out, float eps, int64_t n, int64_t rows, bool plus_one) {
+    for (int64_t r = 0; r < rows; ++r) rms_norm(h + r * n, weight, out + r * n, eps, n, plus_one);
 }
 
 // act(gate) rounded to T, times up (n elements further), rounded to T, as torch computes the activation in float32
@@ -115,8 +117,7 @@ def source(dtype: torch.dtype) -> str:
     """The C++ of the layer kernel for a model of ``dtype``: the GEMV's templates (:func:`row_dot.templates`), then
     the norms, the activation and the entry point."""
     flags = {"@MLP@": MLP, "@GATE_UP_BIAS@": GATE_UP_BIAS, "@DOWN_BIAS@": DOWN_BIAS,
-             "@GATE_UP_MERGED@": GATE_UP_MERGED, "@SANDWICH@": SANDWICH_FORM, "@PLUS_ONE@": PLUS_ONE, "@GELU@": GELU,
-             "@CASES@": row_dot.gemv_cases("bias")}
+             "@GATE_UP_MERGED@": GATE_UP_MERGED, "@SANDWICH@": SANDWICH_FORM, "@PLUS_ONE@": PLUS_ONE, "@GELU@": GELU}
     code = _SOURCE
     for name, value in flags.items():
         code = code.replace(name, str(value))

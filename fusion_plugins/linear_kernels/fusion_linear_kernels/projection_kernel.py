@@ -28,7 +28,7 @@ import torch
 
 from fusion_linear_kernels import attention_kernel, row_dot
 from fusion_linear_kernels.built_kernels import BuiltKernels
-from fusion_linear_kernels.layer_kernel import NORM_SOURCE
+from fusion_linear_kernels.layer_kernel import SHARED_SOURCE
 from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
 
 PROFILER_LABEL = "fusion::decode_projections"
@@ -37,15 +37,6 @@ DTYPES = attention_kernel.DTYPES
 """The dtypes the kernel runs in (see the module docs)."""
 
 _SOURCE = r"""
-// out[i, r] = w[r] . x[i] (+ bias[r]) for each of the inputs' rows, block weight rows side by side: the GEMV's
-// instances (row_dot.BUILT).
-static void rows_gemv(const T* w, const T* x, const T* bias, T* out, int64_t n, int64_t k, int64_t inputs,
-                      int64_t block) {
-    switch (inputs * 100 + block) {
-        @CASES@
-    }
-}
-
 // One head of width d rotated as apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, where rotate_half(x) is
 // (-x[d/2:], x[:d/2]); each product rounded to T, then their sum.
 static void rotated(const T* x, const T* cos, const T* sin, T* out, int64_t d) {
@@ -90,8 +81,9 @@ extern "C" void kernel(const T* x, const T* w, const T* bias, const T* cos, cons
 
 def source(dtype: torch.dtype) -> str:
     """The C++ of the projection kernel for a model of ``dtype``: the GEMV's templates (:func:`row_dot.templates`),
-    the RMSNorms (:data:`~fusion_linear_kernels.layer_kernel.NORM_SOURCE`), then the rotation and the entry point."""
-    return row_dot.templates(dtype) + NORM_SOURCE + _SOURCE.replace("@CASES@", row_dot.gemv_cases("bias"))
+    the decode step's shared C++ (:data:`~fusion_linear_kernels.layer_kernel.SHARED_SOURCE`: the RMSNorms and the GEMV
+    over a block of rows), then the rotation and the entry point."""
+    return row_dot.templates(dtype) + SHARED_SOURCE + _SOURCE
 
 
 def _build(dtype: torch.dtype) -> Any:
