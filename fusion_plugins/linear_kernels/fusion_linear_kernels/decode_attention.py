@@ -172,7 +172,7 @@ class AttentionForm:
         batch, width = hidden.shape[0], self.head_dim
         blocks = self._blocks(attention, hidden)
         merged = self._merged(attention) if blocks is not None and blocks[0] is not None else None
-        if merged is not None:
+        if merged is not None and _read(merged[0], hidden.dtype):
             owner, sizes = merged
             norms = None
             if self.norms is not None:
@@ -198,8 +198,8 @@ class AttentionForm:
             attended = F.scaled_dot_product_attention(query, keys, values, scale=self.scaling,
                                                       enable_gqa=query.shape[1] != keys.shape[1])
             attended = attended.transpose(1, 2).reshape(batch, 1, -1)
-        if blocks is not None and blocks[1] is not None:
-            o_proj = modules["o_proj"]
+        o_proj = modules["o_proj"]
+        if blocks is not None and blocks[1] is not None and _read(o_proj, hidden.dtype):
             return row_dot.gemv(attended, o_proj._parameters["weight"], o_proj._parameters.get("bias"), blocks[1])
         output: torch.Tensor = modules["o_proj"](attended)
         return output
@@ -243,16 +243,14 @@ class AttentionForm:
             return kept[1]
         settled, qkv, output = True, None, None
         merged = self._merged(attention)
-        if merged is not None and projection_kernel.kernel(hidden.dtype) is not None:
+        if (merged is not None and projection_kernel.kernel(hidden.dtype) is not None
+                and _read(merged[0], hidden.dtype) and self._norms_read(attention, merged[1], hidden.dtype)):
             x = hidden.reshape(rows, -1)
-            weight, bias = merged[0]._parameters.get("weight"), merged[0]._parameters.get("bias")
-            if (isinstance(weight, torch.Tensor) and row_dot.gemv_weight(weight) and (bias is None or _dense(bias))
-                    and self._norms_read(attention, merged[1], hidden.dtype)):
-                settled, qkv = not undecided(x, weight, bias), module_block(x, weight, bias)
+            weight, bias = merged[0]._parameters["weight"], merged[0]._parameters.get("bias")
+            settled, qkv = not undecided(x, weight, bias), module_block(x, weight, bias)
         o_proj = modules["o_proj"]
-        weight, bias = o_proj._parameters.get("weight"), o_proj._parameters.get("bias")
-        if (isinstance(o_proj, nn.Linear) and isinstance(weight, torch.Tensor) and row_dot.gemv_weight(weight)
-                and weight.dtype is hidden.dtype and (bias is None or _dense(bias))):
+        if isinstance(o_proj, nn.Linear) and _read(o_proj, hidden.dtype):
+            weight, bias = o_proj._parameters["weight"], o_proj._parameters.get("bias")
             # Its input is the attention's output, not at hand: a random one of its shape (where the one-row fallback
             # measures, it checks its candidates' outputs on this input, which zeros would not test).
             attended = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
@@ -277,6 +275,14 @@ def _norms(query: nn.Module, key: nn.Module, width: int) -> tuple[float, bool] |
         return "its norms of the queries and keys are not RMSNorms (Llama's or Gemma's) over heads, both alike"
     (plus_one,) = kinds
     return eps, bool(plus_one)
+
+
+def _read(projection: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the GEMV kernel reads ``projection``'s weight and bias as they are now (checked at every call: the blocks
+    are kept, and a weight may be replaced after they were worked out)."""
+    weight, bias = projection._parameters.get("weight"), projection._parameters.get("bias")
+    return (isinstance(weight, torch.Tensor) and row_dot.gemv_weight(weight) and weight.dtype is dtype
+            and (bias is None or (_dense(bias) and bias.dtype is dtype)))
 
 
 def _dense(tensor: torch.Tensor) -> bool:

@@ -174,3 +174,20 @@ def test_load_verification_runs_the_projection_kernel(monkeypatch: pytest.Monkey
     assert all(FORM_KEY in layer.__dict__ and ATTENTION_KEY not in layer.__dict__ for layer in fused.model.layers)
     reason = verified(fused.model.layers[0].self_attn, torch.bfloat16, 1024)
     assert isinstance(reason, str) and "cached keys or values differ" in reason
+
+
+def test_a_weight_replaced_after_the_blocks_were_kept_runs_the_module(projected: list[tuple[int, ...]]) -> None:
+    """The blocks are worked out once per kind; a weight replaced after that (here by a copy laid out transposed,
+    which the GEMV kernel does not read) sends its projection to the module at the next step, so the tokens stay."""
+    fused = fusion_core.fuse(_model("qwen2", **WIDE), MERGED)
+    expected = _generate(fused)
+    assert projected  # the blocks were kept
+    with torch.no_grad():
+        for layer in fused.model.layers:
+            for projection in (layer.self_attn.o_proj, layer.self_attn.qkv_proj):
+                projection.weight.data = projection.weight.data.t().contiguous().t()
+    projected.clear()
+    out = _generate(fused)
+    assert not projected
+    assert torch.equal(out.sequences, expected.sequences)
+    assert all(_close(got, want) for got, want in zip(out.logits, expected.logits, strict=True))
