@@ -7,7 +7,10 @@ taking its columns), a view and a transpose of each part, and the rotation as to
 halves of the head swapped and one negated, ``* sin``, the sum: seven operators for the queries and seven for the
 keys). On the 2-core AMD EPYC (AVX512-BF16; transformers 5.25.0, bf16, Qwen2-0.5B with every family on; a throwaway
 timing of the step's parts) the projection's call and views took 144 us a layer, of which the GEMV about 70, and the
-two rotations 62: about 3 ms a token over 24 layers, around a GEMV of 1.7.
+two rotations 62: about 3 ms a token over 24 layers, around GEMVs of 1.7. With this kernel (and ``o_proj`` run by the
+GEMV kernel directly), side by side with the step's attention calling its projection modules (``benchmarks/
+bench_decode.py``'s ``(projections as modules)`` contender; docs/benchmarks.md, "The step's projections in one C++
+call"): 38.17 against 43.57 ms a token, 5 interleaved rounds.
 
 The GEMV is :mod:`fusion_linear_kernels.row_dot`'s templates, compiled into this kernel and run with the block the
 merged weight's kind decided, so it gives the module's bits; the rotation rounds as transformers'
