@@ -1,7 +1,9 @@
 """Which block of the GEMV kernel a decode step runs for a projection: the decoder layer's
 (:mod:`fusion_linear_kernels.decode_layer`) and its attention's (:mod:`fusion_linear_kernels.decode_attention`) GEMVs
 run inside C++ kernels of their own, not through the projection modules, so they read the decision the module's kind
-took (:func:`~fusion_linear_kernels.choice.decided`) and run that kernel's block, giving the bits the module gives."""
+took (:func:`~fusion_linear_kernels.choice.decided`) and run that kernel's block: the module's bits where the module
+runs the kernel (:func:`module_block`), or one of the kernel's own one-row blocks, within the bound, where it chose
+``torch.mv`` or ``F.linear`` at one row (:func:`block`)."""
 
 from __future__ import annotations
 
