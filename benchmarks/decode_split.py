@@ -8,6 +8,8 @@ are profiled, one with ``tokens`` new tokens and one with a single new token; th
   ``_linear_pointwise``, ``_weight_int8pack_mm``) by the shape of the weight it reads;
 - ``decode step: MLP <hidden>x<intermediate>`` and ``decode step: input norm``: the calls of ``linear_kernels``'
   decode step (the MLP's call holds its three GEMVs, with the norms and residuals around them);
+- ``decode step: q/k/v <weight>``: the calls of its projection kernel (the merged q/k/v GEMV, with the norms of the
+  queries and keys and the rotary embedding);
 - ``attention``: ``scaled_dot_product_attention`` and its kernels, the batched products of eager attention, and the
   attention kernel of ``linear_kernels``' decode step (``fusion::decode_attention``);
 - ``other operators``: norms, RoPE, casts, argmax, the KV cache's copies, ...;
@@ -41,6 +43,9 @@ BUILT_GEMV = "fusion::gemv"
 #: How ``linear_kernels``' decode step labels its kernel's calls (``fusion_linear_kernels.layer_kernel``): ``input
 #: norm``, or ``MLP`` and the widths (the gate, up and down GEMVs with the norms and residuals around them).
 DECODE_LAYER = "fusion::decode_layer"
+#: How the decode step's projection kernel labels its calls (``fusion_linear_kernels.projection_kernel``), with the
+#: merged q/k/v weight's shape after it.
+DECODE_PROJECTIONS = "fusion::decode_projections"
 ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention", "aten::bmm", "aten::baddbmm",
              "fusion::decode_attention")
 
@@ -53,6 +58,8 @@ def group_of(name: str, shapes: list[Any]) -> str:
         return "compiled code (--compile)"
     if name.startswith(DECODE_LAYER):
         return f"decode step: {name[len(DECODE_LAYER):].strip()} (linear_kernels' layer kernel)"
+    if name.startswith(DECODE_PROJECTIONS):
+        return f"decode step: q/k/v {name[len(DECODE_PROJECTIONS):].strip()} (linear_kernels' projection kernel)"
     if name.startswith(BUILT_GEMV):
         return f"GEMV {name[len(BUILT_GEMV):].strip()} (linear_kernels' GEMV kernel)"
     found = GEMM_WEIGHTS.get(name)

@@ -174,6 +174,28 @@ def test_training_step_benchmark_runs_and_its_fused_steps_match_plain(tmp_path: 
             assert sample["grad_rel_fp32"] <= max(limit, 1e-5), (run["setting"], name, sample)
 
 
+def test_the_decode_split_books_every_built_kernels_calls_under_a_kernel() -> None:
+    """A built kernel's calls are no torch operators: ``linear_kernels`` labels them (a module's ``PROFILER_LABEL``),
+    and ``bench_decode.py --profile`` must book each label as a GEMV, a decode step's call or attention, never as
+    "other operators", which would hide a kernel's time among the small operators."""
+    pytest.importorskip("fusion_linear_kernels")
+    import importlib
+    import pkgutil
+
+    import fusion_linear_kernels
+
+    _on_benchmark_path()
+    from decode_split import group_of
+
+    labels = {name: module.PROFILER_LABEL for name, module in (
+        (info.name, importlib.import_module(f"fusion_linear_kernels.{info.name}"))
+        for info in pkgutil.iter_modules(fusion_linear_kernels.__path__)) if hasattr(module, "PROFILER_LABEL")}
+    assert {"row_dot", "layer_kernel", "attention_kernel", "projection_kernel"} <= labels.keys()
+    for name, label in labels.items():
+        group = group_of(f"{label} 1152x896", [])
+        assert group.startswith(("GEMV", "decode step", "attention")), (name, group)
+
+
 @pytest.mark.parametrize("families", [None, {"qkv": True, "gate_up": True, "linear_kernels": True}])
 def test_the_decode_split_finds_every_weight_kind_a_step_reads(llama: Path, families: dict[str, bool] | None,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
