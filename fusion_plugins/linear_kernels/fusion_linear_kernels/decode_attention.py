@@ -172,7 +172,7 @@ class AttentionForm:
         batch, width = hidden.shape[0], self.head_dim
         blocks = self._blocks(attention, hidden)
         merged = self._merged(attention) if blocks is not None and blocks[0] is not None else None
-        if merged is not None and _read(merged[0], hidden.dtype):
+        if merged is not None and self._kernel_reads(attention, merged, hidden.dtype):
             owner, sizes = merged
             norms = None
             if self.norms is not None:
@@ -216,9 +216,14 @@ class AttentionForm:
             return None
         return merged.owner, merged.sizes
 
-    def _norms_read(self, attention: nn.Module, sizes: tuple[int, ...], dtype: torch.dtype) -> bool:
-        """Whether the kernel reads the norms of the queries and keys as the modules hold them (none, or dense weights
-        of the dtype, each a head's width or its part's)."""
+    def _kernel_reads(self, attention: nn.Module, merged: tuple[nn.Module, tuple[int, ...]],
+                      dtype: torch.dtype) -> bool:
+        """Whether the projection kernel reads the merged projection's weight and bias (:func:`_read`) and the norms of
+        the queries and keys (none, or dense weights of the dtype, each a head's width or its part's) as the modules
+        hold them now: checked at every call, as the blocks are kept and a weight may be replaced after."""
+        owner, sizes = merged
+        if not _read(owner, dtype):
+            return False
         if self.norms is None:
             return True
         weights = [attention._modules[name]._parameters.get("weight") for name in NORMS]
@@ -244,7 +249,7 @@ class AttentionForm:
         settled, qkv, output = True, None, None
         merged = self._merged(attention)
         if (merged is not None and projection_kernel.kernel(hidden.dtype) is not None
-                and _read(merged[0], hidden.dtype) and self._norms_read(attention, merged[1], hidden.dtype)):
+                and self._kernel_reads(attention, merged, hidden.dtype)):
             x = hidden.reshape(rows, -1)
             weight, bias = merged[0]._parameters["weight"], merged[0]._parameters.get("bias")
             settled, qkv = not undecided(x, weight, bias), module_block(x, weight, bias)

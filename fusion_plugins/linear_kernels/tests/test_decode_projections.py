@@ -176,16 +176,23 @@ def test_load_verification_runs_the_projection_kernel(monkeypatch: pytest.Monkey
     assert isinstance(reason, str) and "cached keys or values differ" in reason
 
 
-def test_a_weight_replaced_after_the_blocks_were_kept_runs_the_module(projected: list[tuple[int, ...]]) -> None:
-    """The blocks are worked out once per kind; a weight replaced after that (here by a copy laid out transposed,
-    which the GEMV kernel does not read) sends its projection to the module at the next step, so the tokens stay."""
-    fused = fusion_core.fuse(_model("qwen2", **WIDE), MERGED)
+@pytest.mark.parametrize(("kind", "replaced"), [("qwen2", ("o_proj", "qkv_proj")), ("qwen3", ("q_norm",))],
+                         ids=["projections", "norm-of-the-queries"])
+def test_a_weight_replaced_after_the_blocks_were_kept_runs_the_module(kind: str, replaced: tuple[str, ...],
+                                                                      projected: list[tuple[int, ...]]) -> None:
+    """The blocks are worked out once per kind; a weight replaced after that (here by a copy of the same values laid
+    out with other strides, which the kernels do not read) sends its projection to the module at the next step, so
+    the tokens stay."""
+    fused = fusion_core.fuse(_model(kind, **WIDE), MERGED)
     expected = _generate(fused)
     assert projected  # the blocks were kept
     with torch.no_grad():
         for layer in fused.model.layers:
-            for projection in (layer.self_attn.o_proj, layer.self_attn.qkv_proj):
-                projection.weight.data = projection.weight.data.t().contiguous().t()
+            for name in replaced:
+                weight = getattr(layer.self_attn, name).weight
+                weight.data = (weight.data.t().contiguous().t() if weight.dim() == 2
+                               else torch.stack([weight.data, weight.data], dim=1)[:, 0])
+                assert not weight.is_contiguous()
     projected.clear()
     out = _generate(fused)
     assert not projected
