@@ -30,11 +30,19 @@ interleaved (GLM) fails the keys' check; soft-capped scores run eager attention 
 refused. Their attention runs as the module.
 
 **When it runs.** Besides what the layer's step requires: one new token a sequence (``[batch, 1, hidden]``), the
-rotation's cosines and sines of the shape verified (``[batch or 1, 1, head_dim]``, the dtype's), no attention mask
-(transformers passes none where every cached position is seen: no padding, no sliding window cut), the attention
-implementation ``sdpa``, a ``DynamicCache`` whose layer holds plain ``DynamicLayer`` keys already (not offloaded, not
-quantized, not a sliding window), the verified module types in place, no hooks on the attention module, no arguments but
-those listed in :data:`KNOWN` (``output_attentions`` false). Any other call runs the module.
+rotation's cosines and sines of the shape verified (``[batch or 1, 1, head_dim]``, the dtype's), every key the cache
+hands back visible (no attention mask, as transformers passes none where no position is hidden, or a boolean one that
+hides none: :func:`_all_visible`; padding runs the module), the attention implementation ``sdpa``, a ``DynamicCache``
+whose layer holds keys already in a ``DynamicLayer`` or a sliding window's ``DynamicSlidingWindowLayer`` (not offloaded,
+not quantized), the verified module types in place, no hooks on the attention module, no arguments but those listed in
+:data:`KNOWN` (``output_attentions`` false). Any other call runs the module.
+
+**Sliding windows.** A sliding window's attention (Mistral's, Gemma 3's local layers, Qwen2's upper layers) computes
+as a full one over the keys its cache layer hands back: the window lives in the cache (it keeps the window's last keys)
+and in the mask (which, at a one-token step, hides none of them), while ``sdpa`` ignores the module's
+``sliding_window``. So the step runs it as it runs any other: the cache's own ``update``, then attention over what that
+returns. Before, such a layer ran as its module at every step, though a prompt inside the window passes no mask (a
+tiny Mistral of the default 4096-token window, 5.25.0: 47 of 47 steps' attentions).
 """
 
 from __future__ import annotations
@@ -75,14 +83,26 @@ forward does to large values (a cap on its output: ``test_decode_attention.py``)
 
 
 @functools.cache
-def _cache_types() -> tuple[type, type] | None:
-    """transformers' ``DynamicCache`` and ``DynamicLayer`` (the layer class a dynamic cache appends to), or None where
-    this transformers has no cache layers (before 4.56)."""
+def _cache_types() -> tuple[type, tuple[type, ...]] | None:
+    """transformers' ``DynamicCache`` and the layer classes a dynamic cache appends to (``DynamicLayer``, and
+    ``DynamicSlidingWindowLayer``: a sliding window's layer, which keeps the window's last keys and hands the caller of
+    its ``update`` those and the new ones), or None where this transformers has no cache layers (before 4.56)."""
     try:
         from transformers.cache_utils import DynamicCache, DynamicLayer
     except ImportError:
         return None
-    return DynamicCache, DynamicLayer
+    from transformers import cache_utils
+
+    sliding = getattr(cache_utils, "DynamicSlidingWindowLayer", None)
+    return DynamicCache, (DynamicLayer,) if sliding is None else (DynamicLayer, sliding)
+
+
+def _all_visible(mask: object) -> bool:
+    """Whether a one-token step's attention mask lets it see every key its cache hands it: no mask, or a boolean one of
+    one query row that is true throughout (transformers 5.x passes one once a sliding window's cache is full: every key
+    the window's layer hands back lies inside the window). A mask that hides a key (padding) is the module's to run."""
+    return mask is None or (type(mask) is torch.Tensor and mask.dtype is torch.bool and mask.dim() == 4
+                            and mask.shape[1:3] == (1, 1) and bool(mask.all()))
 
 
 class AttentionForm:
@@ -144,7 +164,8 @@ class AttentionForm:
     def run(self, attention: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:
         """The attention's output for ``hidden`` (its input, normed) at a decode step, or None where the call is not
         one the step runs (see the module docs): the caller then calls the module."""
-        if (kwargs.keys() - KNOWN or kwargs.get("attention_mask") is not None or kwargs.get("output_attentions")
+        mask = kwargs.get("attention_mask")
+        if (kwargs.keys() - KNOWN or not _all_visible(mask) or kwargs.get("output_attentions")
                 or hidden.dim() != 3 or hidden.shape[1] != 1 or compat.forward_hooks((attention,))
                 or self.types_of(attention) != self.types):
             return None
@@ -153,10 +174,10 @@ class AttentionForm:
         types = _cache_types()
         if len(caches) != 1 or types is None or not isinstance(embeddings, tuple) or len(embeddings) != 2:
             return None
-        (cache,), (cache_type, layer_type) = caches, types
+        (cache,), (cache_type, layer_types) = caches, types
         layers = cache.__dict__.get("layers") if type(cache) is cache_type else None
         if (not isinstance(layers, list) or len(layers) <= self.layer_idx or cache.__dict__.get("offloading")
-                or type(layers[self.layer_idx]) is not layer_type or not layers[self.layer_idx].is_initialized
+                or type(layers[self.layer_idx]) not in layer_types or not layers[self.layer_idx].is_initialized
                 or compat.attention_implementation(attention) != "sdpa"):
             return None
         cos, sin = embeddings
@@ -164,10 +185,10 @@ class AttentionForm:
                 and sin.dtype is hidden.dtype and cos.shape == sin.shape and cos.dim() == 3
                 and cos.shape[0] in (1, hidden.shape[0]) and cos.shape[1:] == (1, self.head_dim)):
             return None  # not [batch, 1, head_dim], as verified (multimodal rotations: one a section)
-        return self._attend(attention, hidden, cos, sin, cache)
+        return self._attend(attention, hidden, cos, sin, cache, mask)
 
     def _attend(self, attention: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: Any) -> torch.Tensor:
+                cache: Any, mask: torch.Tensor | None = None) -> torch.Tensor:
         modules = attention._modules
         batch, width = hidden.shape[0], self.head_dim
         blocks = self._blocks(attention, hidden)
@@ -193,9 +214,12 @@ class AttentionForm:
             query, key, value = (part.view(batch, 1, -1, width).transpose(1, 2) for part in parts)
             keys, values = cache.update(_rotated(key, cos, sin), value, self.layer_idx)
             query = _rotated(query, cos, sin)
-        attended = attention_kernel.attend(query, keys, values, self.scaling)
+        if mask is not None and mask.shape[-1] != keys.shape[-2]:  # not this cache's keys: the module's computation
+            attended = None
+        else:
+            attended, mask = attention_kernel.attend(query, keys, values, self.scaling), None  # every key visible
         if attended is None:
-            attended = F.scaled_dot_product_attention(query, keys, values, scale=self.scaling,
+            attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scaling,
                                                       enable_gqa=query.shape[1] != keys.shape[1])
             attended = attended.transpose(1, 2).reshape(batch, 1, -1)
         o_proj = modules["o_proj"]

@@ -157,15 +157,45 @@ def test_calls_the_attention_step_cannot_take_run_the_module(attended: list[nn.M
 
 
 @pytest.mark.usefixtures("torch_attention")
-def test_a_sliding_window_cache_runs_the_module(attended: list[nn.Module]) -> None:
-    fused = fusion_core.fuse(_model("mistral", sliding_window=3), ALONE)
+@pytest.mark.parametrize("window", [3, 4096], ids=["full-window-all-true-mask", "inside-the-window-no-mask"])
+def test_a_sliding_window_cache_takes_the_step(window: int, attended: list[nn.Module]) -> None:
+    fused = fusion_core.fuse(_model("mistral", sliding_window=window), ALONE)
     assert all(ATTENTION_KEY in layer.__dict__ for layer in fused.model.layers)
     attended.clear()
     expected = _generate(_modules_attend(fused))
+    assert not attended
     out = _generate(fused)
+    assert attended == _attentions(fused) * 5  # every one-token step, the window's layers included (5.x's apart)
     assert torch.equal(out.sequences, expected.sequences)
-    if int(transformers.__version__.split(".")[0]) >= 5:  # 5.x's cache keeps a window's layers apart
-        assert not attended
+    assert all(_close(got, want) for got, want in zip(out.logits, expected.logits, strict=True))
+
+
+def test_a_mask_that_hides_a_key_runs_the_module_and_one_that_hides_none_the_step() -> None:
+    fused = fusion_core.fuse(_model("llama"), MERGED)
+    layer = fused.model.layers[0]
+    form, attention = layer.__dict__[ATTENTION_KEY], layer.self_attn
+    cache_type, _ = decode_attention._cache_types()  # type: ignore[misc]
+    rotation = torch.randn(1, 1, 64).bfloat16()
+    hidden = torch.randn(1, 1, 512).bfloat16()
+    results = {}
+    for name, mask in [("none", None), ("all visible", torch.ones(1, 1, 1, 4, dtype=torch.bool)),
+                       ("one hidden", torch.tensor([[[[False, True, True, True]]]])),
+                       ("additive", torch.zeros(1, 1, 1, 4).bfloat16())]:
+        cache = cache_type()
+        cache.update(*torch.randn(2, 1, 2, 3, 64, generator=torch.Generator().manual_seed(0)).bfloat16(),
+                     form.layer_idx)
+        with torch.no_grad():
+            results[name] = form.run(attention, hidden, {"attention_mask": mask, "cache": cache,
+                                                         "position_embeddings": (rotation, rotation)})
+    assert results["one hidden"] is None and results["additive"] is None  # the module's to run
+    assert results["none"] is not None and torch.equal(results["all visible"], results["none"])
+    too_long = {"attention_mask": torch.ones(1, 1, 1, 9, dtype=torch.bool), "position_embeddings": (rotation, rotation)}
+    for call in (lambda cache: form.run(attention, hidden, {**too_long, "cache": cache}),
+                 lambda cache: attention(hidden, **too_long, **{form.cache_name: cache})):
+        cache = cache_type()
+        cache.update(*torch.randn(2, 1, 2, 3, 64).bfloat16(), form.layer_idx)
+        with torch.no_grad(), pytest.raises(RuntimeError):  # a mask of other keys than the cache's: as the module
+            call(cache)
 
 
 def test_the_step_attention_survives_pickling_and_unfuse_drops_it(attended: list[nn.Module]) -> None:
@@ -230,11 +260,14 @@ def test_the_kernel_declines_what_it_does_not_take() -> None:
 
 
 @pytest.mark.parametrize("sequences", [1, 3])
-def test_with_its_kernel_each_step_is_within_the_bound_of_the_modules(sequences: int,
+@pytest.mark.parametrize(("kind", "extra"), [("qwen2", {}), ("mistral", {"sliding_window": 3})],
+                         ids=["qwen2", "mistral-full-sliding-window"])
+def test_with_its_kernel_each_step_is_within_the_bound_of_the_modules(sequences: int, kind: str,
+                                                                      extra: dict[str, Any],
                                                                       attended: list[nn.Module]) -> None:
     if attention_kernel.kernel(torch.bfloat16) is None:
         pytest.skip("the attention kernel cannot be built here")
-    fused = fusion_core.fuse(_model("qwen2"), MERGED)
+    fused = fusion_core.fuse(_model(kind, **extra), MERGED)
     reference = _modules_attend(fused)
     prompts = torch.cat([IDS, IDS.flip(-1), IDS + 1])[:sequences]
     attended.clear()
