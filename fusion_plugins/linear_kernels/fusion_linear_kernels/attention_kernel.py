@@ -7,14 +7,13 @@ Qwen2-0.5B's 14 query and 2 key/value heads of 64; a throwaway timing) it took 2
 230 at 256 and 989 at 1024 a layer, where reading that layer's 1024 keys and values (0.5 MB) takes about 20 us at the
 machine's read bandwidth: at 1024 tokens, about 24 ms a token over Qwen2-0.5B's 24 layers.
 
-Here each key/value head's group of query heads is one task (OpenMP over batch rows and key/value heads): the
-queries widened to float32 once, each cached key widened once and dotted with every query of the group, the scores
-scaled, a softmax over them (their maximum subtracted, torch's vectorised ``exp``), then each cached value widened once
-and accumulated into every query's output with its weight, the sums divided by the softmax's and rounded to the
-dtype once. The sums run in another order than torch's flash kernel (which also rounds once): within the bound
-(:mod:`fusion_linear_kernels.tolerance`), and the decode step verifies the whole attention against the module's
-forward at load.
-"""
+Here each key/value head's group of query heads is one task (OpenMP over batch rows and key/value heads): the queries
+widened to float32 once, each cached key widened once and dotted with every query of the group, the scores scaled (and
+soft-capped, ``cap * tanh(score / cap)``, where the attention caps them: Gemma 2's), a softmax over them (their maximum
+subtracted, torch's vectorised ``exp``), then each cached value widened once and accumulated into every query's output
+with its weight, the sums divided by the softmax's and rounded to the dtype once. The sums run in another order than
+torch's flash kernel (which also rounds once): within the bound (:mod:`fusion_linear_kernels.tolerance`), and the decode
+step verifies the whole attention against the module's forward at load. """
 
 from __future__ import annotations
 
@@ -46,15 +45,16 @@ static inline void widen(const T* row, float* out, int64_t n) {
     for (; d + lanes <= n; d += lanes) widened(row + d).store(out + d);
     for (; d < n; ++d) out[d] = static_cast<float>(row[d]);
 }
-// scale * (q . k) for a query and a key row, both widened to float32.
-static inline float score(const float* q, const float* k, int64_t n, float scale) {
+// scale * (q . k) for a query and a key row, both widened to float32; soft-capped (cap * tanh(s / cap), Gemma 2's)
+// where cap is positive.
+static inline float score(const float* q, const float* k, int64_t n, float scale, float cap) {
     constexpr int64_t lanes = Acc::size();
     Acc sums(0.0f);
     int64_t d = 0;
     for (; d + lanes <= n; d += lanes) sums = at::vec::fmadd(Acc::loadu(k + d), Acc::loadu(q + d), sums);
     float sum = at::vec::vec_reduce_all<float, 2>([](V& a, V& b) { return a + b; }, sums);
     for (; d < n; ++d) sum += q[d] * k[d];
-    return sum * scale;
+    return cap > 0.0f ? cap * std::tanh(sum * scale / cap) : sum * scale;
 }
 // Subtracts the maximum of s[0..n) from each, takes exp in place and returns their sum.
 static inline float softmax_numerators(float* s, int64_t n) {
@@ -74,9 +74,11 @@ static inline float softmax_numerators(float* s, int64_t n) {
 }
 
 // q: [batch, heads, width]; k, v: [batch, kv_heads, length, width]; out: [batch, heads, width]. Query head h reads
-// key/value head h / (heads / kv_heads); one task a batch row and key/value head.
-extern "C" void kernel(const T* q, const T* k, const T* v, T* out, const float scale, const int64_t batch,
-                       const int64_t heads, const int64_t kv_heads, const int64_t length, const int64_t width) {
+// key/value head h / (heads / kv_heads); one task a batch row and key/value head. cap: the scores' soft cap, 0 for
+// none.
+extern "C" void kernel(const T* q, const T* k, const T* v, T* out, const float scale, const float cap,
+                       const int64_t batch, const int64_t heads, const int64_t kv_heads, const int64_t length,
+                       const int64_t width) {
     const int64_t group = heads / kv_heads;
     constexpr int64_t lanes = Acc::size();
     const int64_t whole = width - width % lanes;
@@ -92,7 +94,7 @@ extern "C" void kernel(const T* q, const T* k, const T* v, T* out, const float s
             for (int64_t j = 0; j < length; ++j) {
                 widen(keys + j * width, row.data(), width);
                 for (int64_t i = 0; i < group; ++i)
-                    scores[i * length + j] = score(queries.data() + i * width, row.data(), width, scale);
+                    scores[i * length + j] = score(queries.data() + i * width, row.data(), width, scale, cap);
             }
             for (int64_t i = 0; i < group; ++i) totals[i] = softmax_numerators(scores.data() + i * length, length);
             for (int64_t j = 0; j < length; ++j) {
@@ -125,7 +127,7 @@ def source(dtype: torch.dtype) -> str:
 
 def _build(dtype: torch.dtype) -> Any:
     pointer = f"const {row_dot.C_TYPES[dtype]}*"
-    argtypes = [pointer] * 3 + [f"{row_dot.C_TYPES[dtype]}*", "const float"] + ["const int64_t"] * 5
+    argtypes = [pointer] * 3 + [f"{row_dot.C_TYPES[dtype]}*", "const float", "const float"] + ["const int64_t"] * 5
     return row_dot.built_kernel(f"decode attention {dtype}", argtypes, source(dtype))
 
 
@@ -139,10 +141,12 @@ def kernel(dtype: torch.dtype) -> Any:
     return _KERNELS.get(dtype) if dtype in DTYPES else None
 
 
-def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor | None:
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+           softcap: float | None = None) -> torch.Tensor | None:
     """The attention of ``query`` (``[batch, heads, 1, width]``) over ``keys`` and ``values`` (``[batch, kv_heads,
-    length, width]``, contiguous, of the query's dtype) as ``[batch, 1, heads * width]``; None where the kernel cannot
-    take them (the caller runs torch's)."""
+    length, width]``, contiguous, of the query's dtype) as ``[batch, 1, heads * width]``, its scaled scores soft-capped
+    (``softcap * tanh(score / softcap)``, Gemma 2's) where ``softcap`` is given; None where the kernel cannot take them
+    (the caller runs torch's)."""
     if query.dim() != 4 or keys.dim() != 4:
         return None
     batch, heads, tokens, width = query.shape
@@ -151,11 +155,12 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
     if (compiled is None or tokens != 1 or length == 0 or kv_heads == 0 or heads % kv_heads
             or keys.shape != values.shape
             or keys.shape[0] != batch or keys.shape[3] != width or not (keys.dtype is values.dtype is query.dtype)
-            or not (query.is_contiguous() and keys.is_contiguous() and values.is_contiguous())):
+            or not (query.is_contiguous() and keys.is_contiguous() and values.is_contiguous())
+            or (softcap is not None and not softcap > 0.0)):
         return None
     out = query.new_empty(batch, 1, heads * width)
-    row_dot.labelled_call(PROFILER_LABEL, compiled, query, keys, values, out, scale, batch, heads, kv_heads, length,
-                          width)
+    row_dot.labelled_call(PROFILER_LABEL, compiled, query, keys, values, out, scale, softcap or 0.0, batch, heads,
+                          kv_heads, length, width)
     return out
 
 

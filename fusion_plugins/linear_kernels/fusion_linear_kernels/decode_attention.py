@@ -25,17 +25,24 @@ transformers builds: the cache's new keys and values bit for bit (the rotary emb
 ``apply_rotary_pos_emb`` does: ``x * cos + rotate_half(x) * sin``, each product rounded to the dtype; with norms of the
 queries and keys, the keys within the bound, as the projection kernel's norms sum in another order than torch's), the
 output within the bound (:func:`~fusion_linear_kernels.layer_forms.tolerance`: the kernel sums in another order than
-torch's). Sinks (a parameter of the attention's own) are refused by name; a rotary embedding over part of the head or
-interleaved (GLM) fails the keys' check; soft-capped scores run eager attention (transformers 5.x's Gemma 2), which is
-refused. Their attention runs as the module.
+torch's), on cached keys of two scales (:data:`_SPREADS`: the larger saturates a cap on the scores). Sinks (a parameter
+of the attention's own) are refused by name; a rotary embedding over part of the head or interleaved (GLM) fails the
+keys' check. Their attention runs as the module.
+
+**Implementations and soft caps.** A form is verified under the attention implementation its model runs, ``sdpa`` or
+``eager`` (:data:`IMPLEMENTATIONS`), and runs under that one only. Scores soft-capped as Gemma 2's are
+(``cap * tanh(score / cap)``, read from :data:`SOFTCAP`; transformers 5.x runs Gemma 2 under ``eager``, as ``sdpa``
+cannot cap) are capped in the kernel; verification on the larger scale of keys proves the cap (the step without it
+differs from the forward by far more than the bound: ``test_decode_attention.py``).
 
 **When it runs.** Besides what the layer's step requires: one new token a sequence (``[batch, 1, hidden]``), the
 rotation's cosines and sines of the shape verified (``[batch or 1, 1, head_dim]``, the dtype's), every key the cache
-hands back visible (no attention mask, as transformers passes none where no position is hidden, or a boolean one that
-hides none: :func:`_all_visible`; padding runs the module), the attention implementation ``sdpa``, a ``DynamicCache``
-whose layer holds keys already in a ``DynamicLayer`` or a sliding window's ``DynamicSlidingWindowLayer`` (not offloaded,
-not quantized), the verified module types in place, no hooks on the attention module, no arguments but those listed in
-:data:`KNOWN` (``output_attentions`` false). Any other call runs the module.
+hands back visible (no attention mask, as transformers passes none where no position is hidden, or one that hides none,
+boolean and true throughout or, under ``eager``, zeros added to the scores: :func:`_all_visible`; padding runs the
+module), the attention implementation verified, a ``DynamicCache`` whose layer holds keys already in a ``DynamicLayer``
+or a sliding window's ``DynamicSlidingWindowLayer`` (not offloaded, not quantized), the verified module types in place,
+no hooks on the attention module, no arguments but those listed in :data:`KNOWN` (``output_attentions`` false). Any
+other call runs the module.
 
 **Sliding windows.** A sliding window's attention (Mistral's, Gemma 3's local layers, Qwen2's upper layers) computes
 as a full one over the keys its cache layer hands back: the window lives in the cache (it keeps the window's last keys)
@@ -75,11 +82,20 @@ KNOWN = frozenset({"position_embeddings", "attention_mask", *CACHE_NAMES, "cache
                    "use_cache", "output_attentions"})
 """The arguments a decoder layer passes its attention that :meth:`AttentionForm.run` reads or may ignore at a decode
 step (positions are in the rotary embedding already; the dynamic cache appends whatever the position)."""
+IMPLEMENTATIONS = ("sdpa", "eager")
+"""The attention implementations a form may be verified under (transformers' ``_attn_implementation``). A call under
+another than the one verified runs the module: implementations compute otherwise (5.x's Gemma 2 soft-caps its scores
+under ``eager`` and refuses ``sdpa``)."""
+SOFTCAP = "attn_logit_softcapping"
+"""The attention's attribute holding the soft cap of its scores (Gemma 2's: ``cap * tanh(score / cap)`` before the
+softmax), None for none; verification proves the step caps them as the forward does."""
 _PRIOR = 3
 """The tokens verification puts in the cache before its decode step."""
-_SPREAD = 16.0
-"""The scale of the cached keys and values verification draws: scores and outputs far from zero, so that what a
-forward does to large values (a cap on its output: ``test_decode_attention.py``) shows beyond the bound."""
+_SPREADS = (16.0, 1024.0)
+"""The scales of the cached keys and values verification draws: scores and outputs far from zero, so that what a
+forward does to large values (a cap on its output: ``test_decode_attention.py``) shows beyond the bound; and scores far
+beyond any soft cap's (Gemma 2's 50), where a capped softmax spreads its weight over every key at the cap and an
+uncapped one takes the largest, so a forward that caps them and a step that does not (or the other way) differ."""
 
 
 @functools.cache
@@ -98,28 +114,36 @@ def _cache_types() -> tuple[type, tuple[type, ...]] | None:
 
 
 def _all_visible(mask: object) -> bool:
-    """Whether a one-token step's attention mask lets it see every key its cache hands it: no mask, or a boolean one of
-    one query row that is true throughout (transformers 5.x passes one once a sliding window's cache is full: every key
-    the window's layer hands back lies inside the window). A mask that hides a key (padding) is the module's to run."""
-    return mask is None or (type(mask) is torch.Tensor and mask.dtype is torch.bool and mask.dim() == 4
-                            and mask.shape[1:3] == (1, 1) and bool(mask.all()))
+    """Whether a one-token step's attention mask lets it see every key its cache hands it: no mask, or one of one query
+    row that hides none, boolean and true throughout (transformers 5.x passes one to ``sdpa`` once a sliding window's
+    cache is full: every key the window's layer hands back lies inside the window) or added to the scores and zero
+    throughout (``eager``'s, at every step). A mask that hides a key (padding) is the module's to run."""
+    if mask is None:
+        return True
+    if not (type(mask) is torch.Tensor and mask.dim() == 4 and mask.shape[1:3] == (1, 1)):
+        return False
+    return bool(mask.all()) if mask.dtype is torch.bool else mask.is_floating_point() and not bool(mask.any())
 
 
 class AttentionForm:
     """What a verified attention's decode step reads: its layer index in the cache, the head width, the softmax scale,
     the name of its forward's cache argument and the types of the modules it calls (verified once per load)."""
 
-    __slots__ = ("_kept", "cache_name", "head_dim", "layer_idx", "norms", "scaling", "sizes", "types")
+    __slots__ = ("_kept", "cache_name", "head_dim", "implementation", "layer_idx", "norms", "scaling", "sizes",
+                 "softcap", "types")
 
     def __init__(self, layer_idx: int, head_dim: int, scaling: float, cache_name: str,
                  types: tuple[type, ...], sizes: tuple[int, int, int] | None = None,
-                 norms: tuple[float, bool] | None = None) -> None:
+                 norms: tuple[float, bool] | None = None, softcap: float | None = None,
+                 implementation: str = "sdpa") -> None:
         self.layer_idx, self.head_dim, self.scaling = layer_idx, head_dim, scaling
         self.cache_name, self.types, self.sizes, self.norms = cache_name, types, sizes, norms
+        self.softcap, self.implementation = softcap, implementation
         self._kept: dict[int, tuple[int, tuple[int | None, int | None]]] = {}  # rows -> (generation, blocks)
 
     def __getstate__(self) -> tuple[Any, ...]:
-        return self.layer_idx, self.head_dim, self.scaling, self.cache_name, self.types, self.sizes, self.norms
+        return (self.layer_idx, self.head_dim, self.scaling, self.cache_name, self.types, self.sizes, self.norms,
+                self.softcap, self.implementation)
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         self.__init__(*state)  # type: ignore[misc]
@@ -159,7 +183,14 @@ class AttentionForm:
         norms = _norms(children["q_norm"], children["k_norm"], head_dim) if normed else None
         if isinstance(norms, str):
             return norms
-        return cls(layer_idx, head_dim, scaling, cache_name, cls.types_of(attention), sizes, norms)
+        implementation = compat.attention_implementation(attention)
+        if implementation not in IMPLEMENTATIONS:
+            return f"its attention implementation is {implementation!r}, not one of {IMPLEMENTATIONS}"
+        softcap = values.get(SOFTCAP)
+        if softcap is not None and not (type(softcap) in (int, float) and softcap > 0):
+            return f"its {SOFTCAP} is {softcap!r}, not a positive number"
+        return cls(layer_idx, head_dim, scaling, cache_name, cls.types_of(attention), sizes, norms,
+                   None if softcap is None else float(softcap), implementation)
 
     def run(self, attention: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:
         """The attention's output for ``hidden`` (its input, normed) at a decode step, or None where the call is not
@@ -178,8 +209,8 @@ class AttentionForm:
         layers = cache.__dict__.get("layers") if type(cache) is cache_type else None
         if (not isinstance(layers, list) or len(layers) <= self.layer_idx or cache.__dict__.get("offloading")
                 or type(layers[self.layer_idx]) not in layer_types or not layers[self.layer_idx].is_initialized
-                or compat.attention_implementation(attention) != "sdpa"):
-            return None
+                or compat.attention_implementation(attention) != self.implementation):
+            return None  # another implementation computes otherwise than the one verified
         cos, sin = embeddings
         if not (type(cos) is torch.Tensor and type(sin) is torch.Tensor and cos.dtype is hidden.dtype
                 and sin.dtype is hidden.dtype and cos.shape == sin.shape and cos.dim() == 3
@@ -217,16 +248,33 @@ class AttentionForm:
         if mask is not None and mask.shape[-1] != keys.shape[-2]:  # not this cache's keys: the module's computation
             attended = None
         else:
-            attended, mask = attention_kernel.attend(query, keys, values, self.scaling), None  # every key visible
+            attended, mask = attention_kernel.attend(query, keys, values, self.scaling, self.softcap), None  # all seen
         if attended is None:
-            attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scaling,
-                                                      enable_gqa=query.shape[1] != keys.shape[1])
-            attended = attended.transpose(1, 2).reshape(batch, 1, -1)
+            attended = self._torch_attention(query, keys, values, mask).transpose(1, 2).reshape(batch, 1, -1)
         o_proj = modules["o_proj"]
         if blocks is not None and blocks[1] is not None and _read(o_proj, hidden.dtype):
             return row_dot.gemv(attended, o_proj._parameters["weight"], o_proj._parameters.get("bias"), blocks[1])
         output: torch.Tensor = modules["o_proj"](attended)
         return output
+
+    def _torch_attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         mask: torch.Tensor | None) -> torch.Tensor:
+        """The attention where the kernel cannot take the call, computed as the implementation verified computes it:
+        torch's ``scaled_dot_product_attention``, or ``eager``'s operators (transformers' ``eager_attention_forward``:
+        the scores in the dtype, soft-capped where the attention caps them, plus the mask, a float32 softmax rounded
+        to the dtype, then the values), so that the step gives the module's bits."""
+        if self.implementation == "sdpa" and self.softcap is None:
+            return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scaling,
+                                                  enable_gqa=query.shape[1] != keys.shape[1])
+        group = query.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        scores = torch.matmul(query, keys.transpose(2, 3)) * self.scaling
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype is torch.bool else scores + mask
+        weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        return torch.matmul(weights, values)
 
     def _merged(self, attention: nn.Module) -> tuple[nn.Module, tuple[int, ...]] | None:
         """The module holding the attention's q/k/v projection merged, and the queries', keys' and values' widths in
@@ -339,20 +387,32 @@ def verified(attention: nn.Module, dtype: torch.dtype, width: int) -> AttentionF
     types = _cache_types()
     if isinstance(form, str) or types is None:
         return form if isinstance(form, str) else "this transformers has no dynamic cache layers"
-    if compat.attention_implementation(attention) != "sdpa":
-        return "its attention implementation is not sdpa"
     generator = torch.Generator().manual_seed(0)
     angles = torch.rand(1, 1, form.head_dim, generator=generator) * 6.0
     hidden = torch.randn(1, 1, width, generator=generator).to(dtype)
     step = {"position_embeddings": (angles.cos().to(dtype), angles.sin().to(dtype)), "attention_mask": None,
             "cache_position": torch.tensor([_PRIOR])}
-    forward = type(attention).forward
     cache_type, _ = types
     try:
         with torch.no_grad():
             heads = (form.sizes[1] if form.sizes is not None
                      else attention._modules["k_proj"](hidden).shape[-1]) // form.head_dim
-            prior = (torch.randn(2, 1, heads, _PRIOR, form.head_dim, generator=generator) * _SPREAD).to(dtype)
+            prior = torch.randn(2, 1, heads, _PRIOR, form.head_dim, generator=generator)
+    except Exception as exc:  # any failure means the form is not this one
+        return f"its forward or the decode step's attention does not run on a dynamic cache ({exc!r:.120})"
+    for spread in _SPREADS:
+        why = _differs(attention, form, hidden, step, (prior * spread).to(dtype), cache_type)
+        if why is not None:
+            return why
+    return form
+
+
+def _differs(attention: nn.Module, form: AttentionForm, hidden: torch.Tensor, step: dict[str, Any],
+             prior: torch.Tensor, cache_type: type) -> str | None:
+    """Why the step differs from the module's forward on a cache holding ``prior``'s keys and values, or None."""
+    forward, dtype = type(attention).forward, hidden.dtype
+    try:
+        with torch.no_grad():
             caches = [cache_type(), cache_type(), cache_type()]
             for cache in caches:
                 cache.update(prior[0].clone(), prior[1].clone(), form.layer_idx)
@@ -372,4 +432,4 @@ def verified(attention: nn.Module, dtype: torch.dtype, width: int) -> AttentionF
     difference = relative(expected, got)
     if difference > tolerance(dtype):
         return f"the decode step's attention differs from the forward's by {difference:.3g} of its largest element"
-    return form
+    return None

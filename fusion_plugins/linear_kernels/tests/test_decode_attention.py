@@ -62,10 +62,10 @@ def _attentions(model: nn.Module) -> list[nn.Module]:
 @pytest.mark.usefixtures("torch_attention")
 @pytest.mark.parametrize(("kind", "families"), [("llama", MERGED), ("llama", ALONE), ("qwen2", MERGED),
                                                ("gemma", MERGED), ("mistral", ALONE), ("phi3", ALONE),
-                                               ("qwen3", MERGED), ("gemma3", ALONE)],
+                                               ("qwen3", MERGED), ("gemma3", ALONE), ("gemma2", MERGED)],
                          ids=["llama-merged", "llama-alone", "qwen2-merged", "gemma-merged", "mistral-alone",
                               "phi3-merged-in-the-checkpoint", "qwen3-norms-of-the-queries-and-keys",
-                              "gemma3-norms-of-the-queries-and-keys"])
+                              "gemma3-norms-of-the-queries-and-keys", "gemma2-soft-capped-eager"])
 def test_recognised_attentions_decode_as_their_modules_do(kind: str, families: dict[str, bool],
                                                           attended: list[nn.Module]) -> None:
     full = {"mistral": {"sliding_window": None}, "gemma3": {"layer_types": ["full_attention"] * 2}}  # dynamic caches
@@ -73,6 +73,9 @@ def test_recognised_attentions_decode_as_their_modules_do(kind: str, families: d
     layers = list(fused.model.layers)
     if kind == "gemma3" and int(transformers.__version__.split(".")[0]) < 5:  # 4.57's layer reads attention.is_sliding
         assert "arguments passed through" in str(refusal(layers[0]))  # and passes it one of two rotations: no step
+        return
+    if kind == "gemma2" and int(transformers.__version__.split(".")[0]) < 5:
+        assert "returns tuple" in str(refusal(layers[0]))  # 4.57's Gemma 2 layer returns (hidden_states,)
         return
     assert all(FORM_KEY in layer.__dict__ and ATTENTION_KEY in layer.__dict__ for layer in layers)
     reference = _modules_attend(fused)
@@ -134,6 +137,17 @@ def test_an_attention_whose_forward_computes_otherwise_does_not_verify() -> None
     assert isinstance(verified(attention, torch.bfloat16, 512), AttentionForm)
 
 
+def test_a_soft_cap_the_step_does_not_apply_does_not_verify(monkeypatch: pytest.MonkeyPatch) -> None:
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("4.57's Gemma 2 runs sdpa, which ignores the cap")
+    attention = _model("gemma2").model.layers[0].self_attn
+    form = verified(attention, torch.bfloat16, 512)
+    assert isinstance(form, AttentionForm) and form.softcap == attention.attn_logit_softcapping
+    assert form.implementation == "eager"
+    monkeypatch.setattr(decode_attention, "SOFTCAP", "no_such_attribute")  # the cap unread: the step does not cap
+    assert "differs from the forward's" in str(verified(attention, torch.bfloat16, 512))
+
+
 def test_calls_the_attention_step_cannot_take_run_the_module(attended: list[nn.Module]) -> None:
     fused = fusion_core.fuse(_model("llama"), MERGED)
     reference = _modules_attend(fused)
@@ -180,22 +194,25 @@ def test_a_mask_that_hides_a_key_runs_the_module_and_one_that_hides_none_the_ste
     results = {}
     for name, mask in [("none", None), ("all visible", torch.ones(1, 1, 1, 4, dtype=torch.bool)),
                        ("one hidden", torch.tensor([[[[False, True, True, True]]]])),
-                       ("additive", torch.zeros(1, 1, 1, 4).bfloat16())]:
+                       ("additive, one hidden", torch.tensor([[[[-1e30, 0.0, 0.0, 0.0]]]]).bfloat16())]:
         cache = cache_type()
         cache.update(*torch.randn(2, 1, 2, 3, 64, generator=torch.Generator().manual_seed(0)).bfloat16(),
                      form.layer_idx)
         with torch.no_grad():
             results[name] = form.run(attention, hidden, {"attention_mask": mask, "cache": cache,
                                                          "position_embeddings": (rotation, rotation)})
-    assert results["one hidden"] is None and results["additive"] is None  # the module's to run
+    assert results["one hidden"] is None and results["additive, one hidden"] is None  # the module's to run
     assert results["none"] is not None and torch.equal(results["all visible"], results["none"])
+    cache = cache_type()
+    cache.update(*torch.randn(2, 1, 2, 3, 64).bfloat16(), form.layer_idx)
+    with torch.no_grad():  # eager's masks are added to the scores: zeros hide nothing
+        assert form.run(attention, hidden, {"attention_mask": torch.zeros(1, 1, 1, 4).bfloat16(), "cache": cache,
+                                            "position_embeddings": (rotation, rotation)}) is not None
+    cache = cache_type()
+    cache.update(*torch.randn(2, 1, 2, 3, 64).bfloat16(), form.layer_idx)
     too_long = {"attention_mask": torch.ones(1, 1, 1, 9, dtype=torch.bool), "position_embeddings": (rotation, rotation)}
-    for call in (lambda cache: form.run(attention, hidden, {**too_long, "cache": cache}),
-                 lambda cache: attention(hidden, **too_long, **{form.cache_name: cache})):
-        cache = cache_type()
-        cache.update(*torch.randn(2, 1, 2, 3, 64).bfloat16(), form.layer_idx)
-        with torch.no_grad(), pytest.raises(RuntimeError):  # a mask of other keys than the cache's: as the module
-            call(cache)
+    with torch.no_grad(), pytest.raises(RuntimeError):  # a mask of other keys than the cache's goes to torch's sdpa
+        form.run(attention, hidden, {**too_long, "cache": cache})
 
 
 def test_the_step_attention_survives_pickling_and_unfuse_drops_it(attended: list[nn.Module]) -> None:
@@ -226,23 +243,41 @@ def test_the_kernel_builds_wherever_the_gemv_kernel_does(dtype: torch.dtype) -> 
     assert attention_kernel.kernel(dtype) is not None
 
 
+def _attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """torch's attention of ``query`` over ``keys`` and ``values`` in their dtype, the scores soft-capped as Gemma 2's
+    eager attention caps them where ``softcap`` is given, as ``[batch, 1, heads * width]``."""
+    scale = query.shape[-1] ** -0.5
+    if softcap is None:
+        out = F.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=True)
+    else:
+        group = query.shape[1] // keys.shape[1]
+        scores = query @ keys.repeat_interleave(group, dim=1).transpose(2, 3) * scale
+        weights = F.softmax(torch.tanh(scores / softcap) * softcap, dim=-1, dtype=torch.float32).to(query.dtype)
+        out = weights @ values.repeat_interleave(group, dim=1)
+    return out.transpose(1, 2).reshape(query.shape[0], 1, -1)
+
+
 @pytest.mark.parametrize("dtype", attention_kernel.DTYPES, ids=str)
+@pytest.mark.parametrize("softcap", [None, 5.0], ids=["uncapped", "soft-capped"])
 @pytest.mark.parametrize(("batch", "heads", "kv_heads", "width", "length"), [
     (1, 14, 2, 64, 1), (1, 14, 2, 64, 37), (2, 8, 8, 128, 300), (1, 6, 1, 80, 19), (3, 4, 2, 24, 5)])
 def test_the_kernel_attends_as_close_to_the_exact_attention_as_torch(
-        dtype: torch.dtype, batch: int, heads: int, kv_heads: int, width: int, length: int) -> None:
+        dtype: torch.dtype, softcap: float | None, batch: int, heads: int, kv_heads: int, width: int,
+        length: int) -> None:
     if attention_kernel.kernel(dtype) is None:
         pytest.skip(f"the attention kernel for {dtype} cannot be built here")
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(batch, heads, 1, width, generator=generator).to(dtype)
     keys, values = (torch.randn(2, batch, kv_heads, length, width, generator=generator) * 4).to(dtype)
-    exact = F.scaled_dot_product_attention(query.double(), keys.double(), values.double(), scale=width**-0.5,
-                                           enable_gqa=True).transpose(1, 2).reshape(batch, 1, -1)
-    torch_ = F.scaled_dot_product_attention(query, keys, values, scale=width**-0.5, enable_gqa=True)
-    got = attention_kernel.attend(query, keys, values, width**-0.5)
+    exact = _attention(query.double(), keys.double(), values.double(), softcap)
+    torch_ = _attention(query, keys, values, softcap)
+    got = attention_kernel.attend(query, keys, values, width**-0.5, softcap)
     assert got is not None and got.shape == exact.shape and got.dtype is dtype
-    worst = float((torch_.transpose(1, 2).reshape(exact.shape).double() - exact).abs().max())
+    worst = float((torch_.double() - exact).abs().max())
     assert float((got.double() - exact).abs().max()) <= max(worst, torch.finfo(dtype).eps * float(exact.abs().max()))
+    if softcap is not None and length > 1:  # the cap bites: the uncapped attention is further off
+        uncapped = attention_kernel.attend(query, keys, values, width**-0.5)
+        assert uncapped is not None and float((uncapped.double() - exact).abs().max()) > 4 * max(worst, 1e-3)
 
 
 def test_the_kernel_declines_what_it_does_not_take() -> None:
@@ -257,17 +292,21 @@ def test_the_kernel_declines_what_it_does_not_take() -> None:
     assert attention_kernel.attend(query.expand(1, 4, 2, 16), keys, keys, 0.25) is None  # two query tokens
     assert attention_kernel.attend(query[0], keys, keys, 0.25) is None  # no batch dimension
     assert attention_kernel.attend(query, keys[:, :0], keys[:, :0], 0.25) is None  # no key/value heads
+    assert attention_kernel.attend(query, keys, keys, 0.25, softcap=0.0) is None  # no cap is None, not 0
 
 
 @pytest.mark.parametrize("sequences", [1, 3])
-@pytest.mark.parametrize(("kind", "extra"), [("qwen2", {}), ("mistral", {"sliding_window": 3})],
-                         ids=["qwen2", "mistral-full-sliding-window"])
+@pytest.mark.parametrize(("kind", "extra"), [("qwen2", {}), ("mistral", {"sliding_window": 3}), ("gemma2", {})],
+                         ids=["qwen2", "mistral-full-sliding-window", "gemma2-soft-capped-eager"])
 def test_with_its_kernel_each_step_is_within_the_bound_of_the_modules(sequences: int, kind: str,
                                                                       extra: dict[str, Any],
                                                                       attended: list[nn.Module]) -> None:
     if attention_kernel.kernel(torch.bfloat16) is None:
         pytest.skip("the attention kernel cannot be built here")
     fused = fusion_core.fuse(_model(kind, **extra), MERGED)
+    if kind == "gemma2" and int(transformers.__version__.split(".")[0]) < 5:
+        assert "returns tuple" in str(refusal(fused.model.layers[0]))  # 4.57's Gemma 2 layer gets no step
+        return
     reference = _modules_attend(fused)
     prompts = torch.cat([IDS, IDS.flip(-1), IDS + 1])[:sequences]
     attended.clear()
