@@ -73,12 +73,13 @@ static inline float softmax_numerators(float* s, int64_t n) {
     return sum;
 }
 
-// q: [batch, heads, width]; k, v: [batch, kv_heads, length, width]; out: [batch, heads, width]. Query head h reads
-// key/value head h / (heads / kv_heads); one task a batch row and key/value head. cap: the scores' soft cap, 0 for
-// none.
+// q: [batch, heads, width]; k, v: [batch, kv_heads, length, width], rows of a head back to back, heads kv_head_stride
+// and batch rows kv_batch_stride elements apart (a cache's view of a longer buffer); out: [batch, heads, width]. Query
+// head h reads key/value head h / (heads / kv_heads); one task a batch row and key/value head. cap: the scores' soft
+// cap, 0 for none.
 extern "C" void kernel(const T* q, const T* k, const T* v, T* out, const float scale, const float cap,
                        const int64_t batch, const int64_t heads, const int64_t kv_heads, const int64_t length,
-                       const int64_t width) {
+                       const int64_t width, const int64_t kv_batch_stride, const int64_t kv_head_stride) {
     const int64_t group = heads / kv_heads;
     constexpr int64_t lanes = Acc::size();
     const int64_t whole = width - width % lanes;
@@ -88,8 +89,8 @@ extern "C" void kernel(const T* q, const T* k, const T* v, T* out, const float s
             std::vector<float> queries(group * width), scores(group * length), sums(group * width, 0.0f);
             std::vector<float> totals(group), row(width);
             const int64_t first = b * heads + g * group;
-            const T* keys = k + (b * kv_heads + g) * length * width;
-            const T* values = v + (b * kv_heads + g) * length * width;
+            const T* keys = k + b * kv_batch_stride + g * kv_head_stride;
+            const T* values = v + b * kv_batch_stride + g * kv_head_stride;
             widen(q + first * width, queries.data(), group * width);
             for (int64_t j = 0; j < length; ++j) {
                 widen(keys + j * width, row.data(), width);
@@ -127,7 +128,7 @@ def source(dtype: torch.dtype) -> str:
 
 def _build(dtype: torch.dtype) -> Any:
     pointer = f"const {row_dot.C_TYPES[dtype]}*"
-    argtypes = [pointer] * 3 + [f"{row_dot.C_TYPES[dtype]}*", "const float", "const float"] + ["const int64_t"] * 5
+    argtypes = [pointer] * 3 + [f"{row_dot.C_TYPES[dtype]}*", "const float", "const float"] + ["const int64_t"] * 7
     return row_dot.built_kernel(f"decode attention {dtype}", argtypes, source(dtype))
 
 
@@ -143,8 +144,10 @@ def kernel(dtype: torch.dtype) -> Any:
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
            softcap: float | None = None) -> torch.Tensor | None:
-    """The attention of ``query`` (``[batch, heads, 1, width]``) over ``keys`` and ``values`` (``[batch, kv_heads,
-    length, width]``, contiguous, of the query's dtype) as ``[batch, 1, heads * width]``, its scaled scores soft-capped
+    """The attention of ``query`` (``[batch, heads, 1, width]``, contiguous) over ``keys`` and ``values`` (``[batch,
+    kv_heads, length, width]``, of the query's dtype, alike in strides, each head's rows back to back: contiguous, or
+    a cache's view of a longer buffer, :mod:`fusion_linear_kernels.cache_growth`) as ``[batch, 1, heads * width]``, its
+    scaled scores soft-capped
     (``softcap * tanh(score / softcap)``, Gemma 2's) where ``softcap`` is given; None where the kernel cannot take them
     (the caller runs torch's)."""
     if query.dim() != 4 or keys.dim() != 4:
@@ -155,12 +158,12 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
     if (compiled is None or tokens != 1 or length == 0 or kv_heads == 0 or heads % kv_heads
             or keys.shape != values.shape
             or keys.shape[0] != batch or keys.shape[3] != width or not (keys.dtype is values.dtype is query.dtype)
-            or not (query.is_contiguous() and keys.is_contiguous() and values.is_contiguous())
+            or not query.is_contiguous() or keys.stride() != values.stride() or keys.stride()[2:] != (width, 1)
             or (softcap is not None and not softcap > 0.0)):
         return None
     out = query.new_empty(batch, 1, heads * width)
     row_dot.labelled_call(PROFILER_LABEL, compiled, query, keys, values, out, scale, softcap or 0.0, batch, heads,
-                          kv_heads, length, width)
+                          kv_heads, length, width, keys.stride(0), keys.stride(1))
     return out
 
 

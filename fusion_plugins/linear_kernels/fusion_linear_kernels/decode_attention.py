@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion_core.plugin import merged_projection
-from fusion_linear_kernels import attention_kernel, compat, projection_kernel, row_dot
+from fusion_linear_kernels import attention_kernel, cache_growth, compat, projection_kernel, row_dot
 from fusion_linear_kernels.choice import generation
 from fusion_linear_kernels.layer_forms import epsilon, norm_kind, relative, tolerance
 from fusion_linear_kernels.step_blocks import block, module_block, undecided
@@ -237,7 +237,7 @@ class AttentionForm:
             query, key, value = projection_kernel.project(
                 hidden.reshape(batch, -1).contiguous(), owner._parameters["weight"], owner._parameters.get("bias"),
                 cos.contiguous(), sin.contiguous(), sizes[0] // width, sizes[1] // width, width, blocks[0], norms)
-            keys, values = cache.update(key, value, self.layer_idx)
+            keys, values = cache_growth.append(cache, self.layer_idx, key, value)
         else:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
             parts = list(modules["qkv_proj"](hidden).split(self.sizes, dim=-1) if self.sizes is not None
@@ -246,7 +246,7 @@ class AttentionForm:
                 parts[:2] = (norm(part.view(batch, 1, -1, width)) if norm.weight.numel() == width else norm(part)
                              for norm, part in zip((modules["q_norm"], modules["k_norm"]), parts, strict=False))
             query, key, value = (part.view(batch, 1, -1, width).transpose(1, 2) for part in parts)
-            keys, values = cache.update(_rotated(key, cos, sin), value, self.layer_idx)
+            keys, values = cache_growth.append(cache, self.layer_idx, _rotated(key, cos, sin), value)
             query = _rotated(query, cos, sin)
         if mask is not None and mask.shape[-1] != keys.shape[-2]:  # not this cache's keys: the module's computation
             attended = None

@@ -47,7 +47,7 @@ from torch import nn
 
 from fusion_core import ModulePlan, SaveError, hookimpl
 from fusion_core.plugin import MergedLinear, fuse_instance, merged_projection, presenting_fused
-from fusion_linear_kernels import attention_kernel, layer_kernel, projection_kernel, row_dot
+from fusion_linear_kernels import attention_kernel, cache_growth, layer_kernel, projection_kernel, row_dot
 from fusion_linear_kernels.choice import Caller, traced_linear
 from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY, switch_layers
 from fusion_linear_kernels.direct_reads import read_directly
@@ -77,6 +77,7 @@ def fusion_reset_state() -> None:
     row_dot.clear()
     layer_kernel.clear()
     attention_kernel.clear()
+    cache_growth.clear()
     projection_kernel.clear()
 
 

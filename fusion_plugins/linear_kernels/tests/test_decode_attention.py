@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from fusion_linear_kernels import attention_kernel, decode_attention, row_dot
+from fusion_linear_kernels import attention_kernel, cache_growth, decode_attention, row_dot
 from fusion_linear_kernels.decode_attention import AttentionForm, verified
 from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY, drop_decode_attention, refusal
 from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
@@ -102,6 +102,29 @@ def test_the_step_caches_the_keys_and_values_the_module_caches(attended: list[nn
     assert len(attended) == 2 * 3
     for expected, got in zip(*(cache.layers for cache in caches), strict=True):
         assert torch.equal(expected.keys, got.keys) and torch.equal(expected.values, got.values)
+
+
+@pytest.mark.usefixtures("torch_attention")
+@pytest.mark.parametrize("spare", [1, 64], ids=["a growth every few steps", "one buffer"])
+def test_the_steps_cache_grows_in_its_buffers_and_decodes_as_the_modules(spare: int, attended: list[nn.Module],
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cache_growth, "MIN_SPARE", spare)
+    fused = fusion_core.fuse(_model("llama"), MERGED)
+    reference = _modules_attend(fused)
+    attended.clear()
+    outputs = []
+    for model in (reference, fused):
+        with torch.no_grad():
+            outputs.append(model.generate(IDS, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                          output_logits=True, return_dict_in_generate=True))
+    assert len(attended) == 2 * 11
+    expected, got = outputs
+    assert torch.equal(got.sequences, expected.sequences)
+    assert all(torch.equal(g, e) for g, e in zip(got.logits, expected.logits, strict=True))
+    caches = [out["cache"] if "cache" in out else out["past_key_values"] for out in outputs]
+    for want, layer in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert torch.equal(layer.keys, want.keys) and torch.equal(layer.values, want.values)
+        assert not layer.keys.is_contiguous()  # a view of the step's buffer
 
 
 @pytest.mark.parametrize(("kind", "reason"), [

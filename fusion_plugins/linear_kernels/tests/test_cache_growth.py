@@ -1,0 +1,131 @@
+"""A decode step's keys and values appended into a cache layer's buffer (``fusion_linear_kernels.cache_growth``):
+the layer holds and hands back what transformers' own concatenation gives, step after step, through growth, crops,
+beam reorders and copies; it writes into one buffer until the buffer is full; a tensor kept from an earlier step keeps
+its values; any layer or call it does not know runs the layer's own ``update``; the attention kernel reads a layer's
+views as it reads contiguous keys; and a decode through them gives the modules' tokens."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from fusion_linear_kernels import attention_kernel, cache_growth
+
+cache_utils = pytest.importorskip("transformers.cache_utils")
+if not hasattr(cache_utils, "DynamicLayer"):
+    pytest.skip("this transformers has no cache layers", allow_module_level=True)
+
+
+def _steps(count: int, batch: int = 2, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(2, batch, 3, 1, 8, generator=generator).bfloat16()) for _ in range(count)]  # type: ignore[misc]
+
+
+def _caches(prompt: int = 5, batch: int = 2, dtype: torch.dtype = torch.bfloat16) -> tuple[Any, Any]:
+    """Two dynamic caches holding the same prompt at layer 0: one for :func:`cache_growth.append`, one for
+    transformers' own ``update``."""
+    keys, values = torch.randn(2, batch, 3, prompt, 8, generator=torch.Generator().manual_seed(1)).to(dtype)
+    caches = (cache_utils.DynamicCache(), cache_utils.DynamicCache())
+    for cache in caches:
+        cache.update(keys.clone(), values.clone(), 0)
+    return caches
+
+
+def _assert_same(grown: Any, reference: Any) -> None:
+    assert torch.equal(grown.layers[0].keys, reference.layers[0].keys)
+    assert torch.equal(grown.layers[0].values, reference.layers[0].values)
+
+
+def test_appends_give_what_concatenation_gives_into_one_buffer_until_it_is_full() -> None:
+    grown, reference = _caches()
+    pointers = set()
+    for key, value in _steps(150):
+        got = cache_growth.append(grown, 0, key, value)
+        expected = reference.update(key, value, 0)
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+        assert got[0] is grown.layers[0].keys and got[1] is grown.layers[0].values
+        pointers.add(grown.layers[0].keys.data_ptr())
+    _assert_same(grown, reference)
+    assert len(pointers) == 3  # room for 5 + 1 + 0 + 64 = 70 tokens, 70 + 1 + 8 + 64 = 143, then 225: two growths
+    assert grown.get_seq_length() == reference.get_seq_length() == 155
+
+
+def test_a_kept_tensor_keeps_its_values_and_crops_and_reorders_run_as_transformers_does() -> None:
+    grown, reference = _caches()
+    steps = _steps(12)
+    for key, value in steps[:4]:
+        cache_growth.append(grown, 0, key, value)
+        reference.update(key, value, 0)
+    kept, kept_copy = grown.layers[0].keys, grown.layers[0].keys.clone()
+    for cache in (grown, reference):
+        cache.crop(-2)  # a view of the buffer's first 7 tokens, below what was written: the next step concatenates
+    for key, value in steps[4:8]:
+        cache_growth.append(grown, 0, key, value)
+        reference.update(key, value, 0)
+    assert torch.equal(kept, kept_copy)
+    _assert_same(grown, reference)
+    for cache in (grown, reference):
+        cache.reorder_cache(torch.tensor([1, 0]))  # beam search
+    for key, value in steps[8:]:
+        cache_growth.append(grown, 0, key, value)
+        reference.update(key, value, 0)
+    _assert_same(grown, reference)
+    copied = copy.deepcopy(grown)  # a copy's layer is another layer: its buffer is its own
+    for key, value in _steps(3, seed=1):
+        cache_growth.append(copied, 0, key, value)
+        reference.update(key, value, 0)
+    _assert_same(copied, reference)
+    assert grown.get_seq_length() == 15 and copied.get_seq_length() == 18
+
+
+def test_layers_and_calls_it_does_not_know_run_the_layers_own_update() -> None:
+    assert cache_growth.concatenates(cache_utils.DynamicLayer)
+    if hasattr(cache_utils, "DynamicSlidingWindowLayer"):  # it keeps the window's last keys: not a concatenation
+        assert not cache_growth.concatenates(cache_utils.DynamicSlidingWindowLayer)
+
+    class Counting(cache_utils.DynamicLayer):  # type: ignore[misc, name-defined]
+        def update(self, *args: Any, **kwargs: Any) -> Any:
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().update(*args, **kwargs)
+
+    assert not cache_growth.concatenates(Counting)
+    calls: list[int] = []
+
+    def counted(cache: Any) -> Any:
+        original = cache.update
+        cache.update = lambda *a, **k: calls.append(1) or original(*a, **k)
+        return cache
+
+    grown = counted(_caches()[0])
+    key, value = _steps(1)[0]
+    cache_growth.append(grown, 0, key, value)
+    assert not calls
+    cache_growth.append(grown, 0, key.float(), value.float())  # another dtype
+    cache_growth.append(grown, 0, torch.cat([key, key], dim=2), torch.cat([value, value], dim=2))  # two tokens
+    with torch.inference_mode():  # an inference tensor's buffer ...
+        fresh, reference = _caches()
+        fresh = counted(fresh)
+        cache_growth.append(fresh, 0, key, value)
+        reference.update(key, value, 0)
+    assert len(calls) == 2
+    cache_growth.append(fresh, 0, key, value)  # ... is not written outside inference mode
+    reference.update(key, value, 0)
+    assert len(calls) == 3
+    _assert_same(fresh, reference)
+
+
+@pytest.mark.parametrize("dtype", attention_kernel.DTYPES, ids=str)
+def test_the_kernel_reads_a_layers_views_as_contiguous_keys(dtype: torch.dtype) -> None:
+    if attention_kernel.kernel(dtype) is None:
+        pytest.skip(f"the attention kernel for {dtype} cannot be built here")
+    grown, _ = _caches(dtype=dtype)
+    for key, value in _steps(9):
+        keys, values = cache_growth.append(grown, 0, key.to(dtype), value.to(dtype))
+    assert not keys.is_contiguous()
+    query = torch.randn(2, 6, 1, 8, generator=torch.Generator().manual_seed(2)).to(dtype)
+    got = attention_kernel.attend(query, keys, values, 0.35)
+    expected = attention_kernel.attend(query, keys.contiguous(), values.contiguous(), 0.35)
+    assert got is not None and expected is not None and torch.equal(got, expected)
+    assert attention_kernel.attend(query, keys, values.contiguous(), 0.35) is None  # strides apart: torch's
