@@ -39,9 +39,12 @@ _GROWN: weakref.WeakKeyDictionary[Any, tuple[int, torch.Tensor, torch.Tensor]] =
 def concatenates(layer_type: type) -> bool:
     """Whether ``layer_type``'s ``update`` does nothing but concatenate the new keys and values to its own along the
     sequence and return them (transformers' ``DynamicLayer``): checked once per class on tiny tensors, so a layer
-    whose ``update`` also counts, trims or quantizes keeps it."""
+    whose ``update`` also counts, trims or quantizes keeps it (as does one that cannot be a weak key: see
+    :data:`_GROWN`)."""
     try:
         layer = layer_type()
+        _GROWN[layer] = (0, torch.empty(0), torch.empty(0))  # hashable, and held weakly
+        del _GROWN[layer]
         first, second = torch.randn(2, 1, 2, 3, 4), torch.randn(2, 1, 2, 1, 4)
         layer.update(first[0], first[1])
         before = {name: value for name, value in vars(layer).items() if name not in ("keys", "values")}

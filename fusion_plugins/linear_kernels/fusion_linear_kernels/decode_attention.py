@@ -30,10 +30,10 @@ Sinks (a parameter of the attention's own) are refused by name; a rotary embeddi
 (GLM) fails the keys' check. Their attention runs as the module.
 
 **Implementations and soft caps.** A form is verified under the attention implementation its model runs, ``sdpa`` or
-``eager`` (:data:`IMPLEMENTATIONS`), and runs under that one only. Scores soft-capped as Gemma 2's are
-(``cap * tanh(score / cap)``, read from :data:`SOFTCAP`; transformers 5.x runs Gemma 2 under ``eager``, as ``sdpa``
-cannot cap) are capped in the kernel; verification on the larger scale of keys proves the cap (the step without it
-differs from the forward by far more than the bound: ``test_decode_attention.py``).
+``eager`` (:data:`IMPLEMENTATIONS`), and runs under that one only. Where the attention soft-caps its scores as Gemma
+2's does (``cap * tanh(score / cap)``, the cap read from :data:`SOFTCAP`; transformers 5.x runs Gemma 2 under
+``eager``, as ``sdpa`` cannot cap), the kernel caps them too; verification on the larger scale of keys proves the cap
+(a step without it differs from the forward by far more than the bound: ``test_decode_attention.py``).
 
 **When it runs.** Besides what the layer's step requires: one new token a sequence (``[batch, 1, hidden]``), the
 rotation's cosines and sines of the shape verified (``[batch or 1, 1, head_dim]``, the dtype's), every key the cache
@@ -421,7 +421,7 @@ def _differs(attention: nn.Module, form: AttentionForm, hidden: torch.Tensor, st
     forward, dtype = type(attention).forward, hidden.dtype
     try:
         with torch.no_grad():
-            caches = [cache_type(), cache_type(), cache_type(), cache_type()]
+            caches = [cache_type() for _ in range(4 if saturating else 3)]
             for cache in caches:
                 cache.update(prior[0].clone(), prior[1].clone(), form.layer_idx)
             form.run(attention, hidden, {**step, form.cache_name: caches[2]})  # its modules decide their kinds ...
