@@ -33,7 +33,9 @@ Sinks (a parameter of the attention's own) are refused by name; a rotary embeddi
 ``eager`` (:data:`IMPLEMENTATIONS`), and runs under that one only. Where the attention soft-caps its scores as Gemma
 2's does (``cap * tanh(score / cap)``, the cap read from :data:`SOFTCAP`; transformers 5.x runs Gemma 2 under
 ``eager``, as ``sdpa`` cannot cap), the kernel caps them too; verification on the larger scale of keys proves the cap
-(a step without it differs from the forward by far more than the bound: ``test_decode_attention.py``).
+(a step without it differs from the forward by far more than the bound: ``test_decode_attention.py``). Where the
+forward does not cap after all (``sdpa`` ignored the cap until transformers 5.x refused it: Gemma 2 ran ``sdpa`` by
+default on 4.57 to 5.16 at least), the form verified is the uncapped one.
 
 **When it runs.** Besides what the layer's step requires: one new token a sequence (``[batch, 1, hidden]``), the
 rotation's cosines and sines of the shape verified (``[batch or 1, 1, head_dim]``, the dtype's), every key the cache
@@ -403,9 +405,16 @@ def verified(attention: nn.Module, dtype: torch.dtype, width: int) -> AttentionF
             prior = torch.randn(2, 1, heads, _PRIOR, form.head_dim, generator=generator)
     except Exception as exc:  # any failure means the form is not this one
         return f"its forward or the decode step's attention does not run on a dynamic cache ({exc!r:.120})"
-    why = _differs(attention, form, hidden, step, (prior * _SPREAD).to(dtype), cache_type)
-    if why is None:
-        why = _differs(attention, form, hidden, step, (prior * _SATURATING).to(dtype), cache_type, saturating=True)
+    def why_not(candidate: AttentionForm) -> str | None:
+        why = _differs(attention, candidate, hidden, step, (prior * _SPREAD).to(dtype), cache_type)
+        if why is None:
+            why = _differs(attention, candidate, hidden, step, (prior * _SATURATING).to(dtype), cache_type,
+                           saturating=True)
+        return why
+
+    why = why_not(form)
+    if why is not None and form.softcap is not None and why_not(_toggled(form)) is None:
+        return _toggled(form)  # the forward does not cap: sdpa ignores the attention's cap before 5.x refused it
     return form if why is None else why
 
 
