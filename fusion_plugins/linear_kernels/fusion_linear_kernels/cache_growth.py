@@ -72,8 +72,9 @@ def append(cache: Any, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -
     kv_heads, 1, width]``), appended into the layer's buffer where it can be (see the module docs)."""
     layer = cache.layers[layer_idx]
     keys, values = layer.__dict__.get("keys"), layer.__dict__.get("values")
-    if not (concatenates(type(layer)) and _appendable(keys, key) and _appendable(values, value)
-            and keys.shape == values.shape):
+    if not concatenates(type(layer)):  # nor, then, a weak key
+        return cache.update(key, value, layer_idx)
+    if not (_appendable(keys, key) and _appendable(values, value) and keys.shape == values.shape):
         _GROWN.pop(layer, None)
         return cache.update(key, value, layer_idx)
     length = keys.shape[2]

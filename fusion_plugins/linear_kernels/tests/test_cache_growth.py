@@ -91,6 +91,19 @@ def test_layers_and_calls_it_does_not_know_run_the_layers_own_update() -> None:
             return super().update(*args, **kwargs)
 
     assert not cache_growth.concatenates(Counting)
+
+    class Unhashable(cache_utils.DynamicLayer):  # type: ignore[misc, name-defined]
+        __hash__ = None  # type: ignore[assignment]
+
+    assert not cache_growth.concatenates(Unhashable)  # it could not be a weak key: its layers keep their update
+    odd, reference = _caches()
+    odd.layers[0].__class__ = Unhashable
+    other, _ = _caches()
+    cache_growth.append(other, 0, *_steps(1)[0])  # a layer grown meanwhile: the module's record is not empty
+    for key, value in _steps(2):
+        cache_growth.append(odd, 0, key, value)
+        reference.update(key, value, 0)
+    _assert_same(odd, reference)
     calls: list[int] = []
 
     def counted(cache: Any) -> Any:
