@@ -413,8 +413,10 @@ def verified(attention: nn.Module, dtype: torch.dtype, width: int) -> AttentionF
         return why
 
     why = why_not(form)
-    if why is not None and form.softcap is not None and why_not(_toggled(form)) is None:
-        return _toggled(form)  # the forward does not cap: sdpa ignores the attention's cap before 5.x refused it
+    if why is not None and form.softcap is not None:
+        uncapped = _toggled(form)
+        if why_not(uncapped) is None:
+            return uncapped  # the forward does not cap: sdpa ignored the attention's cap until 5.x refused it
     return form if why is None else why
 
 
@@ -430,13 +432,14 @@ def _differs(attention: nn.Module, form: AttentionForm, hidden: torch.Tensor, st
     forward, dtype = type(attention).forward, hidden.dtype
     try:
         with torch.no_grad():
-            caches = [cache_type() for _ in range(4 if saturating else 3)]
+            caches = [cache_type(), cache_type(), cache_type()]
             for cache in caches:
                 cache.update(prior[0].clone(), prior[1].clone(), form.layer_idx)
-            form.run(attention, hidden, {**step, form.cache_name: caches[2]})  # its modules decide their kinds ...
+            if not saturating:  # the first call: its modules decide their kinds ...
+                form.run(attention, hidden, {**step, form.cache_name: caches[2]})
             result = forward(attention, hidden, **step, **{form.cache_name: caches[0]})
             got = form.run(attention, hidden, {**step, form.cache_name: caches[1]})  # ... so this runs what decode does
-            other = _toggled(form).run(attention, hidden, {**step, form.cache_name: caches[3]}) if saturating else None
+            other = _toggled(form).run(attention, hidden, {**step, form.cache_name: caches[2]}) if saturating else None
     except Exception as exc:  # any failure means the form is not this one
         return f"its forward or the decode step's attention does not run on a dynamic cache ({exc!r:.120})"
     expected = result[0] if isinstance(result, tuple) else result
