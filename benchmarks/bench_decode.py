@@ -27,6 +27,7 @@ weight, and which weight kinds it holds prepacked (oneDNN's layout) with the tim
     python benchmarks/bench_decode.py --profile --rounds 1   # also: each step split into GEMVs by kind, attention, rest
     python benchmarks/bench_decode.py --processes 5 --rounds 3   # 5 fresh processes: the median one and the worst
     python benchmarks/bench_decode.py --batch 2   # two sequences decoded together (the few-rows GEMV)
+    python benchmarks/bench_decode.py --batch 4 --padding 8 --prompt 32   # prompts of 32, 24, 16 and 8 tokens
     python benchmarks/bench_decode.py --as-loaded   # weights where each load put them (plain: the file mapping)
     python benchmarks/bench_decode.py --frozen      # parameters frozen (requires_grad_(False)), as PEFT leaves a base
     python benchmarks/bench_decode.py --config path/to/config.json   # any causal LM's shape, random weights
@@ -400,6 +401,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="sequences decoded together (a step then makes this many tokens and reads the weights "
                         "once: ms/token is per step; the prefill row stays one sequence, and 'same tokens' "
                         "compares the first sequence's)")
+    parser.add_argument("--padding", type=int, default=0, metavar="P",
+                        help="a padded batch: each sequence after the first starts with P more padding tokens than "
+                        "the one before (hidden by the attention mask, as generate pads a batch of prompts of "
+                        "different lengths on the left)")
     parser.add_argument("--quantize", choices=["int8wo"], default=None,
                         help="load every contender with TorchAoConfig(Int8WeightOnlyConfig()) (needs torchao)")
     parser.add_argument("--compile", action="store_true",
@@ -460,10 +465,14 @@ def main(argv: list[str] | None = None) -> None:
     generator = torch.Generator().manual_seed(0)
     vocab = plain.config.vocab_size
     prompt = torch.randint(3, vocab, (args.batch, args.prompt), generator=generator)
+    padded = torch.arange(args.prompt) < (torch.arange(args.batch) * args.padding)[:, None]
+    if not bool(padded[:, -1].logical_not().all()):
+        parser.error(f"--padding {args.padding}: the last sequence would be padding alone; lengthen --prompt")
+    prompt[padded] = plain.config.pad_token_id if plain.config.pad_token_id is not None else 0
     long_prompt = torch.randint(3, vocab, (1, args.prefill), generator=generator)
     calls, tokens = {}, {}
     for name, model in models.items():
-        decode, tokens[name] = generate_call(model, prompt, args.new_tokens, "cpu")
+        decode, tokens[name] = generate_call(model, prompt, args.new_tokens, "cpu", (~padded).long())
         prefill, _ = prefill_call(model, long_prompt, "cpu")
 
         def call(decode: Callable[[], dict[str, float]] = decode,
@@ -478,11 +487,11 @@ def main(argv: list[str] | None = None) -> None:
 
     mode = ("compiled" if args.compile else "eager") + (f", {args.quantize}" if args.quantize else "") + (
         ", weights as loaded" if args.as_loaded else "") + (", weights frozen" if args.frozen else "")
+    padding = f" padded by {args.padding} a sequence" if args.padding else ""
     table = Table(f"Decode and prefill, {shape} ({getattr(config, 'num_hidden_layers', '?')} layers), {args.dtype}, "
-                  f"{mode}, batch {args.batch}", ["contender", "decode ms/token", "x floor", "x its round's floor",
-                                       "decode vs plain",
-                                       "decode vs qkv+gate_up", f"prefill {args.prefill} ms", "prefill vs plain",
-                                       "same tokens"])
+                  f"{mode}, batch {args.batch}{padding}",
+                  ["contender", "decode ms/token", "x floor", "x its round's floor", "decode vs plain",
+                   "decode vs qkv+gate_up", f"prefill {args.prefill} ms", "prefill vs plain", "same tokens"])
     for name in names:
         decode = Summary.of([s["decode"] for s in samples[name]])
         prefill = Summary.of([s["prefill"] for s in samples[name]])

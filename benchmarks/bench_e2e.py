@@ -248,12 +248,13 @@ class _TokenClock:
         pass
 
 
-def generate_call(model: nn.Module, ids: torch.Tensor, new_tokens: int, device: str
-                  ) -> tuple[Callable[[], dict[str, float]], list[Any]]:
-    """A timed greedy ``generate`` of exactly ``new_tokens`` (:data:`bench_common.FIXED_LENGTH_GREEDY`); the second
-    value collects the new tokens of each call."""
+def generate_call(model: nn.Module, ids: torch.Tensor, new_tokens: int, device: str,
+                  mask: torch.Tensor | None = None) -> tuple[Callable[[], dict[str, float]], list[Any]]:
+    """A timed greedy ``generate`` of exactly ``new_tokens`` (:data:`bench_common.FIXED_LENGTH_GREEDY`), every
+    position of ``ids`` attended unless ``mask`` (its attention mask) says otherwise; the second value collects the
+    new tokens of each call."""
     outputs: list[Any] = []
-    mask = torch.ones_like(ids)
+    mask = torch.ones_like(ids) if mask is None else mask
 
     def call() -> dict[str, float]:
         clock = _TokenClock()

@@ -38,13 +38,13 @@ forward does not cap after all (``sdpa`` ignored the cap until transformers 5.x 
 default on 4.57 to 5.16 at least), the form verified is the uncapped one.
 
 **When it runs.** Besides what the layer's step requires: one new token a sequence (``[batch, 1, hidden]``), the
-rotation's cosines and sines of the shape verified (``[batch or 1, 1, head_dim]``, the dtype's), every key the cache
-hands back visible (no attention mask, as transformers passes none where no position is hidden, or one that hides none,
-boolean and true throughout or, under ``eager``, zeros added to the scores: :func:`_all_visible`; padding runs the
-module), the attention implementation verified, a ``DynamicCache`` whose layer holds keys already in a ``DynamicLayer``
-or a sliding window's ``DynamicSlidingWindowLayer`` (not offloaded, not quantized), the verified module types in place,
-no hooks on the attention module, no arguments but those listed in :data:`KNOWN` (``output_attentions`` false). Any
-other call runs the module.
+rotation's cosines and sines of the shape verified (``[batch or 1, 1, head_dim]``, the dtype's), no attention mask
+or one of one query row a sequence that leaves each sequence a key (:func:`_scores_bias`: boolean, as ``sdpa`` takes
+it, or added to the scores, as ``eager`` adds it; padding hides keys, and the kernel neither reads nor weighs a key a
+boolean mask hides), the attention implementation verified, a ``DynamicCache`` whose layer holds keys already in a
+``DynamicLayer`` or a sliding window's ``DynamicSlidingWindowLayer`` (not offloaded, not quantized), the verified
+module types in place, no hooks on the attention module, no arguments but those listed in :data:`KNOWN`
+(``output_attentions`` false). Any other call runs the module.
 
 **Sliding windows.** A sliding window's attention (Mistral's, Gemma 3's local layers, Qwen2's upper layers) computes
 as a full one over the keys its cache layer hands back: the window lives in the cache (it keeps the window's last keys)
@@ -118,16 +118,33 @@ def _cache_types() -> tuple[type, tuple[type, ...]] | None:
     return DynamicCache, (DynamicLayer,) if sliding is None else (DynamicLayer, sliding)
 
 
-def _all_visible(mask: object) -> bool:
-    """Whether a one-token step's attention mask lets it see every key its cache hands it: no mask, or one of one query
-    row that hides none, boolean and true throughout (transformers 5.x passes one to ``sdpa`` once a sliding window's
-    cache is full: every key the window's layer hands back lies inside the window) or added to the scores and zero
-    throughout (``eager``'s, at every step). A mask that hides a key (padding) is the module's to run."""
+def _scores_bias(mask: object, batch: int) -> tuple[bool, torch.Tensor | None]:
+    """Whether a one-token step of ``batch`` rows takes its attention mask, and what the mask adds to the scores of the
+    keys the cache hands back, as the attention kernel adds it (float32 ``[batch or 1, length]``, ``-inf`` hiding a
+    key), or None where it hides none.
+
+    The step takes no mask (transformers passes none where no position is hidden), and a mask of one query row a
+    sequence (``[batch or 1, 1, 1, length]``) that leaves each sequence a key: boolean (``sdpa``'s: false hides a key,
+    as padding does, and a full sliding window's is true throughout), or added to the scores (``eager``'s: its minimum
+    hides a key, zeros none). Any other mask (one a head, one hiding every key of a sequence) is the module's to run."""
     if mask is None:
-        return True
-    if not (type(mask) is torch.Tensor and mask.dim() == 4 and mask.shape[1:3] == (1, 1)):
-        return False
-    return bool(mask.all()) if mask.dtype is torch.bool else mask.is_floating_point() and not bool(mask.any())
+        return True, None
+    if not (type(mask) is torch.Tensor and mask.dim() == 4 and mask.shape[1:3] == (1, 1)
+            and mask.shape[0] in (1, batch)):
+        return False, None
+    if mask.dtype is torch.bool:
+        if bool(mask.all()):
+            return True, None
+        visible = mask.reshape(mask.shape[0], -1)
+        if not bool(visible.any(dim=-1).all()):
+            return False, None
+        return True, torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+    if not mask.is_floating_point():
+        return False, None
+    if not bool(mask.any()):
+        return True, None
+    bias = mask.reshape(mask.shape[0], -1).float()
+    return bool((bias > float("-inf")).any(dim=-1).all()), bias
 
 
 class AttentionForm:
@@ -201,7 +218,8 @@ class AttentionForm:
         """The attention's output for ``hidden`` (its input, normed) at a decode step, or None where the call is not
         one the step runs (see the module docs): the caller then calls the module."""
         mask = kwargs.get("attention_mask")
-        if (kwargs.keys() - KNOWN or not _all_visible(mask) or kwargs.get("output_attentions")
+        takes, bias = _scores_bias(mask, hidden.shape[0]) if hidden.dim() == 3 else (False, None)
+        if (kwargs.keys() - KNOWN or not takes or kwargs.get("output_attentions")
                 or hidden.dim() != 3 or hidden.shape[1] != 1 or compat.forward_hooks((attention,))
                 or self.types_of(attention) != self.types):
             return None
@@ -221,10 +239,10 @@ class AttentionForm:
                 and sin.dtype is hidden.dtype and cos.shape == sin.shape and cos.dim() == 3
                 and cos.shape[0] in (1, hidden.shape[0]) and cos.shape[1:] == (1, self.head_dim)):
             return None  # not [batch, 1, head_dim], as verified (multimodal rotations: one a section)
-        return self._attend(attention, hidden, cos, sin, cache, mask)
+        return self._attend(attention, hidden, cos, sin, cache, mask, bias)
 
     def _attend(self, attention: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: Any, mask: torch.Tensor | None = None) -> torch.Tensor:
+                cache: Any, mask: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
         modules = attention._modules
         batch, width = hidden.shape[0], self.head_dim
         blocks = self._blocks(attention, hidden)
@@ -253,7 +271,8 @@ class AttentionForm:
         if mask is not None and mask.shape[-1] != keys.shape[-2]:  # not this cache's keys: the module's computation
             attended = None
         else:
-            attended, mask = attention_kernel.attend(query, keys, values, self.scaling, self.softcap), None  # all seen
+            attended = attention_kernel.attend(query, keys, values, self.scaling, self.softcap, bias)
+            mask = mask if bias is not None else None  # where it hides no key, torch's runs without it
         if attended is None:
             attended = self._torch_attention(query, keys, values, mask).transpose(1, 2).reshape(batch, 1, -1)
         o_proj = modules["o_proj"]

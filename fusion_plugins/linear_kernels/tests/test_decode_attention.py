@@ -24,6 +24,7 @@ import transformers
 from fusion_linear_kernels import attention_kernel, cache_growth, decode_attention, row_dot
 from fusion_linear_kernels.decode_attention import AttentionForm, verified
 from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY, drop_decode_attention, refusal
+from fusion_linear_kernels.layer_forms import relative, tolerance
 from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
 from one_row_gemv import fresh_kernels_of, recorded_calls, without_the_kernel_of
 from test_decode_layer import (  # step_kernels: the fixture deciding the GEMVs
@@ -174,16 +175,29 @@ def test_the_soft_cap_verified_is_the_one_the_forward_applies(monkeypatch: pytes
     assert "differs from the forward's" in str(verified(attention, torch.bfloat16, 512))
 
 
-def test_calls_the_attention_step_cannot_take_run_the_module(attended: list[nn.Module]) -> None:
-    fused = fusion_core.fuse(_model("llama"), MERGED)
+@pytest.mark.usefixtures("torch_attention")
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_a_padded_batch_takes_the_step_and_decodes_as_the_modules(implementation: str,
+                                                                  attended: list[nn.Module]) -> None:
+    fused = fusion_core.fuse(_model("llama", attn_implementation=implementation), MERGED)
     reference = _modules_attend(fused)
     attended.clear()
-    padded = torch.cat([IDS, torch.tensor([[0, 0, 7, 8]])])
-    mask = (padded != 0).long()
-    with torch.no_grad():  # left padding: an attention mask at every step
-        got = fused.generate(padded, attention_mask=mask, max_new_tokens=3, do_sample=False)
-        expected = reference.generate(padded, attention_mask=mask, max_new_tokens=3, do_sample=False)
-    assert torch.equal(got, expected) and not attended
+    padded = torch.cat([IDS, torch.tensor([[0, 0, 7, 8]]), torch.tensor([[0, 3, 1, 2]])])
+    outputs = []
+    for model in (reference, fused):
+        with torch.no_grad():  # left padding: an attention mask hiding keys at every step
+            outputs.append(model.generate(padded, attention_mask=(padded != 0).long(), max_new_tokens=5,
+                                          min_new_tokens=5, do_sample=False, output_logits=True,
+                                          return_dict_in_generate=True))
+    expected, got = outputs
+    assert attended == _attentions(fused) * 4  # the prefill runs the modules, then four one-token steps
+    assert torch.equal(got.sequences, expected.sequences)
+    assert all(torch.equal(g, e) for g, e in zip(got.logits, expected.logits, strict=True))
+
+
+def test_calls_the_attention_step_cannot_take_run_the_module(attended: list[nn.Module]) -> None:
+    fused = fusion_core.fuse(_model("llama"), MERGED)
+    attended.clear()  # the verification's
     seen: list[nn.Module] = []
     attention = fused.model.layers[0].self_attn
     handle = attention.register_forward_hook(lambda module, args, out: seen.append(module))
@@ -210,35 +224,37 @@ def test_a_sliding_window_cache_takes_the_step(window: int, attended: list[nn.Mo
     assert all(_close(got, want) for got, want in zip(out.logits, expected.logits, strict=True))
 
 
-def test_a_mask_that_hides_a_key_runs_the_module_and_one_that_hides_none_the_step() -> None:
+def test_masks_of_one_row_a_sequence_take_the_step_and_others_run_the_module() -> None:
     fused = fusion_core.fuse(_model("llama"), MERGED)
     layer = fused.model.layers[0]
     form, attention = layer.__dict__[ATTENTION_KEY], layer.self_attn
     cache_type, _ = decode_attention._cache_types()  # type: ignore[misc]
-    rotation = torch.randn(1, 1, 64).bfloat16()
-    hidden = torch.randn(1, 1, 512).bfloat16()
-    results = {}
-    for name, mask in [("none", None), ("all visible", torch.ones(1, 1, 1, 4, dtype=torch.bool)),
-                       ("one hidden", torch.tensor([[[[False, True, True, True]]]])),
-                       ("additive, one hidden", torch.tensor([[[[-1e30, 0.0, 0.0, 0.0]]]]).bfloat16())]:
+    rotation = torch.randn(2, 1, 64).bfloat16()
+    hidden = torch.randn(2, 1, 512).bfloat16()
+    prior = torch.randn(2, 2, 2, 3, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+
+    def step(mask: torch.Tensor | None, forward: bool = False) -> torch.Tensor | None:
         cache = cache_type()
-        cache.update(*torch.randn(2, 1, 2, 3, 64, generator=torch.Generator().manual_seed(0)).bfloat16(),
-                     form.layer_idx)
+        cache.update(prior[0].clone(), prior[1].clone(), form.layer_idx)
+        call = {"attention_mask": mask, form.cache_name: cache, "position_embeddings": (rotation, rotation)}
         with torch.no_grad():
-            results[name] = form.run(attention, hidden, {"attention_mask": mask, "cache": cache,
-                                                         "position_embeddings": (rotation, rotation)})
-    assert results["one hidden"] is None and results["additive, one hidden"] is None  # the module's to run
-    assert results["none"] is not None and torch.equal(results["all visible"], results["none"])
-    cache = cache_type()
-    cache.update(*torch.randn(2, 1, 2, 3, 64).bfloat16(), form.layer_idx)
-    with torch.no_grad():  # eager's masks are added to the scores: zeros hide nothing
-        assert form.run(attention, hidden, {"attention_mask": torch.zeros(1, 1, 1, 4).bfloat16(), "cache": cache,
-                                            "position_embeddings": (rotation, rotation)}) is not None
-    cache = cache_type()
-    cache.update(*torch.randn(2, 1, 2, 3, 64).bfloat16(), form.layer_idx)
-    too_long = {"attention_mask": torch.ones(1, 1, 1, 9, dtype=torch.bool), "position_embeddings": (rotation, rotation)}
+            return attention(hidden, **call)[0] if forward else form.run(attention, hidden, call)
+
+    hiding = torch.tensor([[False, True, True, True], [True, True, False, True]]).view(2, 1, 1, 4)
+    additive = torch.zeros(1, 1, 1, 4).index_fill_(-1, torch.tensor([1]), torch.finfo(torch.bfloat16).min)
+    for mask in (hiding, additive.bfloat16(), None):
+        got, expected = step(mask), step(mask, forward=True)
+        assert got is not None and relative(expected, got) <= tolerance(torch.bfloat16)
+    assert relative(step(hiding), step(None)) > tolerance(torch.bfloat16)  # the mask hides them
+    assert torch.equal(step(torch.ones(2, 1, 1, 4, dtype=torch.bool)), step(None))  # a mask hiding none
+    assert torch.equal(step(torch.zeros(1, 1, 1, 4).bfloat16()), step(None))  # eager's zeros hide none
+    every = hiding.clone()
+    every[1] = False
+    assert step(every) is None  # a sequence with no key to see: the module's (torch gives NaN or zeros)
+    assert step(hiding.expand(2, 8, 1, 4)) is None  # a mask a head
+    assert step(torch.ones(2, 1, 1, 4, dtype=torch.long)) is None  # neither boolean nor added
     with torch.no_grad(), pytest.raises(RuntimeError):  # a mask of other keys than the cache's goes to torch's sdpa
-        form.run(attention, hidden, {**too_long, "cache": cache})
+        step(torch.ones(2, 1, 1, 9, dtype=torch.bool))
 
 
 def test_the_step_attention_survives_pickling_and_unfuse_drops_it(attended: list[nn.Module]) -> None:
@@ -269,16 +285,20 @@ def test_the_kernel_builds_wherever_the_gemv_kernel_does(dtype: torch.dtype) -> 
     assert attention_kernel.kernel(dtype) is not None
 
 
-def _attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, softcap: float | None) -> torch.Tensor:
+def _attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, softcap: float | None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
     """torch's attention of ``query`` over ``keys`` and ``values`` in their dtype, the scores soft-capped as Gemma 2's
-    eager attention caps them where ``softcap`` is given, as ``[batch, 1, heads * width]``."""
+    eager attention caps them where ``softcap`` is given, then ``bias`` (``[batch or 1, length]``) added, as
+    ``[batch, 1, heads * width]``."""
     scale = query.shape[-1] ** -0.5
+    mask = None if bias is None else bias[:, None, None, :]
     if softcap is None:
-        out = F.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     else:
         group = query.shape[1] // keys.shape[1]
-        scores = query @ keys.repeat_interleave(group, dim=1).transpose(2, 3) * scale
-        weights = F.softmax(torch.tanh(scores / softcap) * softcap, dim=-1, dtype=torch.float32).to(query.dtype)
+        scores = torch.tanh(query @ keys.repeat_interleave(group, dim=1).transpose(2, 3) * scale / softcap) * softcap
+        scores = scores if mask is None else scores + mask
+        weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         out = weights @ values.repeat_interleave(group, dim=1)
     return out.transpose(1, 2).reshape(query.shape[0], 1, -1)
 
@@ -306,6 +326,32 @@ def test_the_kernel_attends_as_close_to_the_exact_attention_as_torch(
         assert uncapped is not None and float((uncapped.double() - exact).abs().max()) > 4 * max(worst, 1e-3)
 
 
+@pytest.mark.parametrize("dtype", attention_kernel.DTYPES, ids=str)
+@pytest.mark.parametrize("softcap", [None, 5.0], ids=["uncapped", "soft-capped"])
+@pytest.mark.parametrize("kind", ["boolean, a row a sequence", "added, one row for all"])
+def test_the_kernel_adds_a_masks_bias_to_the_scores_as_torch_adds_the_mask(dtype: torch.dtype, softcap: float | None,
+                                                                           kind: str) -> None:
+    if attention_kernel.kernel(dtype) is None:
+        pytest.skip(f"the attention kernel for {dtype} cannot be built here")
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 8, 1, 64, generator=generator).to(dtype)
+    keys, values = (torch.randn(2, 3, 2, 40, 64, generator=generator) * 4).to(dtype)
+    if kind.startswith("boolean"):  # left padding of 7 and none, and a hole of 4
+        visible = torch.ones(3, 40, dtype=torch.bool)
+        visible[0, :7] = visible[2, 5:9] = False
+        bias = torch.zeros(3, 40).masked_fill_(~visible, float("-inf"))
+    else:  # eager's minimum on some keys, and values of another kind on others
+        bias = torch.randn(1, 40, generator=generator).index_fill_(-1, torch.arange(0, 40, 3), torch.finfo(dtype).min)
+    exact = _attention(query.double(), keys.double(), values.double(), softcap, bias.double())
+    torch_ = _attention(query, keys, values, softcap, bias.to(dtype))
+    got = attention_kernel.attend(query, keys, values, 64**-0.5, softcap, bias)
+    assert got is not None and got.shape == exact.shape
+    worst = float((torch_.double() - exact).abs().max())
+    assert float((got.double() - exact).abs().max()) <= max(worst, torch.finfo(dtype).eps * float(exact.abs().max()))
+    unmasked = attention_kernel.attend(query, keys, values, 64**-0.5, softcap)
+    assert unmasked is not None and float((unmasked.double() - exact).abs().max()) > 4 * max(worst, 1e-3)
+
+
 def test_the_kernel_declines_what_it_does_not_take() -> None:
     if attention_kernel.kernel(torch.bfloat16) is None:
         pytest.skip("the attention kernel cannot be built here")
@@ -319,6 +365,8 @@ def test_the_kernel_declines_what_it_does_not_take() -> None:
     assert attention_kernel.attend(query[0], keys, keys, 0.25) is None  # no batch dimension
     assert attention_kernel.attend(query, keys[:, :0], keys[:, :0], 0.25) is None  # no key/value heads
     assert attention_kernel.attend(query, keys, keys, 0.25, softcap=0.0) is None  # no cap is None, not 0
+    for bias in (torch.zeros(1, 4), torch.zeros(2, 5), torch.zeros(1, 5).bfloat16(), torch.zeros(1, 10)[:, ::2]):
+        assert attention_kernel.attend(query, keys, keys, 0.25, bias=bias) is None  # not [1, 5] float32, contiguous
 
 
 @pytest.mark.parametrize("sequences", [1, 3])
