@@ -369,10 +369,11 @@ def test_the_kernel_declines_what_it_does_not_take() -> None:
         assert attention_kernel.attend(query, keys, keys, 0.25, bias=bias) is None  # not [1, 5] float32, contiguous
 
 
-@pytest.mark.parametrize("sequences", [1, 3])
+@pytest.mark.parametrize(("sequences", "padding"), [(1, 0), (3, 0), (3, 2)],
+                         ids=["one-sequence", "three-sequences", "three-sequences-left-padded"])
 @pytest.mark.parametrize(("kind", "extra"), [("qwen2", {}), ("mistral", {"sliding_window": 3}), ("gemma2", {})],
                          ids=["qwen2", "mistral-full-sliding-window", "gemma2-soft-capped-eager"])
-def test_with_its_kernel_each_step_is_within_the_bound_of_the_modules(sequences: int, kind: str,
+def test_with_its_kernel_each_step_is_within_the_bound_of_the_modules(sequences: int, padding: int, kind: str,
                                                                       extra: dict[str, Any],
                                                                       attended: list[nn.Module]) -> None:
     if attention_kernel.kernel(torch.bfloat16) is None:
@@ -383,16 +384,21 @@ def test_with_its_kernel_each_step_is_within_the_bound_of_the_modules(sequences:
         return
     reference = _modules_attend(fused)
     prompts = torch.cat([IDS, IDS.flip(-1), IDS + 1])[:sequences]
+    mask = torch.ones_like(prompts)
+    mask[1:, :padding] = 0  # the sequences after the first padded on the left: a mask hiding keys at every step
+    prompts = prompts.masked_fill(mask == 0, 0)
     attended.clear()
     with torch.no_grad():
-        tokens = fused.generate(prompts, max_new_tokens=6, min_new_tokens=6, do_sample=False)[:, IDS.shape[1]:]
+        tokens = fused.generate(prompts, attention_mask=mask, max_new_tokens=6, min_new_tokens=6,
+                                do_sample=False)[:, IDS.shape[1]:]
     assert len(attended) >= 2 * 4  # a first call of a few rows' kind runs the modules, which decide it
     caches: list[Any] = [None, None]
     with torch.no_grad():
         for step, ids in enumerate([prompts, *tokens[:, :-1].T.unsqueeze(-1)]):
+            mask = mask if step == 0 else torch.cat([mask, torch.ones_like(ids)], dim=-1)
             logits = []
             for index, model in enumerate((reference, fused)):
-                out = model(input_ids=ids, past_key_values=caches[index], use_cache=True)
+                out = model(input_ids=ids, attention_mask=mask, past_key_values=caches[index], use_cache=True)
                 caches[index] = out.past_key_values
                 logits.append(out.logits[:, -1])
             assert _close(logits[1], logits[0]), step
