@@ -273,6 +273,21 @@ def round_floor(per_token: int) -> Callable[[], dict[str, float]]:
     return call
 
 
+def floor_between_steps(bandwidth: dict[str, float]) -> tuple[Callable[[], None], int]:
+    """A read of the floor's fastest buffer (512 MiB, the way :func:`read_bandwidth` found fastest) to run between
+    every two decode steps, and the bytes it reads.
+
+    Why: the read bandwidth of a shared machine moves within seconds, all of its memory at once (on the 2-core AMD EPYC
+    (AVX512-BF16), four 512 MiB buffers on huge pages read 30-36 GB/s together, then 45-57 together for two or three
+    seconds; a throwaway probe). A floor read in its own slot of a round meets other moments than the decode beside it
+    (that EPYC: a round's floor 39 ms a token, the next's 67, while the fused decode stayed at 58-66), so a decode over
+    its round's floor moves with them. Read between the decode's own steps, the floor meets the same moments."""
+    buffers = reduction_buffers(1 << 29)
+    way = max((name for name in buffers if name in bandwidth), key=bandwidth.__getitem__, default=next(iter(buffers)))
+    buffer = buffers[way]
+    return (lambda: read_once(buffer)), buffer.numel() * buffer.element_size()
+
+
 def load_contender(path: Any, families: str | None, dtype: torch.dtype, quantize: str | None) -> nn.Module:
     """A contender loaded as users load it: plain or fused, and with ``--quantize``, torchao int8 weight-only at load
     (transformers quantizes each weight as it reads it; a fused model merges the quantized parts)."""
@@ -405,6 +420,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="a padded batch: each sequence after the first starts with P more padding tokens than "
                         "the one before (hidden by the attention mask, as generate pads a batch of prompts of "
                         "different lengths on the left)")
+    parser.add_argument("--floor-between-steps", action="store_true",
+                        help="also read the floor's fastest buffer once between every two decode steps, untimed "
+                        "by the decode's clock, and set each contender's decode against that read: the floor of the "
+                        "very moments its steps ran (a column of its own; see floor_between_steps)")
     parser.add_argument("--quantize", choices=["int8wo"], default=None,
                         help="load every contender with TorchAoConfig(Int8WeightOnlyConfig()) (needs torchao)")
     parser.add_argument("--compile", action="store_true",
@@ -471,14 +490,18 @@ def main(argv: list[str] | None = None) -> None:
     prompt[padded] = plain.config.pad_token_id if plain.config.pad_token_id is not None else 0
     long_prompt = torch.randint(3, vocab, (1, args.prefill), generator=generator)
     calls, tokens = {}, {}
+    between = floor_between_steps(bandwidth) if args.floor_between_steps else None
     for name, model in models.items():
-        decode, tokens[name] = generate_call(model, prompt, args.new_tokens, "cpu", (~padded).long())
+        decode, tokens[name] = generate_call(model, prompt, args.new_tokens, "cpu", (~padded).long(),
+                                             between[0] if between is not None else None)
         prefill, _ = prefill_call(model, long_prompt, "cpu")
 
         def call(decode: Callable[[], dict[str, float]] = decode,
                  prefill: Callable[[], dict[str, float]] = prefill) -> dict[str, float]:
             out = decode()
-            return {"decode": out["decode"] / (args.new_tokens - 1), "prefill": prefill()["total"]}
+            steps = args.new_tokens - 1
+            floor = per_token * out["between"] / (steps * between[1]) if between is not None else float("nan")
+            return {"decode": out["decode"] / steps, "prefill": prefill()["total"], "floor between steps": floor}
 
         calls[name] = call
     calls[FLOOR] = round_floor(per_token)
@@ -491,7 +514,8 @@ def main(argv: list[str] | None = None) -> None:
     table = Table(f"Decode and prefill, {shape} ({getattr(config, 'num_hidden_layers', '?')} layers), {args.dtype}, "
                   f"{mode}, batch {args.batch}{padding}",
                   ["contender", "decode ms/token", "x floor", "x its round's floor", "decode vs plain",
-                   "decode vs qkv+gate_up", f"prefill {args.prefill} ms", "prefill vs plain", "same tokens"])
+                   "decode vs qkv+gate_up", f"prefill {args.prefill} ms", "prefill vs plain", "same tokens"]
+                  + (["x the floor read between its steps"] if between is not None else []))
     for name in names:
         decode = Summary.of([s["decode"] for s in samples[name]])
         prefill = Summary.of([s["prefill"] for s in samples[name]])
@@ -502,7 +526,8 @@ def main(argv: list[str] | None = None) -> None:
             speed(samples, name, "plain", "decode").fmt_range(), merged,
             prefill.fmt_range(1e3, 1), speed(samples, name, "plain", "prefill").fmt_range(),
             str(tokens[name] == tokens["plain"]),
-        ])
+        ] + ([Summary.of([s["decode"] / s["floor between steps"] for s in samples[name]]).fmt_range()]
+             if between is not None else []))
     table.notes += [
         f"floor {floor_ms:.1f} ms/token: {per_token / 1e9:.3f} GB read per token over "
         + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in bandwidth.items())
@@ -510,6 +535,8 @@ def main(argv: list[str] | None = None) -> None:
         "x its round's floor: each round's decode over the floor measured in that round (its read, its place in "
         "the rotation like a contender's; see round_floor), median [min-max]; that floor per round (ms/token): "
         + ", ".join(f"{s['decode'] * 1e3:.1f}" for s in samples[FLOOR]),
+        *(["x the floor read between its steps: each round's decode over the floor read between its own steps "
+           "(see floor_between_steps), median [min-max]"] if between is not None else []),
         f"{args.rounds} interleaved rounds; prompt {args.prompt}, {args.new_tokens} new tokens; first calls (s): "
         + ", ".join(f"{k} {v:.1f}" for k, v in first.items()),
     ]

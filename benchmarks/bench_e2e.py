@@ -236,39 +236,48 @@ def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 class _TokenClock:
-    """A ``generate`` streamer that stamps each ``put``: the prompt, then every new token."""
+    """A ``generate`` streamer that stamps each ``put``: the prompt, then every new token. With ``between``, it runs
+    ``between()`` after each of the first ``tokens - 1`` new tokens, so once between every two decode steps it times,
+    and keeps that time off its stamps (``between_s``: their sum)."""
 
-    def __init__(self) -> None:
+    def __init__(self, between: Callable[[], None] | None = None, tokens: int = 0) -> None:
         self.stamps: list[float] = []
+        self.between, self.tokens, self.between_s = between, tokens, 0.0
 
     def put(self, value: Any) -> None:
-        self.stamps.append(time.perf_counter())
+        self.stamps.append(time.perf_counter() - self.between_s)
+        if self.between is not None and 1 <= len(self.stamps) - 1 < self.tokens:
+            start = time.perf_counter()
+            self.between()
+            self.between_s += time.perf_counter() - start
 
     def end(self) -> None:
         pass
 
 
 def generate_call(model: nn.Module, ids: torch.Tensor, new_tokens: int, device: str,
-                  mask: torch.Tensor | None = None) -> tuple[Callable[[], dict[str, float]], list[Any]]:
+                  mask: torch.Tensor | None = None, between: Callable[[], None] | None = None,
+                  ) -> tuple[Callable[[], dict[str, float]], list[Any]]:
     """A timed greedy ``generate`` of exactly ``new_tokens`` (:data:`bench_common.FIXED_LENGTH_GREEDY`), every
     position of ``ids`` attended unless ``mask`` (its attention mask) says otherwise; the second value collects the
-    new tokens of each call."""
+    new tokens of each call. With ``between``, that runs between every two decode steps, untimed
+    (:class:`_TokenClock`; ``between``: the time it took in all)."""
     outputs: list[Any] = []
     mask = torch.ones_like(ids) if mask is None else mask
 
     def call() -> dict[str, float]:
-        clock = _TokenClock()
+        clock = _TokenClock(between, new_tokens)
         sync(device)
         start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, streamer=clock,
                                  **FIXED_LENGTH_GREEDY)
         sync(device)
-        end = time.perf_counter()
+        end = time.perf_counter() - clock.between_s
         outputs[:] = [out[0, ids.shape[1]:].tolist()]
         # stamps: [prompt, token 1, ..., token N]; each put follows a .cpu() copy, so the device is done.
         first, last = clock.stamps[1], clock.stamps[-1]
-        return {"total": end - start, "prefill": first - start, "decode": last - first}
+        return {"total": end - start, "prefill": first - start, "decode": last - first, "between": clock.between_s}
 
     return call, outputs
 

@@ -20,16 +20,21 @@ block they read:
 - ``blocked-rows``, ``few-rows`` and ``few-rows-blocked`` (:mod:`fusion_linear_kernels.blocked_rows`): eight weight
   rows side by side for one wide input row; one or four for two to eight input rows.
 
-**Paired dot products.** On CPUs with AVX512-BF16 (``avx512_bf16``: AMD Zen 4 on, Intel Cooper Lake and Sapphire
-Rapids on), a bfloat16 call that takes more than one input row or reads more than one weight row at a time multiplies
-with that extension's dot product (``vdpbf16ps``: 32 bfloat16 pairs into 16 float32 sums, one instruction) instead
-of widening every element to float32 first: at a few rows the kernel is bound by arithmetic on two cores, not by the
-memory. Over a pass of copies, bfloat16, GB/s, widening against paired (each with its faster block) on the 2-core
-AMD EPYC: four input rows 151936x896 18.6 / 35.3, 8192x2048 19.7 / 24.6, 2048x8192 25.3 / 29.9; eight rows
-151936x896 10.4 / 23.8, 2048x8192 10.0 / 24.4, where ``F.linear`` read 13.1 and 15.7. One input row read one weight
-row at a time (row-dot) keeps the widening path, which read 3-15% faster there (151936x896 32.8 against 27.5). The
-kernel asks the CPU when it is loaded (``__builtin_cpu_supports``) and compiles that function for the extension
-whatever flags Inductor's toolchain passes; other CPUs and compilers, float16 and float32 keep the widening path.
+**Paired dot products.** On CPUs with AVX512-BF16 (``avx512_bf16``: AMD Zen 4 on, Intel Cooper Lake and Sapphire Rapids
+on), a bfloat16 call multiplies with that extension's dot product (``vdpbf16ps``: 32 bfloat16 pairs into 16 float32
+sums, one instruction) instead of widening every element to float32 first: at a few rows the kernel is bound by
+arithmetic on two cores, not by the memory. Over a pass of copies, bfloat16, GB/s, widening against paired (each with
+its faster block) on the 2-core AMD EPYC: four input rows 151936x896 18.6 / 35.3, 8192x2048 19.7 / 24.6, 2048x8192 25.3
+/ 29.9; eight rows 151936x896 10.4 / 23.8, 2048x8192 10.0 / 24.4, where ``F.linear`` read 13.1 and 15.7. One input row
+read one weight row at a time (row-dot) kept the widening path until 2026-12-07, as it read 3-15% faster from memory
+where the memory was slow (151936x896 32.8 against 27.5). But the widening path computes a row at no more than 49-55
+GB/s on the two cores (weights in the caches), below what the memory reads at its fast moments (55-60 GB/s), so there it
+capped the whole step; paired, row-dot computes at 126-134 GB/s, and from memory it read 0-16% faster than widening at a
+fast moment (151936x896 53.3 against 46.0, 2048x8192 33.6 against 26.2) and 2-4% slower at a slow one (151936x896 33.4
+against 34.7). Llama-3.2-1B's eager decode, every family on, one process, the two codes alternating over 14 pairs:
+1.061x faster paired (every pair 1.04x or more; throwaway probes). The kernel asks the CPU when it is loaded
+(``__builtin_cpu_supports``) and compiles that function for the extension whatever flags Inductor's toolchain passes;
+other CPUs and compilers, float16 and float32 keep the widening path.
 The instruction treats subnormal inputs as zero: within the bound, like every other difference of these candidates.
 
 **Even and odd elements.** On CPUs with AVX2 and FMA and no AVX512-BF16 (AMD Zen 1 to 3; Intel's client cores and
@@ -141,7 +146,7 @@ static inline const float* split_inputs(const T*, int64_t, int) { return nullptr
 template <int ROWS, int IN>
 static inline void dots(const T* w, const T* x, const float* split, int64_t k, float* sums, int64_t stride) {
 #ifdef FUSION_PAIRED_DOTS
-    if constexpr (std::is_same_v<T, at::BFloat16> && ROWS * IN > 1) {
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
         if (paired_dots_run) { paired_dots<ROWS, IN>(w, x, k, sums, stride); return; }
     }
 #endif
