@@ -28,6 +28,7 @@ weight, and which weight kinds it holds prepacked (oneDNN's layout) with the tim
     python benchmarks/bench_decode.py --processes 5 --rounds 3   # 5 fresh processes: the median one and the worst
     python benchmarks/bench_decode.py --batch 2   # two sequences decoded together (the few-rows GEMV)
     python benchmarks/bench_decode.py --batch 4 --padding 8 --prompt 32   # prompts of 32, 24, 16 and 8 tokens
+    python benchmarks/bench_decode.py --floor-between-steps   # also the floor read between the decode's own steps
     python benchmarks/bench_decode.py --as-loaded   # weights where each load put them (plain: the file mapping)
     python benchmarks/bench_decode.py --frozen      # parameters frozen (requires_grad_(False)), as PEFT leaves a base
     python benchmarks/bench_decode.py --config path/to/config.json   # any causal LM's shape, random weights
