@@ -296,6 +296,31 @@ def test_a_timed_generate_makes_every_token_though_the_model_ends_its_text_at_on
     assert times["decode"] >= 0 and times["total"] >= times["prefill"]
 
 
+def test_a_timed_generate_runs_between_its_decode_steps_off_its_clock() -> None:
+    """``generate_call``'s ``between`` (``bench_decode.py --floor-between-steps`` reads the floor there) runs once
+    between every two decode steps it times, and its time stays off the decode's and the total's."""
+    import time
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _on_benchmark_path()
+    from bench_e2e import generate_call
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=64)
+    model = LlamaForCausalLM(config).eval()
+    runs: list[float] = []
+    call, _ = generate_call(model, torch.tensor([[1, 2, 3]]), 6, "cpu", between=lambda: (runs.append(0.0),
+                                                                                          time.sleep(0.05)))
+    start = time.perf_counter()
+    times = call()
+    wall = time.perf_counter() - start
+    assert len(runs) == 5  # between the six new tokens' five timed steps
+    assert times["between"] >= 5 * 0.05 and times["decode"] < 5 * 0.05  # the sleeps on the clock would pass 0.25 s
+    assert times["total"] <= wall - times["between"] + 1e-3
+
+
 def _census() -> Any:
     _on_benchmark_path()
     import census
