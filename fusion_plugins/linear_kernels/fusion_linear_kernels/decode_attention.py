@@ -138,7 +138,7 @@ def _scores_bias(mask: object, batch: int) -> tuple[bool, torch.Tensor | None]:
         visible = mask.reshape(mask.shape[0], -1)
         if not bool(visible.any(dim=-1).all()):
             return False, None
-        return True, torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+        return True, torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
     if not mask.is_floating_point():
         return False, None
     if not bool(mask.any()):

@@ -257,6 +257,18 @@ def test_masks_of_one_row_a_sequence_take_the_step_and_others_run_the_module() -
         step(torch.ones(2, 1, 1, 9, dtype=torch.bool))
 
 
+def test_a_boolean_masks_bias_is_float32_whatever_the_default_dtype() -> None:
+    """The kernel takes a float32 bias only: one built in the default dtype would send a padded batch to torch's
+    attention wherever a script set another default."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        takes, bias = decode_attention._scores_bias(torch.tensor([[[[False, True, True]]]]), 1)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert takes and bias is not None and bias.dtype is torch.float32
+    assert bias.tolist() == [[float("-inf"), 0.0, 0.0]]
+
+
 def test_the_step_attention_survives_pickling_and_unfuse_drops_it(attended: list[nn.Module]) -> None:
     fused = fusion_core.fuse(_model("llama"), MERGED)
     loaded = pickle.loads(pickle.dumps(fused))
