@@ -217,11 +217,12 @@ class AttentionForm:
     def run(self, attention: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:
         """The attention's output for ``hidden`` (its input, normed) at a decode step, or None where the call is not
         one the step runs (see the module docs): the caller then calls the module."""
+        if (kwargs.keys() - KNOWN or kwargs.get("output_attentions") or hidden.dim() != 3 or hidden.shape[1] != 1
+                or compat.forward_hooks((attention,)) or self.types_of(attention) != self.types):
+            return None
         mask = kwargs.get("attention_mask")
-        takes, bias = _scores_bias(mask, hidden.shape[0]) if hidden.dim() == 3 else (False, None)
-        if (kwargs.keys() - KNOWN or not takes or kwargs.get("output_attentions")
-                or hidden.dim() != 3 or hidden.shape[1] != 1 or compat.forward_hooks((attention,))
-                or self.types_of(attention) != self.types):
+        takes, bias = _scores_bias(mask, hidden.shape[0])  # after the checks above: it reduces the mask
+        if not takes:
             return None
         caches = [kwargs[name] for name in CACHE_NAMES if kwargs.get(name) is not None]
         embeddings = kwargs.get("position_embeddings")
