@@ -37,9 +37,20 @@ either ``gate_proj`` and ``up_proj`` (plain ``nn.Linear`` layers), the ``gate_up
 GEMV kernel reads. Names are only the pre-filter: each form is verified once per load on its real weights
 (:meth:`LayerForm.of` and :func:`refusal`): the norms' and the activation's kinds on inputs of their own, the
 composition with stand-ins for the attention and the MLP (bit for bit, independent of the weights, and the attention
-passed its arguments as they are), and the arithmetic within the bound. A layer that does not verify (Granite's residual
-multipliers, Olmo 2's norms after the blocks, parallel blocks, LayerNorm, a ReLU MLP, a forward that returns a tuple)
-keeps its class.
+passed its arguments as they are), and the arithmetic within the bound.
+
+**Layers whose norms or MLP the kernel does not compute** (a mixture of experts in place of the MLP: Mixtral, Qwen2-
+and Qwen3-MoE, OLMoE on transformers 5.x; an MLP without a gate or of another activation; LayerNorms: Starcoder2) take
+:class:`ModulesForm` instead, where their attention verifies: the step's own attention, with the norms, the MLP and the
+residuals run as the layer's modules in the composition verified as above (stand-ins for the attention and the MLP,
+bit for bit; then the layer's own MLP, whose output the forward must not unpack: 4.x's experts return their router's
+logits too, and such a layer keeps its class). Everything but the attention gives the original's bits. Before, such a
+layer ran its attention as the module at every step: the projections' views, ``rotate_half`` twice and torch's
+attention over the cache (measured in docs/benchmarks.md, "The step's attention for layers of other forms").
+:func:`refusal` still says why the kernel does not compute a layer's norms and MLP.
+
+A layer that verifies neither way (Granite's residual multipliers, Olmo 2's norms after the blocks, parallel blocks,
+an attention of another form, a forward that returns a tuple) keeps its class.
 
 **When it runs.** Only for a step of one to eight rows that the original would run the same way: grad mode off, not
 traced, not training, no autocast, a contiguous CPU input of the weights' dtype, no positional arguments but the hidden
@@ -116,6 +127,10 @@ class LayerForm:
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         self.__init__(*state)  # type: ignore[misc]
+
+    def key(self) -> tuple[Any, ...]:
+        """What two layers of one verdict share."""
+        return (LayerForm, *self.__getstate__())
 
     @staticmethod
     def parts(layer: nn.Module) -> tuple[nn.Module, ...] | None:
@@ -245,12 +260,7 @@ class LayerForm:
         row_dot.labelled_call(f"{layer_kernel.PROFILER_LABEL} input norm", compiled, hidden, hidden, norm, norm, norm,
                               gate, up, down, gate, up, down, normed, normed, normed, self.eps, self.hidden,
                               self.intermediate, rows, flags & ~MLP, *blocks)
-        module = layer._modules["self_attn"]
-        step = layer.__dict__.get(ATTENTION_KEY)
-        attention = step.run(module, normed, kwargs) if step is not None else None
-        if attention is None:
-            result = module(hidden_states=normed, **kwargs)
-            attention = result[0] if isinstance(result, tuple) else result  # (output, weights), as the forward does
+        attention = _attention(layer, normed, kwargs)
         if not (type(attention) is torch.Tensor and attention.dtype is self.dtype
                 and attention.shape == hidden.shape):  # not what verification saw: the verified form's modules
             return composed(layer, hidden, attention, sandwich_of(layer) if self.flags & SANDWICH_FORM else None)
@@ -262,6 +272,81 @@ class LayerForm:
                               _or(gate_bias, gate), _or(up_bias, up), _or(down_bias, down), scratch, gated, out,
                               self.eps, self.hidden, self.intermediate, rows, flags, *blocks)
         return out
+
+
+class ModulesForm:
+    """What a recognised layer's decode step reads where the kernel does not compute its norms or its MLP (a mixture
+    of experts, an MLP of another activation or without a gate, LayerNorms): the width, the dtype, the form's flags
+    (norms around the blocks) and the types of the modules it calls. The step runs the layer's attention as the step's
+    own (:mod:`fusion_linear_kernels.decode_attention`) and everything else as the layer's modules, in the order the
+    verified composition gives; so a layer takes this form only where its attention verified (see the module docs)."""
+
+    __slots__ = ("dtype", "flags", "hidden", "types")
+
+    def __init__(self, hidden: int, dtype: torch.dtype, flags: int, types: tuple[type, ...]) -> None:
+        self.hidden, self.dtype, self.flags, self.types = hidden, dtype, flags, types
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return self.hidden, self.dtype, self.flags, self.types
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        self.__init__(*state)  # type: ignore[misc]
+
+    def key(self) -> tuple[Any, ...]:
+        """What two layers of one verdict share."""
+        return (ModulesForm, *self.__getstate__())
+
+    @staticmethod
+    def parts(layer: nn.Module) -> tuple[nn.Module, ...] | None:
+        """The modules the step calls besides the attention (its norms, as :meth:`LayerForm.parts` lists them, then
+        the MLP), or None where the layer has not the children of :data:`CHILDREN`."""
+        modules = layer._modules
+        if not all(isinstance(modules.get(name), nn.Module) for name in CHILDREN):
+            return None
+        sandwich = sandwich_of(layer)
+        names = ("input_layernorm", *(sandwich or ("post_attention_layernorm",)), "mlp")
+        return tuple(modules[name] for name in names)
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> ModulesForm | str:
+        """The form of ``layer`` as it is now, or why it has none: the width and dtype are its attention's output
+        projection's (a LayerNorm need hold no weight)."""
+        parts = cls.parts(layer)
+        o_proj = layer._modules["self_attn"]._modules.get("o_proj") if parts is not None else None
+        weight = o_proj._parameters.get("weight") if isinstance(o_proj, nn.Module) else None
+        if parts is None or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            return f"not a decoder layer ({', '.join(CHILDREN)}) whose attention has an o_proj weight"
+        return cls(weight.shape[0], weight.dtype, SANDWICH_FORM if len(parts) == 5 else 0,
+                   tuple(type(m) for m in parts))
+
+    def arguments(self, layer: nn.Module, hidden: torch.Tensor) -> tuple[Any, ...] | None:
+        """``()`` where the step applies to ``hidden`` on ``layer`` as it is now (one token a sequence, the
+        verified modules in place), else None."""
+        if not (type(hidden) is torch.Tensor and hidden.dtype is self.dtype and hidden.dim() == 3
+                and hidden.shape[1] == 1 and hidden.shape[-1] == self.hidden and hidden.is_cpu):
+            return None
+        parts = self.parts(layer)
+        return () if parts is not None and tuple(type(m) for m in parts) == self.types else None
+
+    def run(self, layer: nn.Module, hidden: torch.Tensor, arguments: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> torch.Tensor:
+        """The layer's output: its input norm, the attention (the step's own where it takes the call), then the
+        verified composition of its modules."""
+        normed = layer._modules["input_layernorm"](hidden)
+        return composed(layer, hidden, _attention(layer, normed, kwargs),
+                        sandwich_of(layer) if self.flags & SANDWICH_FORM else None)
+
+
+def _attention(layer: nn.Module, normed: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+    """The output of ``layer``'s attention for its normed input: the step's own where it verified and takes the call,
+    else the module's, called as the original forward calls it."""
+    module = layer._modules["self_attn"]
+    step = layer.__dict__.get(ATTENTION_KEY)
+    attention = step.run(module, normed, kwargs) if step is not None else None
+    if attention is None:
+        result = module(hidden_states=normed, **kwargs)
+        attention = result[0] if isinstance(result, tuple) else result  # (output, weights), as the forward does
+    return attention
 
 
 def _or(tensor: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
@@ -287,6 +372,8 @@ class DecodeLayerMixin(FusedModule):
         return super().forward(hidden_states, *args, **kwargs)
 
     def extra_repr(self) -> str:
+        if isinstance(self.__dict__.get(FORM_KEY), ModulesForm):
+            return "decode step: the step's own attention, the norms and MLP as modules"
         return "decode step: norms and MLP in one kernel call each side of the attention"
 
 
@@ -296,7 +383,8 @@ def fused_layer_class(original_cls: type[nn.Module]) -> type[nn.Module]:
 
 
 def refusal(layer: nn.Module) -> str | None:
-    """Why ``layer`` (on its loaded weights, in eval mode) does not get the decode step, or None (see the module docs).
+    """Why the kernel does not compute ``layer``'s norms and MLP at its decode step (on its loaded weights, in eval
+    mode), or None (see the module docs; such a layer may still take the step's attention, :class:`ModulesForm`).
 
     Checks on a random one-row input, with the forward of the layer's original class (:meth:`LayerForm.of` checked the
     norms' and the activation's kinds on inputs of their own):
@@ -314,7 +402,7 @@ def refusal(layer: nn.Module) -> str | None:
     return form if isinstance(form, str) else _unverified(layer, form)
 
 
-def _unverified(layer: nn.Module, form: LayerForm) -> str | None:
+def _unverified(layer: nn.Module, form: LayerForm | ModulesForm) -> str | None:
     """:func:`refusal` for a layer whose form is ``form``: why the forward does not verify against it, or None."""
     plan = attached_plan(layer, ModulePlan) if isinstance(layer, DecodeLayerMixin) else None
     forward = (plan.original_class if plan is not None else type(layer)).forward
@@ -348,7 +436,10 @@ def _unverified(layer: nn.Module, form: LayerForm) -> str | None:
         arguments = form.arguments(layer, hidden)  # the original forward decided each GEMV's kind
         if arguments is None:
             return "its MLP's GEMVs run kernels the decode step does not (F.linear, packed weights), or are hooked"
-        got = form.run(layer, hidden, arguments, dict(markers))
+        try:
+            got = form.run(layer, hidden, arguments, dict(markers))
+        except Exception as exc:  # an MLP whose output the forward unpacks (4.x's experts: (output, router logits))
+            return f"its forward does not compose its modules' outputs as the step does ({exc!r:.120})"
     for name, (a, b) in (("input norm", (attention.calls[0]["hidden_states"], attention.calls[1]["hidden_states"])),
                          ("output", (expected, got))):
         difference = relative(a, b)
@@ -365,15 +456,18 @@ def candidates(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 def switch_layers(model: nn.Module, family: str) -> None:
-    """Give each decoder layer of ``model`` whose form verifies (:func:`refusal`, once per form) the decode step:
-    its class switched through a plan of ``family`` (so ``unfuse`` restores it)."""
+    """Give each decoder layer of ``model`` whose form verifies (:func:`refusal`, once per form) the decode step, or,
+    where the kernel does not compute its norms and MLP, whose attention and composition verify the step's attention
+    alone (:class:`ModulesForm`): its class switched through a plan of ``family`` (so ``unfuse`` restores it)."""
     verdicts: dict[tuple[Any, ...], str | None] = {}
     attention_verdicts: dict[tuple[Any, ...], str | None] = {}
     for path, layer in candidates(model):
-        form = LayerForm.of(layer)
-        if isinstance(form, str):
-            continue
-        key = (type(layer), form.types, form.dtype, form.hidden, form.intermediate, form.eps, form.flags, form.merged)
+        form: LayerForm | ModulesForm | str = LayerForm.of(layer)
+        if isinstance(form, str):  # the norms and the MLP as modules: worth it only for the step's attention
+            form = ModulesForm.of(layer)
+            if isinstance(form, str) or _attention_form(layer._modules["self_attn"], form, attention_verdicts) is None:
+                continue
+        key = (type(layer), *form.key())
         if key not in verdicts:
             verdicts[key] = _unverified(layer, form)
         if verdicts[key] is not None:
@@ -387,7 +481,7 @@ def switch_layers(model: nn.Module, family: str) -> None:
             layer.__dict__[ATTENTION_KEY] = attention
 
 
-def _attention_form(attention: nn.Module, form: LayerForm,
+def _attention_form(attention: nn.Module, form: LayerForm | ModulesForm,
                     verdicts: dict[tuple[Any, ...], str | None]) -> decode_attention.AttentionForm | None:
     """The decode step's form of a switched layer's ``attention``, verified once per form
     (:func:`~fusion_linear_kernels.decode_attention.verified`), or None where it does not verify."""

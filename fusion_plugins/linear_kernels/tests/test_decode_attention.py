@@ -23,7 +23,14 @@ import torch.nn.functional as F
 import transformers
 from fusion_linear_kernels import attention_kernel, cache_growth, decode_attention, row_dot
 from fusion_linear_kernels.decode_attention import AttentionForm, verified
-from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY, drop_decode_attention, refusal
+from fusion_linear_kernels.decode_layer import (
+    ATTENTION_KEY,
+    FORM_KEY,
+    DecodeLayerMixin,
+    ModulesForm,
+    drop_decode_attention,
+    refusal,
+)
 from fusion_linear_kernels.layer_forms import relative, tolerance
 from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
 from one_row_gemv import fresh_kernels_of, recorded_calls, without_the_kernel_of
@@ -34,6 +41,7 @@ from test_decode_layer import (  # step_kernels: the fixture deciding the GEMVs
     _close,
     _generate,
     _model,
+    _modules_only,
     step_kernels,  # noqa: F401
 )
 from torch import nn
@@ -87,6 +95,52 @@ def test_recognised_attentions_decode_as_their_modules_do(kind: str, families: d
     assert attended == _attentions(fused) * 5  # the four-token prefill runs the modules, then five one-token steps
     assert torch.equal(out.sequences, expected.sequences)
     assert all(_close(got, want) for got, want in zip(out.logits, expected.logits, strict=True))
+
+
+OTHER_LAYERS = {
+    "mixtral": (transformers.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, {"num_experts": 4, "num_experts_per_tok": 2,
+                                                "moe_intermediate_size": 768}),
+    "olmoe": (transformers.OlmoeConfig, {"num_experts": 4, "num_experts_per_tok": 2}),
+    "starcoder2": (transformers.Starcoder2Config, {}),
+}
+"""Decoders whose layers' norms or MLP the layer kernel does not compute (mixtures of experts; Starcoder2's
+LayerNorms and MLP without a gate), each with an attention the step verifies."""
+
+
+def _other_model(kind: str) -> nn.Module:
+    config_class, extra = OTHER_LAYERS[kind]
+    config = config_class(hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=8,
+                          num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=256,
+                          pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+
+
+@pytest.mark.usefixtures("torch_attention")
+@pytest.mark.parametrize("kind", list(OTHER_LAYERS))
+def test_layers_of_another_form_take_the_attention_step_alone(kind: str, attended: list[nn.Module]) -> None:
+    fused = fusion_core.fuse(_other_model(kind), ALONE)
+    layers = list(fused.model.layers)
+    if kind != "starcoder2" and int(transformers.__version__.split(".")[0]) < 5:
+        # 4.57's experts return (output, router logits), or sit under another name (block_sparse_moe)
+        assert not any(isinstance(layer, DecodeLayerMixin) for layer in layers)
+        return
+    assert all(isinstance(layer.__dict__.get(FORM_KEY), ModulesForm) and ATTENTION_KEY in layer.__dict__
+               for layer in layers)
+    reference = _modules_only(fused)  # the layers' original forwards
+    attended.clear()  # the verification's
+    expected = _generate(reference)
+    assert not attended
+    out = _generate(fused)
+    assert attended == _attentions(fused) * 5  # the four-token prefill runs the modules, then five one-token steps
+    assert torch.equal(out.sequences, expected.sequences)
+    assert all(_close(got, want) for got, want in zip(out.logits, expected.logits, strict=True))
+    loaded = pickle.loads(pickle.dumps(fused))
+    assert all(isinstance(layer.__dict__.get(FORM_KEY), ModulesForm) for layer in loaded.model.layers)
+    assert torch.equal(_generate(loaded).sequences, expected.sequences)
+    fusion_core.unfuse(fused)
+    assert not any(isinstance(layer, DecodeLayerMixin) or FORM_KEY in layer.__dict__ for layer in fused.model.layers)
 
 
 @pytest.mark.usefixtures("torch_attention")

@@ -20,7 +20,15 @@ import pytest
 import torch
 import transformers
 from fusion_linear_kernels import choice, layer_kernel, packing, step_blocks
-from fusion_linear_kernels.decode_layer import FORM_KEY, DecodeLayerMixin, LayerForm, drop_decode_steps, refusal
+from fusion_linear_kernels.decode_layer import (
+    ATTENTION_KEY,
+    FORM_KEY,
+    DecodeLayerMixin,
+    LayerForm,
+    ModulesForm,
+    drop_decode_steps,
+    refusal,
+)
 from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
 from one_row_gemv import fresh_kernels_of, recorded_calls, skip_unless_built, without_the_kernel_of
 from torch import nn
@@ -208,13 +216,21 @@ def test_kinds_of_a_few_rows_decided_for_f_linear_keep_the_modules(fake_times: C
     ("llama", {"hidden_act": "gelu"}, "activation is neither SiLU nor GELU's tanh approximation"),
     ("llama", {"hidden_act": "relu"}, "activation is neither SiLU nor GELU's tanh approximation"),
 ], ids=["exact-gelu", "relu"])
-def test_layers_of_another_form_keep_their_class(kind: str, extra: dict[str, Any], reason: str) -> None:
+def test_layers_of_another_mlp_take_the_attention_step_alone(kind: str, extra: dict[str, Any], reason: str) -> None:
     plain = _model(kind, **extra)
     fused = fusion_core.fuse(copy.deepcopy(plain), MERGED)
     layer = fused.model.layers[0]
-    assert type(layer) is type(plain.model.layers[0])
-    found = refusal(layer)
+    assert isinstance(layer.__dict__.get(FORM_KEY), ModulesForm) and ATTENTION_KEY in layer.__dict__
+    found = refusal(layer)  # why its norms and MLP are not the kernel's
     assert found is not None and reason in found
+
+
+@pytest.mark.usefixtures("step_kernels")
+def test_layers_of_another_mlp_whose_attention_does_not_verify_keep_their_class() -> None:
+    plain = _model("glm", hidden_act="relu")  # GLM's rotary embedding is interleaved: its attention is the module's
+    fused = fusion_core.fuse(copy.deepcopy(plain), ALONE)
+    assert all(type(layer) is type(plain.model.layers[0]) for layer in fused.model.layers)
+    assert "activation is neither SiLU" in str(refusal(fused.model.layers[0]))
 
 
 class _UpRowsFirst(nn.Module):
@@ -349,7 +365,8 @@ def test_a_layer_kernel_that_cannot_be_built_leaves_the_modules_and_says_so_once
         fused = fusion_core.fuse(copy.deepcopy(plain), MERGED)
         fusion_core.fuse(copy.deepcopy(plain), ALONE)  # tried again: not built, not said again
     assert len([w for w in caught if "decode layer kernel" in str(w.message)]) == 1
-    assert not any(isinstance(layer, DecodeLayerMixin) for layer in fused.model.layers)
+    # the norms and MLP as modules: only the attention's step (its own kernel) is left to the layers
+    assert all(isinstance(layer.__dict__.get(FORM_KEY), ModulesForm) for layer in fused.model.layers)
     assert "no decode layer kernel" in str(refusal(fused.model.layers[0]))
     assert torch.equal(_generate(fused).sequences, _generate(_modules_only(fused)).sequences)
 
