@@ -576,6 +576,7 @@ def main(argv: list[str] | None = None) -> None:
         ATTENTION_KEY,
         FORM_KEY,
         DecodeLayerMixin,
+        ModulesForm,
         candidates,
         refusal,
     )
@@ -583,14 +584,15 @@ def main(argv: list[str] | None = None) -> None:
 
     steps = Table("linear_kernels decode step (decoder layers: norms and MLP in one kernel call each side of the "
                   "attention)", ["contender", "layers with the step", "of them with its attention",
-                                "why not (the first other layer)"])
+                                "of them with norms and MLP as modules", "why not (the first other layer)"])
     for name, model in models.items():
         if "linear_kernels" in name:
             switched = [module for module in model.modules() if isinstance(module, DecodeLayerMixin)]
             others = [layer for _, layer in candidates(model)]
             taking = sum(FORM_KEY in layer.__dict__ for layer in switched)
             attending = sum(ATTENTION_KEY in layer.__dict__ for layer in switched)
-            steps.rows.append([name, f"{taking} of {len(switched) + len(others)}", str(attending),
+            as_modules = sum(isinstance(layer.__dict__.get(FORM_KEY), ModulesForm) for layer in switched)
+            steps.rows.append([name, f"{taking} of {len(switched) + len(others)}", str(attending), str(as_modules),
                                (refusal(others[0]) or "-") if others else "-"])
     for (_, _, shape, _, bias, rows, _, _), block in sorted(step_decisions().items(), key=str):
         steps.notes.append(f"{'x'.join(map(str, shape))} (bias {bias}, {rows} row): the step runs {block} (its kind "
