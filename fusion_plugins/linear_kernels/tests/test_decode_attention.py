@@ -68,6 +68,20 @@ def _attentions(model: nn.Module) -> list[nn.Module]:
     return [layer.self_attn for layer in model.model.layers]
 
 
+def _decodes_as(reference: nn.Module, fused: nn.Module, attended: list[nn.Module]) -> Any:
+    """``reference``'s greedy decode, after checking ``fused``'s against it: the same tokens, logits within the bound,
+    and the step's own attention run in every layer at each of the five one-token steps (the four-token prefill runs
+    the modules)."""
+    attended.clear()  # the verification's
+    expected = _generate(reference)
+    assert not attended
+    out = _generate(fused)
+    assert attended == _attentions(fused) * 5
+    assert torch.equal(out.sequences, expected.sequences)
+    assert all(_close(got, want) for got, want in zip(out.logits, expected.logits, strict=True))
+    return expected
+
+
 @pytest.mark.usefixtures("torch_attention")
 @pytest.mark.parametrize(("kind", "families"), [("llama", MERGED), ("llama", ALONE), ("qwen2", MERGED),
                                                ("gemma", MERGED), ("mistral", ALONE), ("phi3", ALONE),
@@ -87,14 +101,7 @@ def test_recognised_attentions_decode_as_their_modules_do(kind: str, families: d
         assert "returns tuple" in str(refusal(layers[0]))  # 4.57's Gemma 2 layer returns (hidden_states,)
         return
     assert all(FORM_KEY in layer.__dict__ and ATTENTION_KEY in layer.__dict__ for layer in layers)
-    reference = _modules_attend(fused)
-    attended.clear()  # the verification's
-    expected = _generate(reference)
-    assert not attended
-    out = _generate(fused)
-    assert attended == _attentions(fused) * 5  # the four-token prefill runs the modules, then five one-token steps
-    assert torch.equal(out.sequences, expected.sequences)
-    assert all(_close(got, want) for got, want in zip(out.logits, expected.logits, strict=True))
+    _decodes_as(reference=_modules_attend(fused), fused=fused, attended=attended)
 
 
 OTHER_LAYERS = {
@@ -128,14 +135,7 @@ def test_layers_of_another_form_take_the_attention_step_alone(kind: str, attende
         return
     assert all(isinstance(layer.__dict__.get(FORM_KEY), ModulesForm) and ATTENTION_KEY in layer.__dict__
                for layer in layers)
-    reference = _modules_only(fused)  # the layers' original forwards
-    attended.clear()  # the verification's
-    expected = _generate(reference)
-    assert not attended
-    out = _generate(fused)
-    assert attended == _attentions(fused) * 5  # the four-token prefill runs the modules, then five one-token steps
-    assert torch.equal(out.sequences, expected.sequences)
-    assert all(_close(got, want) for got, want in zip(out.logits, expected.logits, strict=True))
+    expected = _decodes_as(reference=_modules_only(fused), fused=fused, attended=attended)  # the original forwards
     loaded = pickle.loads(pickle.dumps(fused))
     assert all(isinstance(layer.__dict__.get(FORM_KEY), ModulesForm) for layer in loaded.model.layers)
     assert torch.equal(_generate(loaded).sequences, expected.sequences)
