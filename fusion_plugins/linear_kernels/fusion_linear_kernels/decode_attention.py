@@ -82,10 +82,11 @@ the values' rows, as many key as value heads (the attention's ``num_key_value_he
 CACHE_NAMES = ("cache", "past_key_values")
 """The names of the attention forward's cache argument: transformers 5.x's, then 4.x's (5.x still accepts it)."""
 KNOWN = frozenset({"position_embeddings", "attention_mask", *CACHE_NAMES, "cache_position", "position_ids",
-                   "use_cache", "output_attentions", "output_router_logits"})
+                   "use_cache", "output_attentions", "output_router_logits", "logits_to_keep"})
 """The arguments a decoder layer passes its attention that :meth:`AttentionForm.run` reads or may ignore at a decode
 step (positions are in the rotary embedding already; the dynamic cache appends whatever the position; a mixture of
-experts' layer passes on its router's flag, which the attention's forward ignores)."""
+experts' layer passes on its router's flag, and some models pass ``generate``'s ``logits_to_keep`` down to every layer:
+the attention's forward ignores both)."""
 IMPLEMENTATIONS = ("sdpa", "eager")
 """The attention implementations a form may be verified under (transformers' ``_attn_implementation``). A call under
 another than the one verified runs the module: implementations compute otherwise (5.x's Gemma 2 soft-caps its scores

@@ -44,7 +44,8 @@ and Qwen3-MoE, OLMoE on transformers 5.x; an MLP without a gate or of another ac
 :class:`ModulesForm` instead, where their attention verifies: the step's own attention, with the norms, the MLP and the
 residuals run as the layer's modules in the composition verified as above (stand-ins for the attention and the MLP,
 bit for bit; then the layer's own MLP, whose output the forward must not unpack: 4.x's experts return their router's
-logits too, and such a layer keeps its class). Everything but the attention gives the original's bits. Before, such a
+logits too, and such a layer keeps its class), and where the model's rotary embedding gives the rotation the step's
+attention verified (:func:`model_rotations`). Everything but the attention gives the original's bits. Before, such a
 layer ran its attention as the module at every step: the projections' views, ``rotate_half`` twice and torch's
 attention over the cache (measured in docs/benchmarks.md, "The step's attention for layers of other forms").
 :func:`refusal` still says why the kernel does not compute a layer's norms and MLP.
@@ -461,12 +462,20 @@ def switch_layers(model: nn.Module, family: str) -> None:
     alone (:class:`ModulesForm`): its class switched through a plan of ``family`` (so ``unfuse`` restores it)."""
     verdicts: dict[tuple[Any, ...], str | None] = {}
     attention_verdicts: dict[tuple[Any, ...], str | None] = {}
+    rotations: dict[torch.dtype, set[tuple[torch.dtype, int]] | None] = {}
     for path, layer in candidates(model):
         form: LayerForm | ModulesForm | str = LayerForm.of(layer)
         if isinstance(form, str):  # the norms and the MLP as modules: worth it only for the step's attention
             form = ModulesForm.of(layer)
-            if isinstance(form, str) or _attention_form(layer._modules["self_attn"], form, attention_verdicts) is None:
+            attention = None if isinstance(form, str) else _attention_form(layer._modules["self_attn"], form,
+                                                                            attention_verdicts)
+            if attention is None or isinstance(form, str):
                 continue
+            if form.dtype not in rotations:
+                rotations[form.dtype] = model_rotations(model, form.dtype)
+            given = rotations[form.dtype]
+            if given is not None and (form.dtype, attention.head_dim) not in given:
+                continue  # the step's attention would decline every call (see model_rotations)
         key = (type(layer), *form.key())
         if key not in verdicts:
             verdicts[key] = _unverified(layer, form)
@@ -479,6 +488,31 @@ def switch_layers(model: nn.Module, family: str) -> None:
         attention = _attention_form(layer._modules["self_attn"], form, attention_verdicts)
         if attention is not None:
             layer.__dict__[ATTENTION_KEY] = attention
+
+
+def model_rotations(model: nn.Module, dtype: torch.dtype) -> set[tuple[torch.dtype, int]] | None:
+    """The dtype and width of the cosines each rotary embedding of ``model`` gives a step of ``dtype`` (its modules
+    named ``rotary_emb``, called as a decoder calls them: an input of the dtype and position ids), or None where there
+    is none or one is not called so.
+
+    Why: verification runs the attention on a rotation of its own, of the dtype and the whole head, while a decoder
+    hands its layers the rotation its rotary embedding computes, and the step's attention declines every call whose
+    rotation is not of that form (OLMo's is float32; GLM-4-MoE's covers half the head). A layer whose norms and MLP run
+    as modules anyway (:class:`ModulesForm`) buys nothing then, and pays for its guards at every step: it keeps its
+    class."""
+    found: set[tuple[torch.dtype, int]] = set()
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] != "rotary_emb":
+            continue
+        try:
+            with torch.no_grad():
+                cos, _ = module(torch.zeros(1, 1, 1, dtype=dtype), torch.zeros(1, 1, dtype=torch.long))
+        except Exception:  # another signature: the rotation is not known
+            return None
+        if not isinstance(cos, torch.Tensor):
+            return None
+        found.add((cos.dtype, cos.shape[-1]))
+    return found or None
 
 
 def _attention_form(attention: nn.Module, form: LayerForm | ModulesForm,

@@ -12,6 +12,7 @@ runs), at the same widths.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import pickle
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from fusion_linear_kernels.decode_layer import (
     DecodeLayerMixin,
     ModulesForm,
     drop_decode_attention,
+    model_rotations,
     refusal,
 )
 from fusion_linear_kernels.layer_forms import relative, tolerance
@@ -115,8 +117,7 @@ OTHER_LAYERS = {
 LayerNorms and MLP without a gate), each with an attention the step verifies."""
 
 
-def _other_model(kind: str) -> nn.Module:
-    config_class, extra = OTHER_LAYERS[kind]
+def _other_model(config_class: type, **extra: Any) -> nn.Module:
     config = config_class(hidden_size=512, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=8,
                           num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=256,
                           pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
@@ -127,7 +128,8 @@ def _other_model(kind: str) -> nn.Module:
 @pytest.mark.usefixtures("torch_attention")
 @pytest.mark.parametrize("kind", list(OTHER_LAYERS))
 def test_layers_of_another_form_take_the_attention_step_alone(kind: str, attended: list[nn.Module]) -> None:
-    fused = fusion_core.fuse(_other_model(kind), ALONE)
+    config_class, extra = OTHER_LAYERS[kind]
+    fused = fusion_core.fuse(_other_model(config_class, **extra), ALONE)
     layers = list(fused.model.layers)
     if kind != "starcoder2" and int(transformers.__version__.split(".")[0]) < 5:
         # 4.57's experts return (output, router logits), or sit under another name (block_sparse_moe)
@@ -141,6 +143,14 @@ def test_layers_of_another_form_take_the_attention_step_alone(kind: str, attende
     assert torch.equal(_generate(loaded).sequences, expected.sequences)
     fusion_core.unfuse(fused)
     assert not any(isinstance(layer, DecodeLayerMixin) or FORM_KEY in layer.__dict__ for layer in fused.model.layers)
+
+
+def test_layers_of_another_form_whose_rotation_the_step_declines_keep_their_class() -> None:
+    fused = fusion_core.fuse(_other_model(transformers.OlmoConfig), ALONE)  # LayerNorms, and a float32 rotation
+    layer = fused.model.layers[0]
+    assert AttentionForm.of(layer.self_attn).__class__ is AttentionForm  # an attention the step would verify
+    assert (torch.bfloat16, 64) not in (model_rotations(fused, torch.bfloat16) or set())
+    assert not any(isinstance(layer, DecodeLayerMixin) for layer in fused.model.layers)
 
 
 @pytest.mark.usefixtures("torch_attention")
@@ -262,6 +272,20 @@ def test_calls_the_attention_step_cannot_take_run_the_module(attended: list[nn.M
     fused.set_attn_implementation("eager")
     _generate(fused, tokens=3)
     assert not attended
+
+
+@pytest.mark.usefixtures("torch_attention")
+def test_flags_the_attention_ignores_leave_it_the_step(attended: list[nn.Module]) -> None:
+    fused = fusion_core.fuse(_model("llama"), MERGED)
+    reference = _modules_attend(fused)
+    attended.clear()  # the verification's
+    for model in (reference, fused):  # a mixture of experts' layer passes these on; some models, logits_to_keep
+        for layer in model.model.layers:
+            layer.forward = functools.partial(layer.forward, output_router_logits=False, logits_to_keep=1)
+    expected = _generate(reference)
+    assert not attended
+    out = _generate(fused)
+    assert len(attended) == 2 * 5 and torch.equal(out.sequences, expected.sequences)
 
 
 @pytest.mark.usefixtures("torch_attention")
