@@ -469,13 +469,9 @@ def switch_layers(model: nn.Module, family: str) -> None:
             form = ModulesForm.of(layer)
             attention = None if isinstance(form, str) else _attention_form(layer._modules["self_attn"], form,
                                                                             attention_verdicts)
-            if attention is None or isinstance(form, str):
+            if attention is None or isinstance(form, str) or not _rotated_as_verified(model, form, attention,
+                                                                                     rotations):
                 continue
-            if form.dtype not in rotations:
-                rotations[form.dtype] = model_rotations(model, form.dtype)
-            given = rotations[form.dtype]
-            if given is not None and (form.dtype, attention.head_dim) not in given:
-                continue  # the step's attention would decline every call (see model_rotations)
         key = (type(layer), *form.key())
         if key not in verdicts:
             verdicts[key] = _unverified(layer, form)
@@ -486,7 +482,7 @@ def switch_layers(model: nn.Module, family: str) -> None:
         fuse_instance(layer, plan)
         layer.__dict__[FORM_KEY] = form
         attention = _attention_form(layer._modules["self_attn"], form, attention_verdicts)
-        if attention is not None:
+        if attention is not None and _rotated_as_verified(model, form, attention, rotations):
             layer.__dict__[ATTENTION_KEY] = attention
 
 
@@ -497,9 +493,9 @@ def model_rotations(model: nn.Module, dtype: torch.dtype) -> set[tuple[torch.dty
 
     Why: verification runs the attention on a rotation of its own, of the dtype and the whole head, while a decoder
     hands its layers the rotation its rotary embedding computes, and the step's attention declines every call whose
-    rotation is not of that form (OLMo's is float32; GLM-4-MoE's covers half the head). A layer whose norms and MLP run
-    as modules anyway (:class:`ModulesForm`) buys nothing then, and pays for its guards at every step: it keeps its
-    class."""
+    rotation is not of that form (OLMo's is float32; GLM-4-MoE's covers half the head). The step's attention would
+    then pay for its guards at every step and gain nothing: a layer keeps no attention form, and a layer whose norms
+    and MLP run as modules anyway (:class:`ModulesForm`) keeps its class."""
     found: set[tuple[torch.dtype, int]] = set()
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] != "rotary_emb":
@@ -513,6 +509,16 @@ def model_rotations(model: nn.Module, dtype: torch.dtype) -> set[tuple[torch.dty
             return None
         found.add((cos.dtype, cos.shape[-1]))
     return found or None
+
+
+def _rotated_as_verified(model: nn.Module, form: LayerForm | ModulesForm, attention: decode_attention.AttentionForm,
+                         rotations: dict[torch.dtype, set[tuple[torch.dtype, int]] | None]) -> bool:
+    """Whether ``model``'s rotary embeddings give a rotation of the form ``attention`` verified (or are not known:
+    :func:`model_rotations`, worked out once per dtype into ``rotations``)."""
+    if form.dtype not in rotations:
+        rotations[form.dtype] = model_rotations(model, form.dtype)
+    given = rotations[form.dtype]
+    return given is None or (form.dtype, attention.head_dim) in given
 
 
 def _attention_form(attention: nn.Module, form: LayerForm | ModulesForm,
