@@ -153,6 +153,16 @@ def test_layers_of_another_form_whose_rotation_the_step_declines_keep_their_clas
     assert not any(isinstance(layer, DecodeLayerMixin) for layer in fused.model.layers)
 
 
+def test_a_layer_whose_model_rotates_otherwise_keeps_no_attention_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model("llama")
+    rotary = model.model.rotary_emb
+    given = rotary.forward
+    monkeypatch.setattr(rotary, "forward", lambda x, position_ids: tuple(t.float() for t in given(x, position_ids)))
+    fused = fusion_core.fuse(model, MERGED)  # the step verifies a rotation of the dtype; this model's is float32
+    assert model_rotations(fused, torch.bfloat16) == {(torch.float32, 64)}
+    assert all(FORM_KEY in layer.__dict__ and ATTENTION_KEY not in layer.__dict__ for layer in fused.model.layers)
+
+
 @pytest.mark.usefixtures("torch_attention")
 def test_the_step_caches_the_keys_and_values_the_module_caches(attended: list[nn.Module]) -> None:
     fused = fusion_core.fuse(_model("qwen2"), MERGED)
