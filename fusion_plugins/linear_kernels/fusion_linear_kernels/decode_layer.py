@@ -57,8 +57,10 @@ an attention of another form, a forward that returns a tuple) keeps its class.
 traced, not training, no autocast, a contiguous CPU input of the weights' dtype, no positional arguments but the hidden
 states, no forward hooks on the layer's norms and MLP (nor global ones), the verified module types in place (a LoRA
 adapter or a quantizer's layer there, a packed weight, turns it off) and a kind decided for each GEMV (at two to eight
-rows, for a kernel the step runs; see :func:`~fusion_linear_kernels.step_blocks.block`). Any other call runs the
-original forward, which decides the kinds on its first call.
+rows, for a kernel the step runs; see :func:`~fusion_linear_kernels.step_blocks.block`). A :class:`ModulesForm` layer
+runs its step for one token a sequence only (what its attention's step takes), under the same guards but for the
+GEMVs' kinds, which its modules decide as they run; its norms and MLP run as modules, so their hooks run too. Any other
+call runs the original forward, which decides the kinds on its first call.
 
 Measured on the 2-core Xeon VM (AMX-BF16), torch 2.13.0, transformers 5.25.0, bf16, every family on, side by side
 with the layers' modules in one run (``benchmarks/bench_decode.py``'s ``(no decode step)`` contender;
@@ -361,7 +363,8 @@ def _dense(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
 
 class DecodeLayerMixin(FusedModule):
     """A decoder layer whose decode steps (one to eight rows) run its norms, MLP and residuals in one kernel call each
-    side of the attention (:mod:`fusion_linear_kernels.decode_layer`); every other call runs the original forward."""
+    side of the attention, or, in a :class:`ModulesForm` layer, its attention as the step's own
+    (:mod:`fusion_linear_kernels.decode_layer`); every other call runs the original forward."""
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         form = self.__dict__.get(FORM_KEY)
