@@ -7,6 +7,7 @@ views as it reads contiguous keys; and a decode through them gives the modules' 
 from __future__ import annotations
 
 import copy
+import itertools
 from typing import Any
 
 import pytest
@@ -40,15 +41,17 @@ def _assert_same(grown: Any, reference: Any) -> None:
 
 def test_appends_give_what_concatenation_gives_into_one_buffer_until_it_is_full() -> None:
     grown, reference = _caches()
-    pointers = set()
+    pointers = []
     for key, value in _steps(150):
         got = cache_growth.append(grown, 0, key, value)
         expected = reference.update(key, value, 0)
         assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
         assert got[0] is grown.layers[0].keys and got[1] is grown.layers[0].values
-        pointers.add(grown.layers[0].keys.data_ptr())
+        pointers.append(grown.layers[0].keys.data_ptr())
     _assert_same(grown, reference)
-    assert len(pointers) == 3  # room for 5 + 1 + 0 + 64 = 70 tokens, 70 + 1 + 8 + 64 = 143, then 225: two growths
+    # Room for 5 + 1 + 0 + 64 = 70 tokens, 70 + 1 + 8 + 64 = 143, then 225: two growths, each a move to a new buffer.
+    # Counted as moves between steps, not as distinct addresses: the allocator may hand the third buffer the first's.
+    assert sum(before != after for before, after in itertools.pairwise(pointers)) == 2
     assert grown.get_seq_length() == reference.get_seq_length() == 155
 
 
