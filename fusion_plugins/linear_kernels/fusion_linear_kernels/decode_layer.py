@@ -289,15 +289,9 @@ class ModulesForm:
     def __init__(self, hidden: int, dtype: torch.dtype, flags: int, types: tuple[type, ...]) -> None:
         self.hidden, self.dtype, self.flags, self.types = hidden, dtype, flags, types
 
-    def __getstate__(self) -> tuple[Any, ...]:
-        return self.hidden, self.dtype, self.flags, self.types
-
-    def __setstate__(self, state: tuple[Any, ...]) -> None:
-        self.__init__(*state)  # type: ignore[misc]
-
     def key(self) -> tuple[Any, ...]:
-        """What two layers of one verdict share."""
-        return (ModulesForm, *self.__getstate__())
+        """What two layers of one verdict share (all of the form: it keeps nothing derived, so it pickles as it is)."""
+        return ModulesForm, self.hidden, self.dtype, self.flags, self.types
 
     @staticmethod
     def parts(layer: nn.Module) -> tuple[nn.Module, ...] | None:
