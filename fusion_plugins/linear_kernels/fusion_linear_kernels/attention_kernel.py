@@ -34,7 +34,7 @@ tokens to this kernel's 107, and this kernel's float32 sums, added a cached toke
 exact attention than torch's (4.7e-6 against 3.3e-6 at most over 37 tokens; summed in float64 instead, 1.9e-6, but
 584 us). In bfloat16 torch's kernel took 771 us there, this one 115."""
 
-_SOURCE = r"""
+BODY = r"""
 #include <cmath>
 #include <vector>
 using V = at::vec::Vectorized<float>;
@@ -130,12 +130,14 @@ extern "C" void kernel(const T* q, const T* k, const T* v, T* out, const float s
     }
 }
 """
+"""The attention kernel's own C++ (after :func:`row_dot.templates`): its helpers and the entry point ``kernel`` (the
+step kernel, :mod:`fusion_linear_kernels.step_kernel`, compiles it too)."""
 
 
 def source(dtype: torch.dtype) -> str:
     """The C++ of the attention kernel for a model of ``dtype``: the GEMV's head (``T``, its widening loads), then the
     attention."""
-    return row_dot.templates(dtype) + _SOURCE
+    return row_dot.templates(dtype) + BODY
 
 
 def _build(dtype: torch.dtype) -> Any:

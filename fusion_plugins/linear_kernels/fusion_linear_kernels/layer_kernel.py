@@ -57,7 +57,7 @@ SHARED_SOURCE = _SHARED_SOURCE.replace("@CASES@", row_dot.gemv_cases("bias"))
 to ``T``, transformers' RMSNorms and the GEMV over one to eight input rows with a block of weight rows. The projection
 kernel (:mod:`fusion_linear_kernels.projection_kernel`) norms the queries and keys and runs its GEMV with them."""
 
-_SOURCE = SHARED_SOURCE + r"""
+_BODY = r"""
 static void rms_norms(const T* h, const T* weight, T* out, float eps, int64_t n, int64_t rows, bool plus_one) {
     for (int64_t r = 0; r < rows; ++r) rms_norm(h + r * n, weight, out + r * n, eps, n, plus_one);
 }
@@ -113,15 +113,24 @@ extern "C" void kernel(const T* h, const T* attention, const T* norm, const T* a
 """
 
 
-def source(dtype: torch.dtype) -> str:
-    """The C++ of the layer kernel for a model of ``dtype``: the GEMV's templates (:func:`row_dot.templates`), then
-    the norms, the activation and the entry point."""
+def _with_flags(code: str) -> str:
     flags = {"@MLP@": MLP, "@GATE_UP_BIAS@": GATE_UP_BIAS, "@DOWN_BIAS@": DOWN_BIAS,
              "@GATE_UP_MERGED@": GATE_UP_MERGED, "@SANDWICH@": SANDWICH_FORM, "@PLUS_ONE@": PLUS_ONE, "@GELU@": GELU}
-    code = _SOURCE
     for name, value in flags.items():
         code = code.replace(name, str(value))
-    return row_dot.templates(dtype) + code
+    return code
+
+
+BODY = _with_flags(_BODY)
+"""The layer kernel's own C++ (after :func:`row_dot.templates` and :data:`SHARED_SOURCE`): the norms of its rows, the
+activation's product and the entry point ``kernel``, with the flags' values in place (the step kernel,
+:mod:`fusion_linear_kernels.step_kernel`, compiles it too)."""
+
+
+def source(dtype: torch.dtype) -> str:
+    """The C++ of the layer kernel for a model of ``dtype``: the GEMV's templates (:func:`row_dot.templates`), the
+    decode step's shared C++, then the norms, the activation and the entry point."""
+    return row_dot.templates(dtype) + SHARED_SOURCE + BODY
 
 
 def _build(dtype: torch.dtype) -> Any:

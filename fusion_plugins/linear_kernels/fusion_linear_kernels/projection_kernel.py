@@ -39,7 +39,7 @@ PROFILER_LABEL = "fusion::decode_projections"
 DTYPES = attention_kernel.DTYPES
 """The dtypes the kernel runs in (see the module docs)."""
 
-_SOURCE = r"""
+BODY = r"""
 // One head of width d rotated as apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, where rotate_half(x) is
 // (-x[d/2:], x[:d/2]); each product rounded to T, then their sum.
 static void rotated(const T* x, const T* cos, const T* sin, T* out, int64_t d) {
@@ -80,13 +80,15 @@ extern "C" void kernel(const T* x, const T* w, const T* bias, const T* cos, cons
     }
 }
 """
+"""The projection kernel's own C++ (after :func:`row_dot.templates` and the shared C++): the rotation and the
+entry point ``kernel`` (the step kernel, :mod:`fusion_linear_kernels.step_kernel`, compiles it too)."""
 
 
 def source(dtype: torch.dtype) -> str:
     """The C++ of the projection kernel for a model of ``dtype``: the GEMV's templates (:func:`row_dot.templates`),
     the decode step's shared C++ (:data:`~fusion_linear_kernels.layer_kernel.SHARED_SOURCE`: the RMSNorms and the GEMV
     over a block of rows), then the rotation and the entry point."""
-    return row_dot.templates(dtype) + SHARED_SOURCE + _SOURCE
+    return row_dot.templates(dtype) + SHARED_SOURCE + BODY
 
 
 def _build(dtype: torch.dtype) -> Any:
