@@ -70,13 +70,33 @@ def _same(a: object, b: object) -> bool:
 def append(cache: Any, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``cache.update(key, value, layer_idx)`` for one new token a sequence (``key`` and ``value``: ``[batch,
     kv_heads, 1, width]``), appended into the layer's buffer where it can be (see the module docs)."""
+    room = None
+    if type(key) is torch.Tensor and type(value) is torch.Tensor and key.shape == value.shape:
+        room = reserve(cache, layer_idx, key.shape, key.dtype, key.device)
+    if room is None:
+        return cache.update(key, value, layer_idx)
+    key_buffer, value_buffer, length = room
+    key_buffer[:, :, length:length + 1].copy_(key)
+    value_buffer[:, :, length:length + 1].copy_(value)
     layer = cache.layers[layer_idx]
-    keys, values = layer.__dict__.get("keys"), layer.__dict__.get("values")
+    return layer.keys, layer.values
+
+
+def reserve(cache: Any, layer_idx: int, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """Room in the layer's buffers for one new token a sequence of keys and values of ``shape`` (``[batch, kv_heads,
+    1, width]``), ``dtype`` and ``device``: the keys' and values' buffers (``[batch, kv_heads, capacity, width]``,
+    contiguous) and the tokens cached before it. The layer's keys and values are already views over the new token,
+    which the caller writes at once, before anything reads them. None where the layer's own ``update`` must run
+    (see the module docs)."""
+    layer = cache.layers[layer_idx]
     if not concatenates(type(layer)):  # nor, then, a weak key
-        return cache.update(key, value, layer_idx)
-    if not (_appendable(keys, key) and _appendable(values, value) and keys.shape == values.shape):
+        return None
+    keys, values = layer.__dict__.get("keys"), layer.__dict__.get("values")
+    if not (_appendable(keys, shape, dtype, device) and _appendable(values, shape, dtype, device)
+            and keys.shape == values.shape):
         _GROWN.pop(layer, None)
-        return cache.update(key, value, layer_idx)
+        return None
     length = keys.shape[2]
     grown = _GROWN.get(layer)
     if grown is not None:
@@ -89,20 +109,18 @@ def append(cache: Any, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -
         key_buffer, value_buffer = (t.new_empty(*t.shape[:2], capacity, t.shape[3]) for t in (keys, values))
         key_buffer[:, :, :length].copy_(keys)
         value_buffer[:, :, :length].copy_(values)
-    key_buffer[:, :, length:length + 1].copy_(key)
-    value_buffer[:, :, length:length + 1].copy_(value)
     layer.keys, layer.values = key_buffer[:, :, :length + 1], value_buffer[:, :, :length + 1]
     _GROWN[layer] = (length + 1, key_buffer, value_buffer)
-    return layer.keys, layer.values
+    return key_buffer, value_buffer, length
 
 
-def _appendable(cached: object, new: torch.Tensor) -> bool:
-    """Whether ``new`` (one token) can be written after ``cached`` into a buffer of ``cached``'s kind."""
-    return (type(cached) is torch.Tensor and type(new) is torch.Tensor and cached.dim() == 4 and new.dim() == 4
-            and new.shape[2] == 1 and cached.shape[2] > 0 and new.shape[:2] == cached.shape[:2]
-            and new.shape[3] == cached.shape[3] and new.dtype is cached.dtype and new.device == cached.device
-            and cached.layout is torch.strided and not cached.requires_grad
-            and (torch.is_inference_mode_enabled() or not cached.is_inference()))
+def _appendable(cached: object, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether one token of ``shape``, ``dtype`` and ``device`` can be written after ``cached`` into a buffer of
+    ``cached``'s kind."""
+    return (type(cached) is torch.Tensor and cached.dim() == 4 and len(shape) == 4 and shape[2] == 1
+            and cached.shape[2] > 0 and tuple(shape[:2]) == cached.shape[:2] and shape[3] == cached.shape[3]
+            and dtype is cached.dtype and device == cached.device and cached.layout is torch.strided
+            and not cached.requires_grad and (torch.is_inference_mode_enabled() or not cached.is_inference()))
 
 
 def _view_of(view: torch.Tensor, buffer: torch.Tensor, length: int) -> bool:
