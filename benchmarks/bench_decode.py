@@ -14,7 +14,9 @@ interleaved rounds whose order rotates (see :mod:`bench_common`):
   decode step (``fusion_linear_kernels.decode_layer``), so the step's gain is measured side by side; or by
   `` (no decode attention)``: the step calls each layer's attention module, not its own attention
   (``fusion_linear_kernels.decode_attention``); or by `` (projections as modules)``: the step's own attention calls
-  its projection modules, not the projection kernel (``fusion_linear_kernels.projection_kernel``).
+  its projection modules, not the projection kernel (``fusion_linear_kernels.projection_kernel``); or by
+  `` (kernels one by one)``: each layer calls its kernels one at a time, not the whole layer in one call
+  (``fusion_linear_kernels.step_kernel``).
 
 Each round runs a greedy ``generate`` (``--prompt`` tokens, then ``--new-tokens``; decode ms/token is
 first to last new token) and a ``--prefill``-token forward (logits of the last position). Speed is the
@@ -97,7 +99,10 @@ PROJECTIONS_AS_MODULES = " (projections as modules)"
 attention's output projection holds a forward hook that does nothing, and the step gives a hooked child its call), as
 before ``fusion_linear_kernels.projection_kernel``: what the projection kernel buys, side by side. The hook itself costs
 the contender a call a layer."""
-SUFFIXES = (NO_DECODE_STEP, NO_DECODE_ATTENTION, PROJECTIONS_AS_MODULES)
+ONE_BY_ONE = " (kernels one by one)"
+"""A contender name ending so keeps the step's own attention, but each layer calls its kernels one at a time, as
+before ``fusion_linear_kernels.step_kernel``: what the whole layer in one call buys, side by side."""
+SUFFIXES = (NO_DECODE_STEP, NO_DECODE_ATTENTION, PROJECTIONS_AS_MODULES, ONE_BY_ONE)
 
 
 def config_of(model: str, layers: int | None) -> Any:
@@ -310,7 +315,8 @@ def load_contender(path: Any, families: str | None, dtype: torch.dtype, quantize
 
 def as_named(model: nn.Module, name: str) -> nn.Module:
     """``model`` as the contender called ``name`` runs it: every decoder layer's decode step dropped, or the step's own
-    attention, or its projections run as modules, where ``name`` ends so (see :data:`SUFFIXES`)."""
+    attention, or its projections run as modules, or its kernels called one by one, where ``name`` ends so (see
+    :data:`SUFFIXES`)."""
     if name.endswith(NO_DECODE_STEP):
         from fusion_linear_kernels.decode_layer import drop_decode_steps
 
@@ -319,6 +325,10 @@ def as_named(model: nn.Module, name: str) -> nn.Module:
         from fusion_linear_kernels.decode_layer import drop_decode_attention
 
         drop_decode_attention(model)
+    elif name.endswith(ONE_BY_ONE):
+        from fusion_linear_kernels.decode_layer import drop_one_call
+
+        drop_one_call(model)
     elif name.endswith(PROJECTIONS_AS_MODULES):
         for module in model.modules():
             output = module._modules.get("o_proj")
@@ -575,6 +585,7 @@ def main(argv: list[str] | None = None) -> None:
     from fusion_linear_kernels.decode_layer import (
         ATTENTION_KEY,
         FORM_KEY,
+        ONE_CALL_KEY,
         DecodeLayerMixin,
         ModulesForm,
         candidates,
@@ -584,15 +595,18 @@ def main(argv: list[str] | None = None) -> None:
 
     steps = Table("linear_kernels decode step (decoder layers: norms and MLP in one kernel call each side of the "
                   "attention)", ["contender", "layers with the step", "of them with its attention",
-                                "of them with norms and MLP as modules", "why not (the first other layer)"])
+                                "of them in one call", "of them with norms and MLP as modules",
+                                "why not (the first other layer)"])
     for name, model in models.items():
         if "linear_kernels" in name:
             switched = [module for module in model.modules() if isinstance(module, DecodeLayerMixin)]
             others = [layer for _, layer in candidates(model)]
             taking = sum(FORM_KEY in layer.__dict__ for layer in switched)
             attending = sum(ATTENTION_KEY in layer.__dict__ for layer in switched)
+            one_call = sum(ONE_CALL_KEY in layer.__dict__ for layer in switched)
             as_modules = sum(isinstance(layer.__dict__.get(FORM_KEY), ModulesForm) for layer in switched)
-            steps.rows.append([name, f"{taking} of {len(switched) + len(others)}", str(attending), str(as_modules),
+            steps.rows.append([name, f"{taking} of {len(switched) + len(others)}", str(attending), str(one_call),
+                               str(as_modules),
                                (refusal(others[0]) or "-") if others else "-"])
     for (_, _, shape, _, bias, rows, _, _), block in sorted(step_decisions().items(), key=str):
         steps.notes.append(f"{'x'.join(map(str, shape))} (bias {bias}, {rows} row): the step runs {block} (its kind "

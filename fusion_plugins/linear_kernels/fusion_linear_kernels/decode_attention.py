@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion_core.plugin import merged_projection
-from fusion_linear_kernels import attention_kernel, cache_growth, compat, projection_kernel, row_dot
+from fusion_linear_kernels import attention_kernel, cache_growth, compat, projection_kernel, row_dot, step_kernel
 from fusion_linear_kernels.choice import generation
 from fusion_linear_kernels.layer_forms import epsilon, norm_kind, relative, tolerance
 from fusion_linear_kernels.step_blocks import block, module_block, undecided
@@ -172,6 +172,10 @@ class AttentionForm:
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         self.__init__(*state)  # type: ignore[misc]
 
+    def key(self, dtype: torch.dtype, width: int) -> tuple[Any, ...]:
+        """What two attentions of one verdict share, for inputs of ``dtype`` and ``width``."""
+        return self.types, self.head_dim, self.scaling, self.cache_name, dtype, width
+
     @staticmethod
     def types_of(attention: nn.Module) -> tuple[type, ...]:
         """The attention's type and its children's, in order: what a call checks is still in place."""
@@ -219,6 +223,51 @@ class AttentionForm:
     def run(self, attention: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:
         """The attention's output for ``hidden`` (its input, normed) at a decode step, or None where the call is not
         one the step runs (see the module docs): the caller then calls the module."""
+        taken = self._taken(attention, hidden, kwargs)
+        return None if taken is None else self._attend(attention, hidden, *taken)
+
+    def in_one_call(self, attention: nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+        """What the layer's one-call step (:mod:`fusion_linear_kernels.step_kernel`) reads of this attention for a
+        decode step of ``hidden`` (the layer's input: the normed input's shape and dtype), or None where the step's
+        attention would not run its kernels throughout (a projection as a module, torch's attention, the layer's own
+        ``update``): the tensors, then the integers and floats the kernel takes after the layer's. Where not None,
+        the cache already holds the new token's keys and values as views over room the kernel fills, and the caller
+        must run the kernel at once."""
+        taken = self._taken(attention, hidden, kwargs)
+        dtype = hidden.dtype
+        if taken is None or step_kernel.kernel(dtype) is None:
+            return None
+        cos, sin, cache, mask, bias = taken
+        blocks = self._blocks(attention, hidden)
+        merged = self._merged(attention) if blocks is not None and None not in blocks else None
+        o_proj = attention._modules["o_proj"]
+        if (merged is None or not self._kernel_reads(attention, merged, dtype) or not _read(o_proj, dtype)
+                or (mask is not None and mask.shape[-1] != cache.layers[self.layer_idx].keys.shape[-2] + 1)):
+            return None
+        (owner, sizes), width, batch = merged, self.head_dim, hidden.shape[0]
+        weight, qkv_bias = owner._parameters["weight"], owner._parameters.get("bias")
+        o_weight, o_bias = o_proj._parameters["weight"], o_proj._parameters.get("bias")
+        room = cache_growth.reserve(cache, self.layer_idx, (batch, sizes[1] // width, 1, width), dtype, hidden.device)
+        if room is None:
+            return None
+        key_buffer, value_buffer, length = room
+        modules = attention._modules
+        q_norm, k_norm = ((modules["q_norm"]._parameters["weight"], modules["k_norm"]._parameters["weight"])
+                          if self.norms is not None else (weight, weight))
+        eps, plus_one = self.norms if self.norms is not None else (0.0, False)
+        widths = (q_norm.numel(), k_norm.numel()) if self.norms is not None else (0, 0)
+        return ((weight, _or(qkv_bias, weight), cos.contiguous(), sin.contiguous(), q_norm, k_norm, key_buffer,
+                 value_buffer, hidden if bias is None else bias.contiguous(), o_weight, _or(o_bias, o_weight)),
+                (eps, self.scaling, self.softcap or 0.0),
+                (sizes[0] // width, sizes[1] // width, width, cos.numel() // width, qkv_bias is not None, blocks[0],
+                 *widths, plus_one, length, key_buffer.stride(0), key_buffer.stride(1), bias is not None,
+                 0 if bias is None or bias.shape[0] == 1 else length + 1, o_bias is not None, blocks[1]))
+
+    def _taken(self, attention: nn.Module, hidden: torch.Tensor,
+               kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any, torch.Tensor | None,
+                                                torch.Tensor | None] | None:
+        """The rotation's cosines and sines, the cache, the mask and what it adds to the scores where the step takes
+        this call (see the module docs), else None."""
         if (kwargs.keys() - KNOWN or kwargs.get("output_attentions") or hidden.dim() != 3 or hidden.shape[1] != 1
                 or compat.forward_hooks((attention,)) or self.types_of(attention) != self.types):
             return None
@@ -242,7 +291,7 @@ class AttentionForm:
                 and sin.dtype is hidden.dtype and cos.shape == sin.shape and cos.dim() == 3
                 and cos.shape[0] in (1, hidden.shape[0]) and cos.shape[1:] == (1, self.head_dim)):
             return None  # not [batch, 1, head_dim], as verified (multimodal rotations: one a section)
-        return self._attend(attention, hidden, cos, sin, cache, mask, bias)
+        return cos, sin, cache, mask, bias
 
     def _attend(self, attention: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: Any, mask: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -389,6 +438,11 @@ def _read(projection: nn.Module, dtype: torch.dtype) -> bool:
             and (bias is None or (_dense(bias) and bias.dtype is dtype)))
 
 
+def _or(tensor: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or ``other`` in its place where there is none (a pointer the kernel does not read)."""
+    return other if tensor is None else tensor
+
+
 def _dense(tensor: torch.Tensor) -> bool:
     return type(tensor) in (torch.Tensor, nn.Parameter) and tensor.is_cpu and tensor.is_contiguous()
 
@@ -440,6 +494,22 @@ def verified(attention: nn.Module, dtype: torch.dtype, width: int) -> AttentionF
         if why_not(uncapped) is None:
             return uncapped  # the forward does not cap: sdpa ignored the attention's cap until 5.x refused it
     return form if why is None else why
+
+
+def caches_for(attention: nn.Module, form: AttentionForm, dtype: torch.dtype, count: int,
+               generator: torch.Generator) -> list[Any] | str:
+    """``count`` dynamic caches holding the same :data:`_PRIOR` random keys and values of ``dtype`` (of
+    :data:`_SPREAD`'s scale) at the attention's layer, for a check of a decode step on them; or why there are none
+    (this transformers has no cache layers, the attention's q/k/v projection is not merged)."""
+    types, merged = _cache_types(), form._merged(attention)
+    if types is None or merged is None:
+        return "this transformers has no dynamic cache layers, or the attention's q/k/v projection is not merged"
+    heads = merged[1][1] // form.head_dim
+    prior = (torch.randn(2, 1, heads, _PRIOR, form.head_dim, generator=generator) * _SPREAD).to(dtype)
+    caches = [types[0]() for _ in range(count)]
+    for cache in caches:
+        cache.update(prior[0].clone(), prior[1].clone(), form.layer_idx)
+    return caches
 
 
 def _differs(attention: nn.Module, form: AttentionForm, hidden: torch.Tensor, step: dict[str, Any],

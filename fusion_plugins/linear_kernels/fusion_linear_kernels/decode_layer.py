@@ -28,6 +28,13 @@ vectors with torch's own ``exp`` and ``tanh``, rounded, times ``up``); the mean 
 result may differ in its last bit: within the bound (:mod:`fusion_linear_kernels.tolerance`), and never in exact mode,
 where no layer is switched.
 
+**In one call.** Where the step's attention would run its kernels throughout (its projections in the projection kernel
+and the GEMV kernel, a cache layer it appends to in its buffer, the attention kernel), the three steps above run as
+one call of :mod:`fusion_linear_kernels.step_kernel`, the same C++ functions back to back: the Python and torch
+operators between the five kernel calls ran from memory, as each weight stream evicts them from the CPU's caches. It
+gives the bits of the calls one by one, verified once per form at load (:func:`_one_call_differs`); a layer whose call
+differs keeps the calls one by one.
+
 **Which layers.** A module with the children ``input_layernorm``, ``self_attn``, ``post_attention_layernorm`` and
 ``mlp`` (and two more norms in the sandwich forms of Gemma 2 and 3 and of GLM-4, named in
 :data:`~fusion_linear_kernels.layer_forms.SANDWICHES`), whose norms hold a 1-D weight and one epsilon
@@ -79,7 +86,7 @@ from torch import nn
 
 from fusion_core import FusedModule, ModulePlan
 from fusion_core.plugin import attached_plan, fuse_instance, fused_subclass, merged_projection
-from fusion_linear_kernels import compat, decode_attention, layer_kernel, row_dot
+from fusion_linear_kernels import compat, decode_attention, layer_kernel, row_dot, step_kernel
 from fusion_linear_kernels.choice import generation
 from fusion_linear_kernels.layer_forms import (
     CHILDREN,
@@ -107,6 +114,9 @@ from fusion_linear_kernels.step_blocks import block
 
 FORM_KEY = "_fusion_decode_form"
 """Where a switched layer keeps its verified :class:`LayerForm` (its ``__dict__``)."""
+ONE_CALL_KEY = "_fusion_decode_one_call"
+"""Where a switched layer keeps its attention's form where the whole layer's step verified in one call of the step
+kernel (:mod:`fusion_linear_kernels.step_kernel`; its ``__dict__``)."""
 ATTENTION_KEY = "_fusion_decode_attention"
 """Where a switched layer keeps its attention's verified :class:`~fusion_linear_kernels.decode_attention.
 AttentionForm` (its ``__dict__``), if it verified."""
@@ -258,6 +268,10 @@ class LayerForm:
         """The layer's output: the input norm, the layer's attention called as the original calls it, the rest."""
         (norm, mlp_norm, attention_norm, out_norm, gate, up, down), biases, rows, flags, blocks = arguments
         gate_bias, up_bias, down_bias = biases
+        step = layer.__dict__.get(ONE_CALL_KEY)
+        one_call = step.in_one_call(layer._modules["self_attn"], hidden, kwargs) if step is not None else None
+        if one_call is not None:  # the whole layer in the step kernel, verified so (switch_layers)
+            return self._in_one_call(hidden, arguments, one_call)
         compiled = layer_kernel.kernel(self.dtype)
         normed = torch.empty_like(hidden)
         row_dot.labelled_call(f"{layer_kernel.PROFILER_LABEL} input norm", compiled, hidden, hidden, norm, norm, norm,
@@ -274,6 +288,25 @@ class LayerForm:
                               hidden, attention, mlp_norm, attention_norm, out_norm, gate, up, down,
                               _or(gate_bias, gate), _or(up_bias, up), _or(down_bias, down), scratch, gated, out,
                               self.eps, self.hidden, self.intermediate, rows, flags, *blocks)
+        return out
+
+
+    def _in_one_call(self, hidden: torch.Tensor, arguments: tuple[Any, ...],
+                     attention: tuple[Any, ...]) -> torch.Tensor:
+        """The layer's output in one call of the step kernel, its attention's part ``attention`` (what
+        :meth:`~fusion_linear_kernels.decode_attention.AttentionForm.in_one_call` gave)."""
+        (norm, mlp_norm, attention_norm, out_norm, gate, up, down), biases, rows, flags, blocks = arguments
+        gate_bias, up_bias, down_bias = biases
+        tensors, floats, integers = attention
+        heads, kv_heads, width = integers[:3]
+        out = torch.empty_like(hidden)
+        scratch = hidden.new_empty(step_kernel.scratch_size(rows, self.hidden, self.intermediate, heads, kv_heads,
+                                                            width))
+        row_dot.labelled_call(f"{step_kernel.PROFILER_LABEL} {self.hidden}x{self.intermediate}",
+                              step_kernel.kernel(self.dtype), hidden, norm, mlp_norm, attention_norm, out_norm,
+                              *tensors, gate, up, down, _or(gate_bias, gate), _or(up_bias, up), _or(down_bias, down),
+                              scratch, out, self.eps, *floats, self.hidden, self.intermediate, rows, flags, *blocks,
+                              *integers)
         return out
 
 
@@ -459,6 +492,7 @@ def switch_layers(model: nn.Module, family: str) -> None:
     alone (:class:`ModulesForm`): its class switched through a plan of ``family`` (so ``unfuse`` restores it)."""
     verdicts: dict[tuple[Any, ...], str | None] = {}
     attention_verdicts: dict[tuple[Any, ...], str | None] = {}
+    one_call_verdicts: dict[tuple[Any, ...], str | None] = {}
     rotations: dict[torch.dtype, set[tuple[torch.dtype, int]] | None] = {}
     for path, layer in candidates(model):
         form: LayerForm | ModulesForm | str = LayerForm.of(layer)
@@ -481,6 +515,40 @@ def switch_layers(model: nn.Module, family: str) -> None:
         attention = _attention_form(layer._modules["self_attn"], form, attention_verdicts)
         if attention is not None and _rotated_as_verified(model, form, attention, rotations):
             layer.__dict__[ATTENTION_KEY] = attention
+            if isinstance(form, LayerForm):
+                one_call_key = (*key, attention.key(form.dtype, form.hidden))
+                if one_call_key not in one_call_verdicts:
+                    one_call_verdicts[one_call_key] = _one_call_differs(layer, form, attention)
+                if one_call_verdicts[one_call_key] is None:
+                    layer.__dict__[ONE_CALL_KEY] = attention
+
+
+def _one_call_differs(layer: nn.Module, form: LayerForm, attention: decode_attention.AttentionForm) -> str | None:
+    """Why the whole layer's step in one call of the step kernel (:mod:`fusion_linear_kernels.step_kernel`) does not
+    give what the step's calls one by one give (:meth:`LayerForm.run`, the step's own attention taking its call), bit
+    for bit in the output and the cache, or None: one token on two copies of a dynamic cache holding a few random
+    keys and values, on a random rotation. The layer must already hold its attention's form (``ATTENTION_KEY``)."""
+    generator = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(1, 1, form.hidden, generator=generator) * 2.0**-6).to(form.dtype)
+    caches = decode_attention.caches_for(layer._modules["self_attn"], attention, form.dtype, 2, generator)
+    if isinstance(caches, str):
+        return caches
+    angles = torch.rand(1, 1, attention.head_dim, generator=generator) * 6.0
+    step = {"position_embeddings": (angles.cos().to(form.dtype), angles.sin().to(form.dtype)), "attention_mask": None}
+    with torch.no_grad():
+        arguments = form.arguments(layer, hidden)
+        if arguments is None:
+            return "a GEMV's kind is not decided"
+        expected = form.run(layer, hidden, arguments, {**step, attention.cache_name: caches[0]})
+        one_call = attention.in_one_call(layer._modules["self_attn"], hidden, {**step, attention.cache_name: caches[1]})
+        if one_call is None:
+            return "the step's attention does not run its kernels throughout on a dynamic cache"
+        got = form._in_one_call(hidden, arguments, one_call)
+    expected_layer, got_layer = (cache.layers[attention.layer_idx] for cache in caches)
+    if not (torch.equal(expected, got) and torch.equal(expected_layer.keys, got_layer.keys)
+            and torch.equal(expected_layer.values, got_layer.values)):
+        return "the step kernel's output or cache differs from the step's calls one by one"
+    return None
 
 
 def model_rotations(model: nn.Module, dtype: torch.dtype) -> set[tuple[torch.dtype, int]] | None:
@@ -525,7 +593,7 @@ def _attention_form(attention: nn.Module, form: LayerForm | ModulesForm,
     found = decode_attention.AttentionForm.of(attention)
     if isinstance(found, str):
         return None
-    key = (found.types, found.head_dim, found.scaling, found.cache_name, form.dtype, form.hidden)
+    key = found.key(form.dtype, form.hidden)
     if key not in verdicts:
         checked = decode_attention.verified(attention, form.dtype, form.hidden)
         verdicts[key] = checked if isinstance(checked, str) else None
@@ -538,6 +606,7 @@ def drop_decode_steps(model: nn.Module) -> None:
     for module in model.modules():
         module.__dict__.pop(FORM_KEY, None)
         module.__dict__.pop(ATTENTION_KEY, None)
+        module.__dict__.pop(ONE_CALL_KEY, None)
 
 
 def drop_decode_attention(model: nn.Module) -> None:
@@ -545,3 +614,11 @@ def drop_decode_attention(model: nn.Module) -> None:
     step's own attention forgotten): to compare, or to rule it out."""
     for module in model.modules():
         module.__dict__.pop(ATTENTION_KEY, None)
+        module.__dict__.pop(ONE_CALL_KEY, None)
+
+
+def drop_one_call(model: nn.Module) -> None:
+    """Every switched layer of ``model`` keeps its decode step and its own attention, called one kernel at a time (the
+    step kernel, :mod:`fusion_linear_kernels.step_kernel`, forgotten): to compare, or to rule it out."""
+    for module in model.modules():
+        module.__dict__.pop(ONE_CALL_KEY, None)

@@ -47,7 +47,14 @@ from torch import nn
 
 from fusion_core import ModulePlan, SaveError, hookimpl
 from fusion_core.plugin import MergedLinear, fuse_instance, merged_projection, presenting_fused
-from fusion_linear_kernels import attention_kernel, cache_growth, layer_kernel, projection_kernel, row_dot
+from fusion_linear_kernels import (
+    attention_kernel,
+    cache_growth,
+    layer_kernel,
+    projection_kernel,
+    row_dot,
+    step_kernel,
+)
 from fusion_linear_kernels.choice import Caller, traced_linear
 from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY, switch_layers
 from fusion_linear_kernels.direct_reads import read_directly
@@ -79,6 +86,7 @@ def fusion_reset_state() -> None:
     attention_kernel.clear()
     cache_growth.clear()
     projection_kernel.clear()
+    step_kernel.clear()
 
 
 @hookimpl(wrapper=True, tryfirst=True)

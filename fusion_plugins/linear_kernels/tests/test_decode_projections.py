@@ -17,7 +17,7 @@ import pytest
 import torch
 from fusion_linear_kernels import projection_kernel, row_dot
 from fusion_linear_kernels.decode_attention import _rotated, verified
-from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY
+from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY, drop_one_call
 from fusion_linear_kernels.layer_forms import relative, tolerance
 from one_row_gemv import skip_unless_built
 from test_decode_layer import (  # step_kernels: the fixture deciding the GEMVs
@@ -138,6 +138,7 @@ def test_merged_attentions_project_in_one_call_and_give_what_their_modules_give(
     torch's, so the keys and the logits are within the bound."""
     same = torch.equal if kind != "qwen3" else _close
     fused = fusion_core.fuse(_model(kind, **WIDE), families)
+    drop_one_call(fused)  # each kernel called on its own (the step kernel calls them in one: test_step_kernel.py)
     reference = _hooked(fusion_core.fuse(_model(kind, **WIDE), families))
     assert all(FORM_KEY in layer.__dict__ and ATTENTION_KEY in layer.__dict__
                for model in (fused, reference) for layer in model.model.layers)
