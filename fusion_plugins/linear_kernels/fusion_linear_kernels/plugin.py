@@ -56,7 +56,7 @@ from fusion_linear_kernels import (
     step_kernel,
 )
 from fusion_linear_kernels.choice import Caller, traced_linear
-from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY, switch_layers
+from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY, ONE_CALL_KEY, switch_layers
 from fusion_linear_kernels.direct_reads import read_directly
 from fusion_linear_kernels.experts import is_experts
 from fusion_linear_kernels.family import (
@@ -173,7 +173,7 @@ def fusion_module_fused(module: nn.Module, plan: ModulePlan) -> None:
 def fusion_module_unfused(module: nn.Module, plan: ModulePlan) -> None:
     if plan.family != LinearKernelsFamily.name:
         return
-    for derived in (PACKED_FLAG, OPERATOR_KEY, CALLER_KEY, FORM_KEY, ATTENTION_KEY):
+    for derived in (PACKED_FLAG, OPERATOR_KEY, CALLER_KEY, FORM_KEY, ATTENTION_KEY, ONE_CALL_KEY):
         module.__dict__.pop(derived, None)
     order = {name: index for index, name in enumerate(plan.original_leaves)}
     parameters = module._parameters

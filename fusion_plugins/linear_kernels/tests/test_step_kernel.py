@@ -12,6 +12,7 @@ reads; kernel choices are decided by its fake clocks."""
 from __future__ import annotations
 
 import copy
+import pickle
 from collections.abc import Iterator
 from typing import Any
 
@@ -163,3 +164,15 @@ def test_a_step_kernel_that_cannot_be_built_leaves_the_kernels_one_by_one_and_sa
     assert all(ATTENTION_KEY in layer.__dict__ and ONE_CALL_KEY not in layer.__dict__ for layer in fused.model.layers)
     assert len(attended) == 2 * 5
     assert torch.equal(out.sequences, _generate(_one_by_one(fused)).sequences)
+
+
+def test_the_one_call_survives_pickling_and_unfuse_drops_it(one_calls: list[torch.Tensor]) -> None:
+    fused = fusion_core.fuse(_model("llama", **WIDE), MERGED)
+    loaded = pickle.loads(pickle.dumps(fused))
+    expected = _generate(fused)
+    one_calls.clear()
+    out = _generate(loaded)
+    assert len(one_calls) == 2 * 5
+    assert torch.equal(out.sequences, expected.sequences)
+    fusion_core.unfuse(fused)
+    assert not any(ONE_CALL_KEY in layer.__dict__ for layer in fused.model.layers)
