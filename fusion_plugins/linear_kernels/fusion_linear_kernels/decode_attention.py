@@ -230,9 +230,14 @@ class AttentionForm:
         """What the layer's one-call step (:mod:`fusion_linear_kernels.step_kernel`) reads of this attention for a
         decode step of ``hidden`` (the layer's input: the normed input's shape and dtype), or None where the step's
         attention would not run its kernels throughout (a projection as a module, torch's attention, the layer's own
-        ``update``): the tensors, then the integers and floats the kernel takes after the layer's. Where not None,
+        ``update``): the tensors, then the floats and the integers the kernel takes after the layer's. Where not None,
         the cache already holds the new token's keys and values as views over room the kernel fills, and the caller
         must run the kernel at once."""
+        cache = next((kwargs[name] for name in CACHE_NAMES if kwargs.get(name) is not None), None)
+        layers = cache.__dict__.get("layers") if cache is not None else None
+        if not (isinstance(layers, list) and len(layers) > self.layer_idx
+                and cache_growth.concatenates(type(layers[self.layer_idx]))):
+            return None  # first, as the step's attention then checks the call again: a sliding window's layer
         taken = self._taken(attention, hidden, kwargs)
         dtype = hidden.dtype
         if taken is None or step_kernel.kernel(dtype) is None:
