@@ -290,7 +290,6 @@ class LayerForm:
                               self.eps, self.hidden, self.intermediate, rows, flags, *blocks)
         return out
 
-
     def _in_one_call(self, hidden: torch.Tensor, arguments: tuple[Any, ...],
                      attention: tuple[Any, ...]) -> torch.Tensor:
         """The layer's output in one call of the step kernel, its attention's part ``attention`` (what
@@ -527,7 +526,8 @@ def _one_call_differs(layer: nn.Module, form: LayerForm, attention: decode_atten
     """Why the whole layer's step in one call of the step kernel (:mod:`fusion_linear_kernels.step_kernel`) does not
     give what the step's calls one by one give (:meth:`LayerForm.run`, the step's own attention taking its call), bit
     for bit in the output and the cache, or None: one token on two copies of a dynamic cache holding a few random
-    keys and values, on a random rotation. The layer must already hold its attention's form (``ATTENTION_KEY``)."""
+    keys and values, on a random rotation. The layer must already hold its attention's form (``ATTENTION_KEY``), and
+    not yet the one call's (``ONE_CALL_KEY``), so that :meth:`LayerForm.run` calls its kernels one by one."""
     generator = torch.Generator().manual_seed(0)
     hidden = (torch.randn(1, 1, form.hidden, generator=generator) * 2.0**-6).to(form.dtype)
     caches = decode_attention.caches_for(layer._modules["self_attn"], attention, form.dtype, 2, generator)
