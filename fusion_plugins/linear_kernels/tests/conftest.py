@@ -66,3 +66,12 @@ def torch_attention(monkeypatch: pytest.MonkeyPatch) -> None:
     from fusion_linear_kernels import attention_kernel
 
     monkeypatch.setattr(attention_kernel, "kernel", lambda dtype: None)
+
+
+@pytest.fixture
+def attended(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The attention modules each step's own attention ran for, one kernel at a time, in order."""
+    from fusion_linear_kernels.decode_attention import AttentionForm
+    from one_row_gemv import recorded_calls
+
+    return recorded_calls(monkeypatch, AttentionForm, "_attend")

@@ -37,7 +37,7 @@ from fusion_linear_kernels.decode_layer import (
 )
 from fusion_linear_kernels.layer_forms import relative, tolerance
 from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
-from one_row_gemv import fresh_kernels_of, recorded_calls, without_the_kernel_of
+from one_row_gemv import fresh_kernels_of, without_the_kernel_of
 from test_decode_layer import (  # step_kernels: the fixture deciding the GEMVs
     ALONE,
     IDS,
@@ -53,12 +53,6 @@ from torch import nn
 import fusion_core
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("step_kernels")]
-
-@pytest.fixture
-def attended(monkeypatch: pytest.MonkeyPatch) -> list[nn.Module]:
-    """The attention modules each step's own attention ran for, in order."""
-    return recorded_calls(monkeypatch, AttentionForm, "_attend")
-
 
 def _modules_attend(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose decode steps call their attention modules."""

@@ -20,7 +20,6 @@ import pytest
 import torch
 import transformers
 from fusion_linear_kernels import row_dot, step_kernel
-from fusion_linear_kernels.decode_attention import AttentionForm
 from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY, ONE_CALL_KEY, LayerForm, drop_one_call
 from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
 from one_row_gemv import fresh_kernels_of, recorded_calls, skip_unless_built, without_the_kernel_of
@@ -45,12 +44,6 @@ def one_calls(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     """The input of every layer step run in one call from now on (the call still runs)."""
     skip_unless_built(lambda: step_kernel.kernel(torch.bfloat16), "the decode layer step kernel")
     return recorded_calls(monkeypatch, LayerForm, "_in_one_call")
-
-
-@pytest.fixture
-def attended(monkeypatch: pytest.MonkeyPatch) -> list[nn.Module]:
-    """The attention modules the step's own attention ran for one kernel at a time, in order."""
-    return recorded_calls(monkeypatch, AttentionForm, "_attend")
 
 
 def _one_by_one(model: nn.Module) -> nn.Module:
