@@ -511,9 +511,15 @@ def caches_for(attention: nn.Module, form: AttentionForm, dtype: torch.dtype, co
         return "this transformers has no dynamic cache layers, or the attention's q/k/v projection is not merged"
     heads = merged[1][1] // form.head_dim
     prior = (torch.randn(2, 1, heads, _PRIOR, form.head_dim, generator=generator) * _SPREAD).to(dtype)
-    caches = [types[0]() for _ in range(count)]
+    return _filled(types[0], prior, form.layer_idx, count)
+
+
+def _filled(cache_type: type, prior: torch.Tensor, layer_idx: int, count: int) -> list[Any]:
+    """``count`` caches of ``cache_type``, each holding a copy of ``prior``'s keys and values (``prior[0]``,
+    ``prior[1]``) at ``layer_idx``, written through the cache's own ``update``."""
+    caches = [cache_type() for _ in range(count)]
     for cache in caches:
-        cache.update(prior[0].clone(), prior[1].clone(), form.layer_idx)
+        cache.update(prior[0].clone(), prior[1].clone(), layer_idx)
     return caches
 
 
@@ -529,9 +535,7 @@ def _differs(attention: nn.Module, form: AttentionForm, hidden: torch.Tensor, st
     forward, dtype = type(attention).forward, hidden.dtype
     try:
         with torch.no_grad():
-            caches = [cache_type(), cache_type(), cache_type()]
-            for cache in caches:
-                cache.update(prior[0].clone(), prior[1].clone(), form.layer_idx)
+            caches = _filled(cache_type, prior, form.layer_idx, 3)
             if not saturating:  # the first call: its modules decide their kinds ...
                 form.run(attention, hidden, {**step, form.cache_name: caches[2]})
             result = forward(attention, hidden, **step, **{form.cache_name: caches[0]})
