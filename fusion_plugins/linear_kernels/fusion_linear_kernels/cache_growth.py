@@ -13,11 +13,21 @@ larger one. What the layer holds, and what ``update``'s caller gets, are the sam
 concatenation gives (views of a longer buffer, not contiguous tensors: the attention kernel reads them by their
 strides, torch's attention as any tensor).
 
+**Sliding windows.** A sliding window's layer (transformers' ``DynamicSlidingWindowLayer``: Mistral's, Gemma 2's and
+3's local layers) hands back its kept keys and the new ones, then keeps the window's last ``sliding_window - 1``
+(:func:`slides`, checked once per class). Its ``update`` concatenates too, the whole window at every step: a
+Mistral-7B-shaped layer at a full 4096-token window copies 16 MB a step. Here such a layer's keys are views of the
+buffer's last tokens: a step writes its token at the high-water mark, hands back the kept tokens and the new one, and
+moves the views' start past the tokens that left the window; a step that finds the buffer full copies the kept
+tokens into a new one (a window of 4096 tokens: 4095 tokens every 577 steps). The layer's token count
+(``cumulative_length``) counts as ``update`` counts it. A layer recording its past for assisted decoding
+(``record_past``) keeps its own ``update``.
+
 It never writes where a token was written before (only at the buffer's high-water mark), so a tensor anyone kept of an
-earlier step's keys keeps its values, as with concatenation. Anything else runs the layer's own ``update``: another
-layer class, an ``update`` that does more than concatenate (:func:`concatenates`, checked once per class), a layer whose
-keys are not the views this module made at its high-water mark (cropped, reordered for beam search, replaced), other
-shapes, dtypes or devices, an inference tensor outside inference mode.
+earlier step's keys keeps its values, as with concatenation. A layer whose keys are not the views this module made at
+its high-water mark (cropped, reordered for beam search, replaced) gets a new buffer, its keys copied in. Anything
+else runs the layer's own ``update``: another layer class, an ``update`` that does more than concatenate or slide
+(:func:`concatenates`, :func:`slides`), other shapes, dtypes or devices, an inference tensor outside inference mode.
 """
 
 from __future__ import annotations
@@ -31,8 +41,9 @@ import torch
 MIN_SPARE = 64
 """The fewest tokens of room a new buffer leaves after the cache (besides an eighth of its length)."""
 
-_GROWN: weakref.WeakKeyDictionary[Any, tuple[int, torch.Tensor, torch.Tensor]] = weakref.WeakKeyDictionary()
-"""Each cache layer this module grew: the tokens written (the high-water mark) and the keys' and values' buffers."""
+_GROWN: weakref.WeakKeyDictionary[Any, tuple[int, int, torch.Tensor, torch.Tensor]] = weakref.WeakKeyDictionary()
+"""Each cache layer this module grew: where its keys start in the buffers, the tokens written (the high-water mark),
+and the keys' and values' buffers."""
 
 
 @functools.cache
@@ -42,9 +53,7 @@ def concatenates(layer_type: type) -> bool:
     whose ``update`` also counts, trims or quantizes keeps it (as does one that cannot be a weak key: see
     :data:`_GROWN`)."""
     try:
-        layer = layer_type()
-        _GROWN[layer] = (0, torch.empty(0), torch.empty(0))  # hashable, and held weakly
-        del _GROWN[layer]
+        layer = _weakly_held(layer_type())
         first, second = torch.randn(2, 1, 2, 3, 4), torch.randn(2, 1, 2, 1, 4)
         layer.update(first[0], first[1])
         before = {name: value for name, value in vars(layer).items() if name not in ("keys", "values")}
@@ -56,6 +65,48 @@ def concatenates(layer_type: type) -> bool:
                 and all(after[name] is value or _same(after[name], value) for name, value in before.items()))
     except Exception:  # a layer that cannot be built or updated so is not one this module grows
         return False
+
+
+@functools.cache
+def slides(layer_type: type) -> bool:
+    """Whether ``layer_type``'s ``update`` is a sliding window's (transformers' ``DynamicSlidingWindowLayer``): it hands
+    back its kept keys and values with the new ones, keeps the last ``sliding_window - 1``, adds the new tokens to
+    ``cumulative_length`` and changes nothing else. Checked once per class on tiny tensors, through a window that
+    fills and slides."""
+    try:
+        layer = _weakly_held(layer_type(sliding_window=4))
+        tokens = torch.randn(2, 1, 2, 6, 4)
+        layer.update(tokens[0, :, :, :2], tokens[1, :, :, :2])
+        for end in range(3, 7):  # three kept, then the window slides
+            kept = layer.keys.shape[-2]
+            before = {name: value for name, value in vars(layer).items()
+                      if name not in ("keys", "values", "cumulative_length")}
+            keys, values = layer.update(tokens[0, :, :, end - 1:end], tokens[1, :, :, end - 1:end])
+            after = {name: value for name, value in vars(layer).items()
+                     if name not in ("keys", "values", "cumulative_length")}
+            if not (torch.equal(keys, tokens[0, :, :, end - kept - 1:end])
+                    and torch.equal(values, tokens[1, :, :, end - kept - 1:end])
+                    and torch.equal(layer.keys, tokens[0, :, :, max(0, end - 3):end])
+                    and torch.equal(layer.values, tokens[1, :, :, max(0, end - 3):end])
+                    and layer.cumulative_length == end and before.keys() == after.keys()
+                    and all(after[name] is value or _same(after[name], value) for name, value in before.items())):
+                return False
+        return True
+    except Exception:  # a layer that cannot be built or updated so is not one this module grows
+        return False
+
+
+def grows(layer_type: type) -> bool:
+    """Whether :func:`reserve` can give a layer of ``layer_type`` room (it concatenates or slides); its instances may
+    still decline (another shape, a layer recording its past)."""
+    return concatenates(layer_type) or slides(layer_type)
+
+
+def _weakly_held(layer: Any) -> Any:
+    """``layer``, once it has shown it can be a key of :data:`_GROWN` (hashable, and held weakly); raises otherwise."""
+    _GROWN[layer] = (0, 0, torch.empty(0), torch.empty(0))
+    del _GROWN[layer]
+    return layer
 
 
 def _same(a: object, b: object) -> bool:
@@ -79,19 +130,27 @@ def append(cache: Any, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -
     key_buffer[:, :, length:length + 1].copy_(key)
     value_buffer[:, :, length:length + 1].copy_(value)
     layer = cache.layers[layer_idx]
-    return layer.keys, layer.values
+    if concatenates(type(layer)):
+        return layer.keys, layer.values
+    return key_buffer[:, :, :length + 1], value_buffer[:, :, :length + 1]  # a sliding window's: kept and new
 
 
 def reserve(cache: Any, layer_idx: int, shape: torch.Size | tuple[int, ...], dtype: torch.dtype,
             device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """Room in the layer's buffers for one new token a sequence of keys and values of ``shape`` (``[batch, kv_heads,
-    1, width]``), ``dtype`` and ``device``: the keys' and values' buffers (``[batch, kv_heads, capacity, width]``,
-    contiguous) and the tokens cached before it. The layer's keys and values are already views over the new token,
-    which the caller writes at once, before anything reads them. None where the layer's own ``update`` must run
-    (see the module docs)."""
+    1, width]``), ``dtype`` and ``device``: views of the keys' and values' buffers from the layer's first kept token
+    on (``[batch, kv_heads, room, width]``, each sequence's and head's tokens contiguous) and the tokens the layer kept
+    before this one. The caller writes the new token at that index at once, before anything reads the layer, and the
+    views' first tokens up to it are what the layer's ``update`` would hand back. The layer's keys and values are
+    already what ``update`` leaves (a sliding window's: without the token that left the window). None where the
+    layer's own ``update`` must run (see the module docs)."""
     layer = cache.layers[layer_idx]
-    if not concatenates(type(layer)):  # nor, then, a weak key
-        return None
+    sliding = not concatenates(type(layer))
+    window = layer.__dict__.get("sliding_window") if sliding else None
+    if sliding and not (slides(type(layer)) and type(window) is int and window > 1
+                        and type(layer.__dict__.get("cumulative_length")) is int
+                        and not layer.__dict__.get("record_past")):
+        return None  # nor, then, a weak key
     keys, values = layer.__dict__.get("keys"), layer.__dict__.get("values")
     if not (_appendable(keys, shape, dtype, device) and _appendable(values, shape, dtype, device)
             and keys.shape == values.shape):
@@ -100,18 +159,22 @@ def reserve(cache: Any, layer_idx: int, shape: torch.Size | tuple[int, ...], dty
     length = keys.shape[2]
     grown = _GROWN.get(layer)
     if grown is not None:
-        written, key_buffer, value_buffer = grown
-        if not (written == length < key_buffer.shape[2] and _view_of(keys, key_buffer, length)
-                and _view_of(values, value_buffer, length)):
+        start, written, key_buffer, value_buffer = grown
+        if not (written - start == length and written < key_buffer.shape[2]
+                and _view_of(keys, key_buffer, start, length) and _view_of(values, value_buffer, start, length)):
             grown = None
     if grown is None:
+        start, written = 0, length
         capacity = length + 1 + length // 8 + MIN_SPARE
         key_buffer, value_buffer = (t.new_empty(*t.shape[:2], capacity, t.shape[3]) for t in (keys, values))
         key_buffer[:, :, :length].copy_(keys)
         value_buffer[:, :, :length].copy_(values)
-    layer.keys, layer.values = key_buffer[:, :, :length + 1], value_buffer[:, :, :length + 1]
-    _GROWN[layer] = (length + 1, key_buffer, value_buffer)
-    return key_buffer, value_buffer, length
+    kept = start if window is None else max(start, written + 2 - window)  # a window keeps its last window - 1
+    layer.keys, layer.values = key_buffer[:, :, kept:written + 1], value_buffer[:, :, kept:written + 1]
+    if window is not None:
+        layer.cumulative_length += 1
+    _GROWN[layer] = (kept, written + 1, key_buffer, value_buffer)
+    return key_buffer[:, :, start:], value_buffer[:, :, start:], length
 
 
 def _appendable(cached: object, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> bool:
@@ -123,9 +186,10 @@ def _appendable(cached: object, shape: torch.Size | tuple[int, ...], dtype: torc
             and not cached.requires_grad and (torch.is_inference_mode_enabled() or not cached.is_inference()))
 
 
-def _view_of(view: torch.Tensor, buffer: torch.Tensor, length: int) -> bool:
-    """Whether ``view`` is ``buffer``'s first ``length`` tokens, as :func:`append` made it."""
-    return (view.data_ptr() == buffer.data_ptr() and view.shape[2] == length and view.stride() == buffer.stride()
+def _view_of(view: torch.Tensor, buffer: torch.Tensor, start: int, length: int) -> bool:
+    """Whether ``view`` is ``buffer``'s ``length`` tokens from ``start`` on, as :func:`reserve` made it."""
+    return (view.data_ptr() == buffer[:, :, start:].data_ptr() and view.shape[2] == length
+            and view.stride() == buffer.stride()
             and (torch.is_inference_mode_enabled() or not buffer.is_inference()))
 
 

@@ -2,7 +2,8 @@
 the layer holds and hands back what transformers' own concatenation gives, step after step, through growth, crops,
 beam reorders and copies; it writes into one buffer until the buffer is full; a tensor kept from an earlier step keeps
 its values; any layer or call it does not know runs the layer's own ``update``; the attention kernel reads a layer's
-views as it reads contiguous keys; and a decode through them gives the modules' tokens."""
+views as it reads contiguous keys; a sliding window's layer hands back and keeps what its own ``update`` does, its
+token count included; and a decode through them gives the modules' tokens."""
 
 from __future__ import annotations
 
@@ -30,6 +31,16 @@ def _caches(prompt: int = 5, batch: int = 2, dtype: torch.dtype = torch.bfloat16
     keys, values = torch.randn(2, batch, 3, prompt, 8, generator=torch.Generator().manual_seed(1)).to(dtype)
     caches = (cache_utils.DynamicCache(), cache_utils.DynamicCache())
     for cache in caches:
+        cache.update(keys.clone(), values.clone(), 0)
+    return caches
+
+
+def _sliding_caches(window: int, prompt: int = 5) -> tuple[Any, Any]:
+    """Two dynamic caches whose layer 0 is a sliding window's, holding the same prompt (as :func:`_caches`)."""
+    keys, values = torch.randn(2, 2, 3, prompt, 8, generator=torch.Generator().manual_seed(1)).bfloat16()
+    caches = (cache_utils.DynamicCache(), cache_utils.DynamicCache())
+    for cache in caches:
+        cache.layers = [cache_utils.DynamicSlidingWindowLayer(sliding_window=window)]
         cache.update(keys.clone(), values.clone(), 0)
     return caches
 
@@ -81,6 +92,59 @@ def test_a_kept_tensor_keeps_its_values_and_crops_and_reorders_run_as_transforme
         reference.update(key, value, 0)
     _assert_same(copied, reference)
     assert grown.get_seq_length() == 15 and copied.get_seq_length() == 18
+
+
+@pytest.mark.skipif(not hasattr(cache_utils, "DynamicSlidingWindowLayer"), reason="this transformers has no sliding "
+                    "window's cache layer")
+@pytest.mark.parametrize(("window", "prompt"), [(8, 5), (8, 12), (2, 3), (100, 5)])
+def test_a_sliding_window_hands_back_and_keeps_what_its_own_update_does(window: int, prompt: int) -> None:
+    layer_type = cache_utils.DynamicSlidingWindowLayer
+    assert cache_growth.slides(layer_type) and cache_growth.grows(layer_type)
+    assert not cache_growth.concatenates(layer_type)
+    grown, reference = _sliding_caches(window, prompt)
+    pointers = []
+    for key, value in _steps(150):
+        got = cache_growth.append(grown, 0, key, value)
+        expected = reference.update(key, value, 0)
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+        _assert_same(grown, reference)
+        assert grown.layers[0].cumulative_length == reference.layers[0].cumulative_length
+        assert grown.get_seq_length() == reference.get_seq_length()
+        pointers.append(grown.layers[0].keys.untyped_storage().data_ptr())  # the buffer's: the keys' start slides
+    assert grown.get_seq_length() == prompt + 150
+    # The window keeps min(prompt, window - 1) tokens, so a buffer holds kept + 1 + kept // 8 + 64 before a move: at
+    # a window of 8, one buffer a 65 steps (150 steps: two moves), and at 100 (4 + 1 + 0 + 64, then 73 + 1 + 9 + 64,
+    # full at 99 kept) also two.
+    assert sum(before != after for before, after in itertools.pairwise(pointers)) == 2
+    grown.reorder_cache(torch.tensor([1, 0]))  # beam search: a new tensor, so a new buffer
+    reference.reorder_cache(torch.tensor([1, 0]))
+    for key, value in _steps(3, seed=1):
+        cache_growth.append(grown, 0, key, value)
+        reference.update(key, value, 0)
+    _assert_same(grown, reference)
+
+
+@pytest.mark.skipif(not hasattr(cache_utils, "DynamicSlidingWindowLayer"), reason="this transformers has no sliding "
+                    "window's cache layer")
+def test_a_sliding_window_recording_its_past_or_of_another_update_runs_its_own() -> None:
+    class Counting(cache_utils.DynamicSlidingWindowLayer):  # type: ignore[misc, name-defined]
+        def update(self, *args: Any, **kwargs: Any) -> Any:
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().update(*args, **kwargs)
+
+    assert not cache_growth.slides(Counting) and not cache_growth.grows(Counting)
+    assert not cache_growth.slides(cache_utils.DynamicLayer)
+    grown, reference = _sliding_caches(8)
+    if not hasattr(grown.layers[0], "activate_past_recording"):
+        pytest.skip("this transformers' sliding window does not record its past")
+    for cache in (grown, reference):
+        cache.layers[0].activate_past_recording()
+    for key, value in _steps(6):
+        got = cache_growth.append(grown, 0, key, value)
+        expected = reference.update(key, value, 0)
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+    assert grown.layers[0].keys.shape[2] == 11  # all of it, recorded: its own update ran
+    _assert_same(grown, reference)
 
 
 def test_layers_and_calls_it_does_not_know_run_the_layers_own_update() -> None:
