@@ -46,12 +46,13 @@ boolean mask hides), the attention implementation verified, a ``DynamicCache`` w
 module types in place, no hooks on the attention module, no arguments but those listed in :data:`KNOWN`
 (``output_attentions`` false). Any other call runs the module.
 
-**Sliding windows.** A sliding window's attention (Mistral's, Gemma 3's local layers, Qwen2's upper layers) computes
-as a full one over the keys its cache layer hands back: the window lives in the cache (it keeps the window's last keys)
-and in the mask (which, at a one-token step, hides none of them), while ``sdpa`` ignores the module's
-``sliding_window``. So the step runs it as it runs any other: the cache's own ``update``, then attention over what that
-returns. Before, such a layer ran as its module at every step, though a prompt inside the window passes no mask (a
-tiny Mistral of the default 4096-token window, 5.25.0: 47 of 47 steps' attentions).
+**Sliding windows.** A sliding window's attention (Mistral's, Gemma 3's local layers, Qwen2's upper layers) computes as
+a full one over the keys its cache layer hands back: the window lives in the cache (it keeps the window's last keys) and
+in the mask (which, at a one-token step, hides none of them), while ``sdpa`` ignores the module's ``sliding_window``. So
+the step runs it as it runs any other: the cache's ``update`` (its growth in a buffer,
+:mod:`fusion_linear_kernels.cache_growth`, where it can), then attention over what that returns. Before, such a layer
+ran as its module at every step, though a prompt inside the window passes no mask (a tiny Mistral of the default
+4096-token window, 5.25.0: 47 of 47 steps' attentions).
 """
 
 from __future__ import annotations
@@ -236,8 +237,8 @@ class AttentionForm:
         cache = next((kwargs[name] for name in CACHE_NAMES if kwargs.get(name) is not None), None)
         layers = cache.__dict__.get("layers") if cache is not None else None
         if not (isinstance(layers, list) and len(layers) > self.layer_idx
-                and cache_growth.concatenates(type(layers[self.layer_idx]))):
-            return None  # first, as the step's attention then checks the call again: a sliding window's layer
+                and cache_growth.grows(type(layers[self.layer_idx]))):
+            return None  # first, as the step's attention then checks the call again: a layer of its own update
         taken = self._taken(attention, hidden, kwargs)
         dtype = hidden.dtype
         if taken is None or step_kernel.kernel(dtype) is None:

@@ -1,10 +1,10 @@
 """A decoder layer's whole one-token step in one C++ call (``fusion_linear_kernels.step_kernel``): where the step's own
-attention runs its kernels throughout (a merged q/k/v projection and an output projection the GEMV kernel reads, a
-cache it appends to in its buffer), the layer takes one call, and gives the tokens, logits and cache its kernels give
-called one by one, bit for bit, over every form the step knows (biases, norms of the queries and keys, q/k/v merged in
-the checkpoint, the sandwich form with soft-capped scores) and a padded batch; load verification runs the call, so a
-step kernel that computed otherwise would leave the layer its calls one by one; a step kernel that cannot be built does
-the same, said once.
+attention runs its kernels throughout (a merged q/k/v projection and an output projection the GEMV kernel reads, a cache
+it appends to in its buffer), the layer takes one call, and gives the tokens, logits and cache its kernels give called
+one by one, bit for bit, over every form the step knows (biases, norms of the queries and keys, q/k/v merged in the
+checkpoint, the sandwich form with soft-capped scores), a padded batch and a sliding window's cache layer; load
+verification runs the call, so a step kernel that computed otherwise would leave the layer its calls one by one; a step
+kernel that cannot be built does the same, said once.
 
 The attentions are as wide as ``test_decode_projections``'s, so that their projections are weights the GEMV kernel
 reads; kernel choices are decided by its fake clocks."""
@@ -12,6 +12,7 @@ reads; kernel choices are decided by its fake clocks."""
 from __future__ import annotations
 
 import copy
+import itertools
 import pickle
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from fusion_linear_kernels import row_dot, step_kernel
+from fusion_linear_kernels import cache_growth, row_dot, step_kernel
 from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY, ONE_CALL_KEY, LayerForm, drop_one_call
 from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
 from one_row_gemv import fresh_kernels_of, recorded_calls, skip_unless_built, without_the_kernel_of
@@ -111,18 +112,43 @@ def test_a_padded_batch_steps_in_one_call_with_its_mask(implementation: str, one
     assert _caches_equal(got, expected)
 
 
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+def test_a_sliding_windows_layer_steps_in_one_call_and_gives_the_bits_of_its_update(
+        kind: str, one_calls: list[torch.Tensor], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window of three tokens slides from the prompt on: the one call, the calls one by one and the calls one by one
+    over the layer's own ``update`` give the same tokens, logits and cache, bit for bit."""
+    fused = fusion_core.fuse(_model(kind, sliding_window=3, **WIDE), MERGED)
+    layers = list(fused.model.layers)
+    if not all(ONE_CALL_KEY in layer.__dict__ for layer in layers):
+        assert kind == "gemma2" and int(transformers.__version__.split(".")[0]) < 5  # 4.57's layer returns a tuple
+        return
+    one_by_one = _one_by_one(fused)
+    outputs = [_generate(one_by_one)]
+    with monkeypatch.context() as patched:
+        patched.setattr(cache_growth, "slides", lambda layer_type: False)  # the layer's own update, as before
+        outputs.append(_generate(one_by_one))
+    one_calls.clear()
+    outputs.append(_generate(fused))
+    assert len(one_calls) == len(layers) * 5
+    cache = outputs[-1]["cache"] if "cache" in outputs[-1] else outputs[-1]["past_key_values"]
+    assert any(layer.keys.shape[2] == 2 for layer in cache.layers)  # a window's: its last two tokens
+    for got, expected in itertools.pairwise(outputs):
+        assert torch.equal(got.sequences, expected.sequences)
+        assert all(torch.equal(g, e) for g, e in zip(got.logits, expected.logits, strict=True))
+        assert _caches_equal(got, expected)
+
+
 def test_calls_the_step_kernel_cannot_take_run_the_kernels_one_by_one(one_calls: list[torch.Tensor],
                                                                        attended: list[nn.Module]) -> None:
-    """A hooked output projection runs as its module (the step's attention without its GEMV), and a sliding window's
-    cache layer keeps its own ``update``: neither is the step kernel's to run."""
+    """A hooked output projection runs as its module (the step's attention without its GEMV): not the step kernel's
+    to run."""
     hooked = fusion_core.fuse(_model("llama", **WIDE), MERGED)
     hooked.model.layers[0].self_attn.o_proj.register_forward_hook(lambda module, args, output: None)
-    sliding = fusion_core.fuse(_model("mistral", sliding_window=3, **WIDE), MERGED)
-    for model, stepped in ((hooked, 5), (sliding, 0)):  # the hooked layer, and every sliding one, one by one
-        one_calls.clear()
-        attended.clear()
-        _generate(model)
-        assert len(one_calls) == stepped and len(attended) == 2 * 5 - stepped
+    _generate(hooked)  # the first decides the GEMVs' kinds
+    one_calls.clear()
+    attended.clear()
+    _generate(hooked)
+    assert len(one_calls) == 5 and len(attended) == 2 * 5 - 5  # the hooked layer one by one, the other in one call
 
 
 def test_load_verification_runs_the_step_kernel(monkeypatch: pytest.MonkeyPatch, one_calls: list[torch.Tensor]) -> None:
