@@ -609,8 +609,8 @@ def main(argv: list[str] | None = None) -> None:
                                str(as_modules),
                                (refusal(others[0]) or "-") if others else "-"])
     steps.notes.append("verified in one call: the whole layer's step in one call of the step kernel where its "
-                       "attention runs its kernels throughout; a sliding window's cache layer (its update trims) keeps "
-                       "the calls one by one")
+                       "attention runs its kernels throughout (a sliding window's cache layer included); a cache layer "
+                       "that runs its own update keeps the calls one by one")
     for (_, _, shape, _, bias, rows, _, _), block in sorted(step_decisions().items(), key=str):
         steps.notes.append(f"{'x'.join(map(str, shape))} (bias {bias}, {rows} row): the step runs {block} (its kind "
                            "decided a kernel the step does not run)")
