@@ -146,11 +146,13 @@ def reserve(cache: Any, layer_idx: int, shape: torch.Size | tuple[int, ...], dty
     layer's own ``update`` must run (see the module docs)."""
     layer = cache.layers[layer_idx]
     sliding = not concatenates(type(layer))
-    window = layer.__dict__.get("sliding_window") if sliding else None
-    if sliding and not (slides(type(layer)) and type(window) is int and window > 1
-                        and type(layer.__dict__.get("cumulative_length")) is int
-                        and not layer.__dict__.get("record_past")):
+    if sliding and not slides(type(layer)):
         return None  # nor, then, a weak key
+    window = layer.__dict__.get("sliding_window") if sliding else None
+    if sliding and not (type(window) is int and window > 1 and type(layer.__dict__.get("cumulative_length")) is int
+                        and not layer.__dict__.get("record_past")):
+        _GROWN.pop(layer, None)  # its own update from now on: the buffer is not kept for it
+        return None
     keys, values = layer.__dict__.get("keys"), layer.__dict__.get("values")
     if not (_appendable(keys, shape, dtype, device) and _appendable(values, shape, dtype, device)
             and keys.shape == values.shape):

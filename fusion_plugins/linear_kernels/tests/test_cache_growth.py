@@ -137,13 +137,18 @@ def test_a_sliding_window_recording_its_past_or_of_another_update_runs_its_own()
     grown, reference = _sliding_caches(8)
     if not hasattr(grown.layers[0], "activate_past_recording"):
         pytest.skip("this transformers' sliding window does not record its past")
+    for key, value in _steps(2, seed=2):  # grown first: recording then drops the buffer it kept for the layer
+        cache_growth.append(grown, 0, key, value)
+        reference.update(key, value, 0)
+    assert grown.layers[0] in cache_growth._GROWN
     for cache in (grown, reference):
         cache.layers[0].activate_past_recording()
     for key, value in _steps(6):
         got = cache_growth.append(grown, 0, key, value)
         expected = reference.update(key, value, 0)
         assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
-    assert grown.layers[0].keys.shape[2] == 11  # all of it, recorded: its own update ran
+    assert grown.layers[0].keys.shape[2] == 13  # all of it, recorded: its own update ran
+    assert grown.layers[0] not in cache_growth._GROWN
     _assert_same(grown, reference)
 
 
