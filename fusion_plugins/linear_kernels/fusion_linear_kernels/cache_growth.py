@@ -19,7 +19,7 @@ strides, torch's attention as any tensor).
 Mistral-7B-shaped layer at a full 4096-token window copies 16 MB a step. Here such a layer's keys are views of the
 buffer's last tokens: a step writes its token at the high-water mark, hands back the kept tokens and the new one, and
 moves the views' start past the tokens that left the window; a step that finds the buffer full copies the kept
-tokens into a new one (a window of 4096 tokens: 4095 tokens every 577 steps). The layer's token count
+tokens into a new one (a window of 4096 tokens: 4095 tokens every 576 steps). The layer's token count
 (``cumulative_length``) counts as ``update`` counts it. A layer recording its past for assisted decoding
 (``record_past``) keeps its own ``update``.
 
