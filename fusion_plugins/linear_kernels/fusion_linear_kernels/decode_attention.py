@@ -70,6 +70,7 @@ from fusion_core.plugin import merged_projection
 from fusion_linear_kernels import attention_kernel, cache_growth, compat, projection_kernel, row_dot, step_kernel
 from fusion_linear_kernels.choice import generation
 from fusion_linear_kernels.layer_forms import epsilon, norm_kind, relative, tolerance
+from fusion_linear_kernels.row_dot import stand_in
 from fusion_linear_kernels.step_blocks import block, module_block, undecided
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -262,8 +263,8 @@ class AttentionForm:
                           if self.norms is not None else (weight, weight))
         eps, plus_one = self.norms if self.norms is not None else (0.0, False)
         widths = (q_norm.numel(), k_norm.numel()) if self.norms is not None else (0, 0)
-        return ((weight, _or(qkv_bias, weight), cos.contiguous(), sin.contiguous(), q_norm, k_norm, key_buffer,
-                 value_buffer, hidden if bias is None else bias.contiguous(), o_weight, _or(o_bias, o_weight)),
+        return ((weight, stand_in(qkv_bias, weight), cos.contiguous(), sin.contiguous(), q_norm, k_norm, key_buffer,
+                 value_buffer, hidden if bias is None else bias.contiguous(), o_weight, stand_in(o_bias, o_weight)),
                 (eps, self.scaling, self.softcap or 0.0),
                 (sizes[0] // width, sizes[1] // width, width, cos.numel() // width, qkv_bias is not None, blocks[0],
                  *widths, plus_one, length, key_buffer.stride(0), key_buffer.stride(1), bias is not None,
@@ -443,10 +444,6 @@ def _read(projection: nn.Module, dtype: torch.dtype) -> bool:
     return (isinstance(weight, torch.Tensor) and row_dot.gemv_weight(weight) and weight.dtype is dtype
             and (bias is None or (_dense(bias) and bias.dtype is dtype)))
 
-
-def _or(tensor: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
-    """``tensor``, or ``other`` in its place where there is none (a pointer the kernel does not read)."""
-    return other if tensor is None else tensor
 
 
 def _dense(tensor: torch.Tensor) -> bool:

@@ -110,6 +110,7 @@ from fusion_linear_kernels.layer_kernel import (
     PLUS_ONE,
     SANDWICH_FORM,
 )
+from fusion_linear_kernels.row_dot import stand_in
 from fusion_linear_kernels.step_blocks import block
 
 FORM_KEY = "_fusion_decode_form"
@@ -286,8 +287,8 @@ class LayerForm:
         scratch, out = torch.empty_like(hidden), torch.empty_like(hidden)  # the attention may hold its input
         row_dot.labelled_call(f"{layer_kernel.PROFILER_LABEL} MLP {self.hidden}x{self.intermediate}", compiled,
                               hidden, attention, mlp_norm, attention_norm, out_norm, gate, up, down,
-                              _or(gate_bias, gate), _or(up_bias, up), _or(down_bias, down), scratch, gated, out,
-                              self.eps, self.hidden, self.intermediate, rows, flags, *blocks)
+                              stand_in(gate_bias, gate), stand_in(up_bias, up), stand_in(down_bias, down), scratch,
+                              gated, out, self.eps, self.hidden, self.intermediate, rows, flags, *blocks)
         return out
 
     def _in_one_call(self, hidden: torch.Tensor, arguments: tuple[Any, ...],
@@ -303,9 +304,9 @@ class LayerForm:
                                                             width))
         row_dot.labelled_call(f"{step_kernel.PROFILER_LABEL} {self.hidden}x{self.intermediate}",
                               step_kernel.kernel(self.dtype), hidden, norm, mlp_norm, attention_norm, out_norm,
-                              *tensors, gate, up, down, _or(gate_bias, gate), _or(up_bias, up), _or(down_bias, down),
-                              scratch, out, self.eps, *floats, self.hidden, self.intermediate, rows, flags, *blocks,
-                              *integers)
+                              *tensors, gate, up, down, stand_in(gate_bias, gate), stand_in(up_bias, up),
+                              stand_in(down_bias, down), scratch, out, self.eps, *floats, self.hidden,
+                              self.intermediate, rows, flags, *blocks, *integers)
         return out
 
 
@@ -377,9 +378,6 @@ def _attention(layer: nn.Module, normed: torch.Tensor, kwargs: dict[str, Any]) -
         attention = result[0] if isinstance(result, tuple) else result  # (output, weights), as the forward does
     return attention
 
-
-def _or(tensor: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
-    return other if tensor is None else tensor
 
 
 def _dense(tensor: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -211,7 +211,8 @@ extern "C" void kernel(const T* w, const T* x, @BIAS_ARG@T* out, const int64_t n
 }
 """
 
-_ENTRY = 'extern "C" void kernel('
+ENTRY = 'extern "C" void kernel('
+"""How every built kernel's C++ declares its entry point: :func:`built_kernel` loads the function ``kernel``."""
 
 _PAIRED_DOTS = r"""
 // Compilers that know AVX512-BF16's intrinsics (GCC 10, Clang 9 on); any other builds the widening path only.
@@ -346,7 +347,7 @@ def source(dtype: torch.dtype, bias: bool, paired: bool = True, even_odd: bool =
     """The C++ of the kernel for weights of ``dtype``, with or without a bias; without the paired dot products where
     not ``paired`` (what a CPU without AVX512-BF16 runs, whatever the CPU at hand), without the even/odd split where
     not ``even_odd`` (what a CPU without AVX2 and FMA, or one with AVX512-BF16, runs)."""
-    return (templates(dtype, paired, even_odd) + _SOURCE[_SOURCE.index(_ENTRY):].replace("@CASES@", gemv_cases("b"))
+    return (templates(dtype, paired, even_odd) + _SOURCE[_SOURCE.index(ENTRY):].replace("@CASES@", gemv_cases("b"))
             .replace("@BIAS_ARG@", "const T* bias, " if bias else "").replace("@BIAS@", "bias" if bias else "nullptr"))
 
 
@@ -354,7 +355,7 @@ def templates(dtype: torch.dtype, paired: bool = True, even_odd: bool = True) ->
     """The kernel's C++ without its entry point: ``T`` (the C++ type of ``dtype``) and the templates
     ``gemv<ROWS, IN>(w, x, bias, out, n, k)`` and ``dots``, for other kernels built on the same GEMV
     (:mod:`fusion_linear_kernels.decode_layer`)."""
-    head = _SOURCE[:_SOURCE.index(_ENTRY)]
+    head = _SOURCE[:_SOURCE.index(ENTRY)]
     return (head.replace("@PAIRED_DOTS@", _PAIRED_DOTS if paired else "")
             .replace("@EVEN_ODD@", _EVEN_ODD if even_odd else "").replace("@TYPE@", C_TYPES[dtype]))
 
@@ -409,6 +410,12 @@ def gemv(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, b
     arguments = (weight, x, out, *shape) if bias is None else (weight, x, bias.contiguous(), out, *shape)
     labelled_call(f"{PROFILER_LABEL} {rows}x{width}", compiled, *arguments)
     return out.view(*input.shape[:-1], rows)
+
+
+def stand_in(tensor: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or ``other`` in its place where there is none: a pointer argument the kernel does not read (a bias
+    its flags say is absent, a norm a form does not have)."""
+    return other if tensor is None else tensor
 
 
 def labelled_call(label: str, compiled: Callable[..., None], *arguments: object) -> None:

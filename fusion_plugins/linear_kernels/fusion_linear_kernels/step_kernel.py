@@ -27,8 +27,6 @@ from fusion_linear_kernels.row_dot import RowDotUnavailableWarning
 PROFILER_LABEL = "fusion::decode_layer_step"
 """The name of the kernel's calls in torch's profiler, followed by the layer's widths (``hidden``x``intermediate``)."""
 
-_ENTRY = 'extern "C" void kernel('
-
 _STEP = r"""
 // One token a sequence (rows of them) through a whole layer. scratch holds, in order: the normed input (rows *
 // hidden), the merged projection (rows * qkv), the rotated queries (rows * heads * width), the new keys and values
@@ -84,8 +82,8 @@ extern "C" void kernel(const T* h, const T* norm, const T* mlp_norm, const T* at
 
 def _renamed(body: str, name: str) -> str:
     """``body`` with its entry point made a function of this translation unit named ``name``."""
-    assert body.count(_ENTRY) == 1
-    return body.replace(_ENTRY, f"static void {name}(")
+    assert body.count(row_dot.ENTRY) == 1
+    return body.replace(row_dot.ENTRY, f"static void {name}(")
 
 
 def source(dtype: torch.dtype) -> str:
