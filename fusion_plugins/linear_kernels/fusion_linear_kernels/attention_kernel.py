@@ -180,7 +180,7 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
         return None
     out = query.new_empty(batch, 1, heads * width)
     row_dot.labelled_call(PROFILER_LABEL, compiled, query, keys, values, out, scale, softcap or 0.0,
-                          query if bias is None else bias, batch, heads, kv_heads, length, width, keys.stride(0),
+                          row_dot.stand_in(bias, query), batch, heads, kv_heads, length, width, keys.stride(0),
                           keys.stride(1), bias is not None, 0 if bias is None or bias.shape[0] == 1 else length)
     return out
 

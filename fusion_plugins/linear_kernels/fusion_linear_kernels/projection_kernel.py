@@ -135,7 +135,7 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     q_norm, k_norm = (weight, weight) if norms is None else (norms.query, norms.key)
     widths = (0, 0) if norms is None else (norms.query.numel(), norms.key.numel())
     row_dot.labelled_call(f"{PROFILER_LABEL} {weight.shape[0]}x{hidden}", compiled, x, weight,
-                          weight if bias is None else bias, cos, sin, q_norm, k_norm, qkv, query, key, value,
+                          row_dot.stand_in(bias, weight), cos, sin, q_norm, k_norm, qkv, query, key, value,
                           0.0 if norms is None else norms.eps, hidden, heads, kv_heads, width, rows,
                           cos.numel() // width, bias is not None, block, *widths,
                           norms is not None and norms.plus_one)
