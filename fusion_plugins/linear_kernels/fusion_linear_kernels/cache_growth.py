@@ -56,13 +56,13 @@ def concatenates(layer_type: type) -> bool:
         layer = _weakly_held(layer_type())
         first, second = torch.randn(2, 1, 2, 3, 4), torch.randn(2, 1, 2, 1, 4)
         layer.update(first[0], first[1])
-        before = {name: value for name, value in vars(layer).items() if name not in ("keys", "values")}
-        keys, values = layer.update(second[0], second[1])
-        after = {name: value for name, value in vars(layer).items() if name not in ("keys", "values")}
+        updated = _updated_alone(layer, second[0], second[1], ("keys", "values"))
+        if updated is None:
+            return False
+        keys, values = updated
         expected = [torch.cat([first[i], second[i]], dim=-2) for i in (0, 1)]
         return (keys is layer.keys and values is layer.values and torch.equal(keys, expected[0])
-                and torch.equal(values, expected[1]) and before.keys() == after.keys()
-                and all(after[name] is value or _same(after[name], value) for name, value in before.items()))
+                and torch.equal(values, expected[1]))
     except Exception:  # a layer that cannot be built or updated so is not one this module grows
         return False
 
@@ -79,17 +79,13 @@ def slides(layer_type: type) -> bool:
         layer.update(tokens[0, :, :, :2], tokens[1, :, :, :2])
         for end in range(3, 7):  # three kept, then the window slides
             kept = layer.keys.shape[-2]
-            before = {name: value for name, value in vars(layer).items()
-                      if name not in ("keys", "values", "cumulative_length")}
-            keys, values = layer.update(tokens[0, :, :, end - 1:end], tokens[1, :, :, end - 1:end])
-            after = {name: value for name, value in vars(layer).items()
-                     if name not in ("keys", "values", "cumulative_length")}
-            if not (torch.equal(keys, tokens[0, :, :, end - kept - 1:end])
-                    and torch.equal(values, tokens[1, :, :, end - kept - 1:end])
+            updated = _updated_alone(layer, tokens[0, :, :, end - 1:end], tokens[1, :, :, end - 1:end],
+                                     ("keys", "values", "cumulative_length"))
+            if not (updated is not None and torch.equal(updated[0], tokens[0, :, :, end - kept - 1:end])
+                    and torch.equal(updated[1], tokens[1, :, :, end - kept - 1:end])
                     and torch.equal(layer.keys, tokens[0, :, :, max(0, end - 3):end])
                     and torch.equal(layer.values, tokens[1, :, :, max(0, end - 3):end])
-                    and layer.cumulative_length == end and before.keys() == after.keys()
-                    and all(after[name] is value or _same(after[name], value) for name, value in before.items())):
+                    and layer.cumulative_length == end):
                 return False
         return True
     except Exception:  # a layer that cannot be built or updated so is not one this module grows
@@ -100,6 +96,18 @@ def grows(layer_type: type) -> bool:
     """Whether :func:`reserve` can give a layer of ``layer_type`` room (it concatenates or slides); its instances may
     still decline (another shape, a layer recording its past)."""
     return concatenates(layer_type) or slides(layer_type)
+
+
+def _updated_alone(layer: Any, key: torch.Tensor, value: torch.Tensor,
+                   changing: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What ``layer.update(key, value)`` hands back, or None where it changed an attribute of the layer other than
+    ``changing`` (added, removed, or given another value)."""
+    before = {name: held for name, held in vars(layer).items() if name not in changing}
+    keys, values = layer.update(key, value)
+    after = {name: held for name, held in vars(layer).items() if name not in changing}
+    unchanged = before.keys() == after.keys() and all(after[name] is was or _same(after[name], was)
+                                                      for name, was in before.items())
+    return (keys, values) if unchanged else None
 
 
 def _weakly_held(layer: Any) -> Any:
