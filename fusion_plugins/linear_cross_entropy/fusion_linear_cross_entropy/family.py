@@ -71,8 +71,9 @@ class LinearCrossEntropyOptions(FamilyOptions):
     release_freed_memory: bool = Field(
         default=True,
         description="In a training call, give the heap glibc's malloc freed back to the system at the decoder "
-        "layers' boundaries, forward and backward, once the memory it keeps resident unused has grown by 256 MiB "
-        "(fusion_linear_cross_entropy.freed_heap); nothing where the C library is not glibc.",
+        "layers' boundaries, forward and backward, once the memory it keeps resident unused has grown by 256 MiB, "
+        "or the memory in use has risen by 64 MiB since the last boundary (fusion_linear_cross_entropy.freed_heap); "
+        "nothing where the C library is not glibc.",
     )
 
 

@@ -44,15 +44,15 @@ def fake_glibc(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     two looks at it; returns the looks and trims asked for, in order."""
     calls: list[str] = []
 
-    def unused() -> int:
+    def look() -> tuple[int, int]:
         calls.append("look")
-        return calls.count("look") * freed_heap.MIN_GROWTH
+        return 0, calls.count("look") * freed_heap.MIN_GROWTH  # (in use, unused)
 
     def trim() -> int:
         calls.append("trim")
         return 1
 
-    monkeypatch.setattr(freed_heap, "_glibc", lambda: (unused, trim))
+    monkeypatch.setattr(freed_heap, "_glibc", lambda: (look, trim))
     return calls
 
 
@@ -137,7 +137,11 @@ def test_the_trimmer_counts_growth_from_the_first_look_after_a_trim(monkeypatch:
     monkeypatch.setattr(freed_heap, "MIN_GROWTH", 256 * 2**20)
     values = iter([0, 100, 255, 256, 600, 855, 856, 1200])
     trims: list[int] = []
-    trimmer = freed_heap._Trimmer(lambda: next(values) * 2**20, lambda: trims.append(1) or 0)
+
+    def look() -> tuple[int, int]:  # (in use, unused): the unused memory grows, nothing in use
+        return 0, next(values) * 2**20
+
+    trimmer = freed_heap._Trimmer(look, lambda: trims.append(1) or 0)
     for _ in range(6):
         trimmer()
     # 100 (no), 255 (no), 256 (trim), 600 (the layer after it refaulted its working set: the level counted from,
@@ -147,11 +151,37 @@ def test_the_trimmer_counts_growth_from_the_first_look_after_a_trim(monkeypatch:
     assert trims == [1, 1] and trimmer.floor == 1200 * 2**20
 
 
+def test_memory_in_use_rising_from_one_look_to_the_next_trims_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a full fine-tuning's backward: every layer adds its gradients to the memory in use, and the unused memory
+    # stays at one layer's working set (no growth that MIN_GROWTH would count)
+    monkeypatch.setattr(freed_heap, "MIN_GROWTH", 256 * 2**20)
+    monkeypatch.setattr(freed_heap, "MIN_RISE", 64 * 2**20)
+    in_use = iter([1000, 1008, 1016, 1100, 1164, 1227, 1227, 1300])  # MiB at each look, the first at the start
+    trims: list[int] = []
+
+    def look() -> tuple[int, int]:  # (in use, unused)
+        return next(in_use) * 2**20, 300 * 2**20
+
+    trimmer = freed_heap._Trimmer(look, lambda: trims.append(1) or 0)
+    risen = []
+    for _ in range(7):
+        before = len(trims)
+        trimmer()
+        risen.append(len(trims) > before)
+    # +8 (no), +8 (no), +84 (trim), +64 (trim, though the look after a trim only sets the level), +63 (no: the level
+    # is set now), +0 (no), +73 (trim)
+    assert risen == [False, False, True, True, False, False, True]
+    assert trimmer.floor == 300 * 2**20
+
+
 @needs_glibc
 def test_resident_memory_malloc_did_not_hand_out_counts_as_unused() -> None:
     glibc = freed_heap._glibc()
     assert glibc is not None
-    unused = glibc[0]
+
+    def unused() -> int:
+        return glibc[0]()[1]
+
     size = 64 * 2**20
     before = unused()
     pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # outside malloc; written: resident
@@ -164,14 +194,21 @@ def test_resident_memory_malloc_did_not_hand_out_counts_as_unused() -> None:
 
 
 @needs_glibc
-def test_memory_malloc_handed_out_does_not_count_as_unused() -> None:
+def test_memory_malloc_handed_out_counts_as_in_use_not_unused() -> None:
     glibc = freed_heap._glibc()
     assert glibc is not None
-    unused = glibc[0]
-    before = unused()
+
+    def unused() -> int:
+        return glibc[0]()[1]
+
+    def in_use() -> int:
+        return glibc[0]()[0]
+
+    before, used_before = unused(), in_use()
     held = torch.ones(64 * 2**20, dtype=torch.uint8)  # resident, and in malloc's hands
     assert unused() - before < 16 * 2**20
-    del held  # held until the look above
+    assert in_use() - used_before >= 60 * 2**20
+    del held  # held until the looks above
 
 
 def test_the_option_pickles_with_the_model(path: Path) -> None:
