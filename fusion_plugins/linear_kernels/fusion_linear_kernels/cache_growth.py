@@ -33,6 +33,7 @@ else runs the layer's own ``update``: another layer class, an ``update`` that do
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from typing import Any
 
@@ -46,6 +47,12 @@ _GROWN: weakref.WeakKeyDictionary[Any, tuple[int, int, torch.Tensor, torch.Tenso
 and the keys' and values' buffers."""
 
 
+def _distinct(*shape: int) -> torch.Tensor:
+    """A tensor of ``shape`` whose elements all differ: the checks' keys and values, drawn from no random generator
+    (a load must leave the process's random state as it found it)."""
+    return torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+
+
 @functools.cache
 def concatenates(layer_type: type) -> bool:
     """Whether ``layer_type``'s ``update`` does nothing but concatenate the new keys and values to its own along the
@@ -54,7 +61,7 @@ def concatenates(layer_type: type) -> bool:
     :data:`_GROWN`)."""
     try:
         layer = _weakly_held(layer_type())
-        first, second = torch.randn(2, 1, 2, 3, 4), torch.randn(2, 1, 2, 1, 4)
+        first, second = _distinct(2, 1, 2, 3, 4), _distinct(2, 1, 2, 1, 4) + 100
         layer.update(first[0], first[1])
         updated = _updated_alone(layer, second[0], second[1], ("keys", "values"))
         if updated is None:
@@ -75,7 +82,7 @@ def slides(layer_type: type) -> bool:
     fills and slides."""
     try:
         layer = _weakly_held(layer_type(sliding_window=4))
-        tokens = torch.randn(2, 1, 2, 6, 4)
+        tokens = _distinct(2, 1, 2, 6, 4)
         layer.update(tokens[0, :, :, :2], tokens[1, :, :, :2])
         for end in range(3, 7):  # three kept, then the window slides
             kept = layer.keys.shape[-2]
