@@ -28,15 +28,15 @@ What is counted, and from when, decides both the peak and the time (docs/benchma
   the first look after a trim, only what the layers leave behind beyond their working set counts: 6-9 trims a step
   at the Qwen2-0.5B and Llama-3.2-1B widths (LoRA, 2048 tokens; counted in throwaway runs), where the step's peak
   went from 0.245x plain's to 0.215x and from 0.277x to 0.259x, at plain's time (``benchmarks/bench_train.py``).
-- *Memory in use rising*: in full fine-tuning every layer's backward adds its gradients to the memory in use (108 MB a
-  layer at Llama-3.2-1B widths), so the step peaks in its last layer's backward, and whatever malloc keeps unused
-  there sits on top of that peak: counted from the first look after a trim, it had not grown enough for a trim in the
-  last layers (370-395 MB unused there, a working set of about 370). A rise of the memory in use by
-  :data:`MIN_RISE` from one look to the next (the memory malloc has handed out, which no trim or refault moves)
-  trims at once: at every backward boundary of a full fine-tuning of Llama-3.2-1B, in no forward, and not in a LoRA
-  step, whose backward frees more than it adds. At Llama-3.2-1B widths (full fine-tuning, checkpointing, 2048
-  tokens, a 2-core AMD EPYC) the step's peak went from 0.633x plain's to 0.589x, at 1.05x plain's step time (each
-  layer's working set faulted back in; ``benchmarks/bench_train.py``).
+- *Memory in use rising*: in full fine-tuning every layer's backward adds its gradients to the memory in use (a net
+  108 MiB a layer at Llama-3.2-1B widths and 2048 tokens), so the step peaks in its last layer's backward, and
+  whatever malloc keeps unused there sits on top of that peak: counted from the first look after a trim, it had not
+  grown enough for a trim in the last layers (370-395 MiB unused there, a working set of about 370). A rise of the
+  memory in use by :data:`MIN_RISE` from one look to the next (the memory malloc has handed out, which no trim or
+  refault moves) trims at once: at every backward boundary of a full fine-tuning of Llama-3.2-1B, in no forward,
+  and not in a LoRA step, whose backward frees more than it adds. At Llama-3.2-1B widths (full fine-tuning,
+  checkpointing, 2048 tokens, a 2-core AMD EPYC) the step's peak went from 0.633x plain's to 0.589x, at 1.05x plain's
+  step time (each layer's working set faulted back in; ``benchmarks/bench_train.py``).
 
 Where the C library is not glibc (no ``malloc_trim`` and ``mallinfo2``, glibc 2.33 on), nothing is hooked. The hooks
 are removed when the forward returns; the gradient hooks go with the autograd graph.
@@ -58,7 +58,9 @@ from torch import nn
 MIN_GROWTH = 256 * 2**20
 """Bytes the resident unused memory grows by, from the first look after a trim, before the next trim."""
 MIN_RISE = 64 * 2**20
-"""Bytes the memory in use (what malloc has handed out) rises by from one look to the next that trim at once."""
+"""A rise of the memory in use (what malloc has handed out) from one look to the next that trims at once: above what a
+forward adds a boundary (a layer's saved input, 8 MiB at Llama-3.2-1B widths and 2048 tokens), below what a 1B
+model's layer adds in gradients."""
 
 
 class _MallInfo2(ctypes.Structure):
