@@ -1,6 +1,6 @@
 """The ``release_freed_memory`` option: during a training call with labels, glibc's free heap is trimmed at the
-decoder layers' boundaries, forward and backward, once the memory it keeps resident unused has grown enough; nothing
-else changes, and nothing stays hooked.
+decoder layers' boundaries, forward and backward, once the memory it keeps resident unused has grown enough or the
+memory in use has risen enough; nothing else changes, and nothing stays hooked.
 
 The C library is faked (:func:`fake_glibc`) so that the tests see every look and trim the family asks for; the tests
 of what is counted run against this process's real glibc where it has one.
@@ -174,40 +174,33 @@ def test_memory_in_use_rising_from_one_look_to_the_next_trims_at_once(monkeypatc
     assert trimmer.floor == 300 * 2**20
 
 
-@needs_glibc
-def test_resident_memory_malloc_did_not_hand_out_counts_as_unused() -> None:
+def _looked() -> tuple[int, int]:
+    """(in use, unused) of this process's glibc now."""
     glibc = freed_heap._glibc()
     assert glibc is not None
+    return glibc[0]()
 
-    def unused() -> int:
-        return glibc[0]()[1]
 
+@needs_glibc
+def test_resident_memory_malloc_did_not_hand_out_counts_as_unused() -> None:
     size = 64 * 2**20
-    before = unused()
+    before = _looked()[1]
     pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # outside malloc; written: resident
     try:
         pages.write(b"\1" * size)
-        assert unused() - before >= size * 0.9
+        assert _looked()[1] - before >= size * 0.9
     finally:
         pages.close()
-    assert unused() - before < size * 0.5
+    assert _looked()[1] - before < size * 0.5
 
 
 @needs_glibc
 def test_memory_malloc_handed_out_counts_as_in_use_not_unused() -> None:
-    glibc = freed_heap._glibc()
-    assert glibc is not None
-
-    def unused() -> int:
-        return glibc[0]()[1]
-
-    def in_use() -> int:
-        return glibc[0]()[0]
-
-    before, used_before = unused(), in_use()
+    used_before, before = _looked()
     held = torch.ones(64 * 2**20, dtype=torch.uint8)  # resident, and in malloc's hands
-    assert unused() - before < 16 * 2**20
-    assert in_use() - used_before >= 60 * 2**20
+    used, unused = _looked()
+    assert unused - before < 16 * 2**20
+    assert used - used_before >= 60 * 2**20
     del held  # held until the looks above
 
 
