@@ -264,7 +264,7 @@ class AttentionForm:
         eps, plus_one = self.norms if self.norms is not None else (0.0, False)
         widths = (q_norm.numel(), k_norm.numel()) if self.norms is not None else (0, 0)
         return ((weight, stand_in(qkv_bias, weight), cos.contiguous(), sin.contiguous(), q_norm, k_norm, key_buffer,
-                 value_buffer, hidden if bias is None else bias.contiguous(), o_weight, stand_in(o_bias, o_weight)),
+                 value_buffer, stand_in(bias, hidden).contiguous(), o_weight, stand_in(o_bias, o_weight)),
                 (eps, self.scaling, self.softcap or 0.0),
                 (sizes[0] // width, sizes[1] // width, width, cos.numel() // width, qkv_bias is not None, blocks[0],
                  *widths, plus_one, length, key_buffer.stride(0), key_buffer.stride(1), bias is not None,
@@ -443,7 +443,6 @@ def _read(projection: nn.Module, dtype: torch.dtype) -> bool:
     weight, bias = projection._parameters.get("weight"), projection._parameters.get("bias")
     return (isinstance(weight, torch.Tensor) and row_dot.gemv_weight(weight) and weight.dtype is dtype
             and (bias is None or (_dense(bias) and bias.dtype is dtype)))
-
 
 
 def _dense(tensor: torch.Tensor) -> bool:

@@ -379,7 +379,6 @@ def _attention(layer: nn.Module, normed: torch.Tensor, kwargs: dict[str, Any]) -
     return attention
 
 
-
 def _dense(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
     return (type(tensor) in (torch.Tensor, nn.Parameter) and tensor.dtype is dtype and tensor.is_cpu
             and tensor.layout is torch.strided and tensor.is_contiguous())
