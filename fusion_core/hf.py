@@ -51,6 +51,7 @@ from fusion_core.memory import check_memory, onto_cpu
 from fusion_core.parallel.saving import gathered_save_kwargs, is_writer, rank_zero_directory
 from fusion_core.patching import LOAD_LOCK, BuildScope, class_patch_scope
 from fusion_core.plugins import PluginSource, get_registry
+from fusion_core.random_state import RandomState, kept_random_state
 from fusion_core.record import (
     CONFIG_NAME,
     RECORD_KEY,
@@ -110,6 +111,7 @@ def from_pretrained(
     :class:`~fusion_core.errors.FusionError` naming the key, module and family for anything
     that would leave a fused parameter not loaded from the checkpoint.
     """
+    generators = RandomState.taken()  # put back before transformers loads (fusion_core.random_state)
     kwargs = dict(transformers_kwargs)
     want_info = bool(kwargs.pop("output_loading_info", False))
     registry = get_registry()
@@ -128,6 +130,7 @@ def from_pretrained(
             f"loaded with that fusion_config, not {explicit.model_dump()} (convert it to the original layout first)"
         )
     if not fusion.enabled_names():
+        generators.restore()
         with LOAD_LOCK:
             return model_cls.from_pretrained(name_or_path, config=config, output_loading_info=want_info, **kwargs)
     discovery = discover(model_cls, config, fusion)  # from here on, the load reads the plan, not the config
@@ -155,6 +158,7 @@ def from_pretrained(
             check_memory(tensors, discovery.plan, fused_dir, kwargs, {key for key, _ in as_stored.values()})
     on_built = convert_to_fused if fused_dir else None
     casts: dict[int, Casts] = {}
+    generators.restore()
     with (LOAD_LOCK, class_patch_scope(discovery.routes, on_built=on_built, root=discovery.model_class) as scope,
           _loading_reports(lambda: casts.update(hold_stored_dtypes(scope.built, as_stored)) if as_stored else None)
           as reports):
@@ -185,7 +189,7 @@ def convert_with_hooks(
     """
     registry = get_registry()
     planned = list(built)
-    with LOAD_LOCK:
+    with LOAD_LOCK, kept_random_state():
         registry.hook.fusion_convert_loaded.call_extra(
             [convert], {"model": model, "built": built, "families": discovery.specs()}
         )

@@ -34,6 +34,7 @@ from fusion_core.hf import convert_with_hooks, get_fusion_plan, mark_fused, mark
 from fusion_core.layout import fuse_instance, module_plan, unfuse_instance, unfuse_refusal
 from fusion_core.patching import LOAD_LOCK
 from fusion_core.plugins import get_registry
+from fusion_core.random_state import kept_random_state
 from fusion_core.record import LEGACY_KEY, RECORD_KEY, pop_stored_fusion_config
 from fusion_core.transforms import ModulePlan
 
@@ -59,7 +60,14 @@ def fuse(model: ModelT, fusion_config: Any) -> ModelT:
     :class:`~fusion_core.errors.FusionLoadError` naming the family and module, from the family's
     own error) or a plugin's hook raises, the model gets back its classes, tensors, hooks and
     config attributes as they were before the call, and the error propagates with a note saying so.
+    The process's random generators are left where they were (:mod:`fusion_core.random_state`).
     """
+    with kept_random_state():
+        return _fused(model, fusion_config)
+
+
+def _fused(model: ModelT, fusion_config: Any) -> ModelT:
+    """:func:`fuse`'s work, with the generators kept around it."""
     fusion = parse_fusion_config(fusion_config, get_registry())
     if not fusion.enabled_names():
         return model

@@ -18,7 +18,7 @@ CORE = ROOT / "fusion_core"
 FOUNDATIONS = {
     "errors", "patterns", "hookspecs", "integration", "spec", "transforms", "decisions", "merge_policy", "merged",
     "wrapped", "forward_source", "parallel", "parallel.rules", "compat", "compat.transformers", "compat.peft",
-    "compat.torch", "compat.accelerate", "mapped_files", "streaming", "aliases", "lazy",
+    "compat.torch", "compat.accelerate", "mapped_files", "streaming", "aliases", "lazy", "random_state",
 }
 #: The pipeline's stages in data-flow order; a module imports only foundations and earlier stages.
 STAGES: list[set[str]] = [

@@ -1,24 +1,32 @@
-"""A fused load leaves torch's global random generator as a plain load does.
+"""A fused load leaves the process's random generators as a plain load does.
 
 Users seed once and then build what they train: ``torch.manual_seed(3)``, a load, then a LoRA adapter initialised from
 that generator. A load that draws from it (a check on sample tensors, a timing on random inputs) gives the adapter other
 weights than the plain model's, and the two runs no longer compare. What a load computes once per process (a per-class
-check, a measured decision) runs only in a process that has not computed it yet, so each side runs in a fresh process
-with an empty decision store.
+check, a measured decision) runs only in a process that has not computed it yet, so the shipped families' test runs
+each side in a fresh process with an empty decision store. The core keeps the generators around everything it adds
+to a load (:mod:`fusion_core.random_state`), so a third-party plugin that draws in its hooks moves nothing either.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
 
+import fusion_core
+from fusion_core import hookimpl
+from fusion_core.plugins import PluginSource, get_registry
+
+ALL = {"qkv": True, "gate_up": True}
 FAMILIES = {"qkv": True, "gate_up": True, "linear_kernels": True, "linear_cross_entropy": True}
 
 _SCRIPT = """
@@ -66,3 +74,69 @@ def test_a_fused_load_decode_and_training_step_draw_nothing_plain_does_not(check
     assert fused[0] == plain[0], "the fused load drew from torch's global random generator"
     assert fused[1] == plain[1], "the fused model's first greedy decode drew from torch's global random generator"
     assert fused[2] == plain[2], "the fused model's training step drew from torch's global random generator"
+
+
+class _Drawer:
+    """A plugin that draws from every generator in each hook a load and ``fuse`` call."""
+
+    def __init__(self) -> None:
+        self.draws = 0
+
+    def _draw(self) -> None:
+        torch.rand(4)
+        random.random()
+        self.draws += 1
+
+    @hookimpl
+    def fusion_load_planned(self) -> None:
+        self._draw()
+
+    @hookimpl(wrapper=True)
+    def fusion_convert_loaded(self) -> Any:
+        self._draw()
+        result = yield
+        self._draw()
+        return result
+
+    @hookimpl
+    def fusion_module_fused(self) -> None:
+        self._draw()
+
+
+def _next_draws(seed: int, work: Any) -> tuple[Any, list[float], float]:
+    """What ``work()`` returns, then the generators' next draws, from ``seed``."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    result = work()
+    return result, torch.rand(3).tolist(), random.random()
+
+
+def test_a_plugin_drawing_in_its_hooks_leaves_a_fused_load_where_a_plain_load_is(llama: Path) -> None:
+    _, *plain = _next_draws(3, lambda: AutoModelForCausalLM.from_pretrained(llama))
+    drawer = _Drawer()
+    get_registry().register_plugin(drawer, source=PluginSource("drawer"))
+    _, *fused = _next_draws(3, lambda: fusion_core.from_pretrained(AutoModelForCausalLM, llama, fusion_config=ALL))
+    assert drawer.draws > 3  # planned, around the conversion, once per fused module
+    assert fused == plain
+
+
+def test_fuse_leaves_the_generators_where_they_were(llama: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(llama)
+    drawer = _Drawer()
+    get_registry().register_plugin(drawer, source=PluginSource("drawer"))
+    _, *untouched = _next_draws(5, lambda: None)
+    _, *fused = _next_draws(5, lambda: fusion_core.fuse(model, ALL))
+    assert drawer.draws > 2 and fusion_core.get_fusion_plan(model) is not None
+    assert fused == untouched
+
+
+def test_transformers_draws_in_a_fused_load_as_in_a_plain_one(llama: Path) -> None:
+    # A head the checkpoint lacks is initialised from the generator in both loads, alike: the core puts back only
+    # what it drew itself, before transformers loads.
+    get_registry().register_plugin(_Drawer(), source=PluginSource("drawer"))
+    plain, *after_plain = _next_draws(7, lambda: AutoModelForSequenceClassification.from_pretrained(llama))
+    fused, *after_fused = _next_draws(7, lambda: fusion_core.from_pretrained(
+        AutoModelForSequenceClassification, llama, fusion_config=ALL))
+    assert fusion_core.get_fusion_plan(fused) is not None
+    assert torch.equal(plain.score.weight, fused.score.weight)
+    assert after_fused == after_plain
