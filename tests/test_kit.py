@@ -178,6 +178,25 @@ def test_fused_load_check_catches_wrong_numerics_end_to_end(fusion_conformance):
         fusion_conformance.fused_load(_WrongNumerics(), "videomae")
 
 
+class _Drawing(PatchLinearMixin):
+    def forward(self, input):
+        torch.rand(1)  # a "check" on a random sample, as a first call might run
+        return super().forward(input)
+
+
+class _DrawingForward(PatchEmbeddingsFamily):
+    name = "drawing_forward"
+
+    def make_fused_class(self, original_cls, options):
+        return type(original_cls.__name__, (_Drawing, original_cls), {})
+
+
+def test_fused_load_check_catches_a_forward_that_draws_where_the_original_does_not(fusion_conformance):
+    with pytest.raises(AssertionError, match="'drawing_forward' on videomae: the fused model's first forward left "
+                                             "torch's or Python's random generator elsewhere"):
+        fusion_conformance.fused_load(_DrawingForward(), "videomae")
+
+
 def test_registered_fixture_replaces_and_restores(fusion_registered):
     class Replacement(PatchEmbeddingsFamily):
         """A stand-in."""

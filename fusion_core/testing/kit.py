@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import itertools
 import os
+import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from fusion_core.compare import (
     compare_checkpoints,
     compare_outputs,
     compare_training,
+    model_inputs,
     relative_error,
     relative_l2,
 )
@@ -521,7 +523,10 @@ def assert_fused_load(
     with ``spec`` enabled (registered for the duration); every fused module and, where it can,
     the whole model are compared with the plain model on the same random inputs
     (:mod:`fusion_core.compare`), and saving must write the source checkpoint back exactly.
-    Returns the comparison.
+    The fused load must leave torch's and Python's random generators where a plain load of the
+    checkpoint leaves them (each seeded with ``seed`` first), and so must the fused model's first
+    forward: what a family decides or checks once per process is seen where this runs first in its
+    process. Returns the comparison.
     """
     from fusion_core.compare import compare_models, round_trip
     from fusion_core.hf import from_pretrained, get_fusion_plan
@@ -533,22 +538,62 @@ def assert_fused_load(
     else:
         source = Path(directory) / resolved.label
         plain.save_pretrained(source)
+    label = f"family {spec.name!r} on {resolved.label}"
+    loaded, plain_generators = _generators_after(seed, lambda: resolved.model_cls.from_pretrained(source))
     with registered(spec):
-        fused = from_pretrained(resolved.model_cls, source, fusion_config={spec.name: _setting(options)})
+        fused, fused_generators = _generators_after(seed, lambda: from_pretrained(
+            resolved.model_cls, source, fusion_config={spec.name: _setting(options)}))
+    _same_generators(label, "the fused load", plain_generators, fused_generators)
     plan = get_fusion_plan(fused)
     if plan is None:
-        raise AssertionError(f"family {spec.name!r} on {resolved.label}: the fused load returned an unfused model")
+        raise AssertionError(f"{label}: the fused load returned an unfused model")
+    _first_forwards_draw_alike(label, loaded, fused, seed)
     comparison = compare_models(plain, fused, plan, specs={spec.name: spec}, seed=seed, repeats=1)
     comparison.round_trip = round_trip(fused, source)
     if spec_member(spec, "preserves") == "training_loss":
-        assert_training_loss(plain, fused, seed=seed, label=f"family {spec.name!r} on {resolved.label}")
+        assert_training_loss(plain, fused, seed=seed, label=label)
     if not comparison.ok:
         failures = [m.as_dict() for m in comparison.modules if not m.ok]
         raise AssertionError(
-            f"family {spec.name!r} on {resolved.label}: modules {failures}, whole model "
+            f"{label}: modules {failures}, whole model "
             f"{comparison.whole_model.as_dict()}, round trip {comparison.round_trip.as_dict()}"
         )
     return comparison
+
+
+Generators = tuple[Any, torch.Tensor]
+"""Python's ``random`` state and torch's CPU generator's."""
+
+
+def _generators_after(seed: int, work: Callable[[], Any]) -> tuple[Any, Generators]:
+    """What ``work()`` returns, run with both generators seeded with ``seed``, and the generators after it."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    result = work()
+    return result, (random.getstate(), torch.random.get_rng_state())
+
+
+def _same_generators(label: str, what: str, plain: Generators, fused: Generators) -> None:
+    if plain[0] != fused[0] or not torch.equal(plain[1], fused[1]):
+        raise AssertionError(
+            f"{label}: {what} left torch's or Python's random generator elsewhere than the plain model's did; a user "
+            "who seeds, loads and then initialises an adapter would get other weights (see fusion_core.random_state)"
+        )
+
+
+def _first_forwards_draw_alike(label: str, plain: nn.Module, fused: nn.Module, seed: int) -> None:
+    """The fused model's first forward (where a family decides or checks what it does once) draws what the plain
+    model's draws. A forward that raises is left to the comparison, which reports it."""
+    inputs = model_inputs(fused, torch.Generator().manual_seed(seed))
+    if inputs is None:
+        return
+    try:
+        with torch.no_grad():
+            _, plain_generators = _generators_after(seed, lambda: plain(**inputs))
+            _, fused_generators = _generators_after(seed, lambda: fused(**inputs))
+    except Exception:  # the comparison runs both again and reports the failure
+        return
+    _same_generators(label, "the fused model's first forward", plain_generators, fused_generators)
 
 
 def _linear_weights(model: nn.Module) -> tuple[dict[str, int], list[str]]:
