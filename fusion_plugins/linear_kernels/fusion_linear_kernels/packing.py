@@ -35,7 +35,9 @@ first layer of that kind a load converts, or read from this machine's stored dec
   values, so the decision is made at load, on synthetic inputs, not on the first real call.
 
 A weight shared with another module (a tied LM head: it is the embedding table) is never packed:
-the plugin's ``fusion_convert_loaded`` hook drops the transform from that module's plan.
+the plugin's ``fusion_convert_loaded`` hook drops the transform from that module's plan. Nor, outside exact mode, is a
+weight a decoder layer's decode step reads (:func:`fusion_linear_kernels.decode_layer.read_by_steps`: the step reads
+dense weights only, and one packed projection turns its whole layer's step off).
 
 **At run time** (:func:`linear`) a packed layer calls the packed kernel for every row count; with
 autograd recording (an input or the bias that requires grad, or the weight's own ``requires_grad``

@@ -56,7 +56,7 @@ from fusion_linear_kernels import (
     step_kernel,
 )
 from fusion_linear_kernels.choice import Caller, traced_linear
-from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY, ONE_CALL_KEY, switch_layers
+from fusion_linear_kernels.decode_layer import ATTENTION_KEY, FORM_KEY, ONE_CALL_KEY, read_by_steps, switch_layers
 from fusion_linear_kernels.direct_reads import read_directly
 from fusion_linear_kernels.experts import is_experts
 from fusion_linear_kernels.family import (
@@ -103,12 +103,13 @@ def fusion_convert_loaded(
         (exact,) = modes
         shared = _shared_parameters(model)
         verified: set[tuple[object, ...]] = set()
+        read = set() if exact else read_by_steps(model)
         for module, plan in built:
             merged = merged_projection(module)
             if merged is not None:
                 merged.kernel = Caller(exact)  # each its own: a Caller remembers its last call
                 merged.traced_kernel = functools.partial(traced_linear, exact=exact)
-                pack_merged(module, plan, merged, exact, shared, verified)
+                pack_merged(module, plan, merged, exact, shared | read_by_a_step(merged.owner, read), verified)
     if not any(isinstance(module, PackedParametersMixin) and module.exact for module, _ in built):
         # Exact mode keeps each weight where the load put it: a GEMM's bits can depend on the weight's address (on
         # an AMD EPYC, F.linear of a float32 32x32 weight 24 bytes past a 64-byte boundary differs from the same
@@ -130,8 +131,9 @@ def decode_weights(built: MutableSequence[tuple[nn.Module, ModulePlan]]) -> list
 def pack_merged(parent: nn.Module, plan: ModulePlan, merged: MergedLinear, exact: bool, shared: set[int],
                 verified: set[tuple[object, ...]]) -> None:
     """Fuse the merged container of ``parent`` as a packed ``linear_kernels`` layer where its weight packs
-    (:func:`fusion_linear_kernels.family.merged_packing_plan`); the merged projection then calls the container, which
-    runs the merged GEMM packed, and slices its output."""
+    (:func:`fusion_linear_kernels.family.merged_packing_plan`) and is not among ``shared`` (the ids of weights never
+    packed: tied ones, and those a decode step reads); the merged projection then calls the container, which runs the
+    merged GEMM packed, and slices its output."""
     owner = merged.owner
     name = next((child for child, module in parent._modules.items() if module is owner), None)
     weight = owner._parameters.get("weight")
@@ -142,6 +144,16 @@ def pack_merged(parent: nn.Module, plan: ModulePlan, merged: MergedLinear, exact
         fuse_instance(owner, container_plan, verified)
 
 
+def read_by_a_step(module: nn.Module, read: set[int]) -> set[int]:
+    """The ids of ``module``'s parameters where a decoder layer's decode step would read its weight (``module`` among
+    ``read``, what :func:`~fusion_linear_kernels.decode_layer.read_by_steps` found, and the step's kernel built for
+    the weight's dtype): such weights are never packed (see there). Else none."""
+    weight = module._parameters.get("weight")
+    if id(module) not in read or not isinstance(weight, nn.Parameter) or layer_kernel.kernel(weight.dtype) is None:
+        return set()
+    return {id(parameter) for parameter in module._parameters.values() if parameter is not None}
+
+
 def _shared_parameters(model: nn.Module) -> set[int]:
     """The ids of parameters that more than one module holds (tied weights): never packed."""
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
@@ -150,14 +162,17 @@ def _shared_parameters(model: nn.Module) -> set[int]:
 
 def bind_packing(model: nn.Module, built: MutableSequence[tuple[nn.Module, ModulePlan]]) -> None:
     """Bind the packing transform to the plan of each ``linear_kernels`` layer whose weight no other module shares
-    (a tied LM head keeps its plan without it) and no model code reads directly
-    (:mod:`fusion_linear_kernels.direct_reads`): see the module docs."""
+    (a tied LM head keeps its plan without it), no model code reads directly
+    (:mod:`fusion_linear_kernels.direct_reads`) and, outside exact mode, no decoder layer's decode step would read
+    (:func:`~fusion_linear_kernels.decode_layer.read_by_steps`): see the module docs."""
     shared = _shared_parameters(model)
+    read = read_by_steps(model)
     for index, (module, plan) in enumerate(built):
         if plan.family != LinearKernelsFamily.name:
             continue
+        kept = shared if getattr(plan.fused_class, "exact", False) else shared | read_by_a_step(module, read)
         packable = stacks(module) if is_experts(module) else {"weight": module._parameters.get("weight")}
-        if (packable and all(p is not None and id(p) not in shared for p in packable.values())
+        if (packable and all(p is not None and id(p) not in kept for p in packable.values())
                 and read_directly(model, plan.path, tuple(packable)) is None):
             bind = experts_packing_plan if is_experts(module) else packing_plan
             built[index] = (module, bind(module, plan))
