@@ -146,10 +146,12 @@ def pack_merged(parent: nn.Module, plan: ModulePlan, merged: MergedLinear, exact
 
 def read_by_a_step(module: nn.Module, read: set[int]) -> set[int]:
     """The ids of ``module``'s parameters where a decoder layer's decode step would read its weight (``module`` among
-    ``read``, what :func:`~fusion_linear_kernels.decode_layer.read_by_steps` found, and the step's kernel built for
-    the weight's dtype): such weights are never packed (see there). Else none."""
+    ``read``, what :func:`~fusion_linear_kernels.decode_layer.read_by_steps` found; a weight the GEMV kernel reads,
+    :func:`~fusion_linear_kernels.row_dot.gemv_weight`; the step's kernel built for its dtype): such weights are never
+    packed (see there). Else none: a smaller weight, say, packs where measured faster, as the step cannot read it."""
     weight = module._parameters.get("weight")
-    if id(module) not in read or not isinstance(weight, nn.Parameter) or layer_kernel.kernel(weight.dtype) is None:
+    if (id(module) not in read or not isinstance(weight, nn.Parameter) or not row_dot.gemv_weight(weight)
+            or layer_kernel.kernel(weight.dtype) is None):
         return set()
     return {id(parameter) for parameter in module._parameters.values() if parameter is not None}
 
