@@ -41,6 +41,7 @@ from fusion_core.compare import (
 from fusion_core.compat import transformers as compat
 from fusion_core.layout import fuse_instance
 from fusion_core.plugins import validate_spec
+from fusion_core.random_state import kept_random_state
 from fusion_core.spec import FamilyOptions, ModuleFusionSpec, spec_member
 from fusion_core.transforms import BoundTransform, FusionPlan, ModulePlan, Shape, TransformOp, bind_transforms
 from fusion_core.wrapped import is_torch_tensor, same_bits
@@ -561,19 +562,21 @@ def assert_fused_load(
     return comparison
 
 
-Generators = tuple[Any, torch.Tensor]
+_Generators = tuple[Any, torch.Tensor]
 """Python's ``random`` state and torch's CPU generator's."""
 
 
-def _generators_after(seed: int, work: Callable[[], Any]) -> tuple[Any, Generators]:
-    """What ``work()`` returns, run with both generators seeded with ``seed``, and the generators after it."""
-    torch.manual_seed(seed)
-    random.seed(seed)
-    result = work()
-    return result, (random.getstate(), torch.random.get_rng_state())
+def _generators_after(seed: int, work: Callable[[], Any]) -> tuple[Any, _Generators]:
+    """What ``work()`` returns, run with both generators seeded with ``seed``, and the generators after it; the
+    caller's generators are put back afterwards (the check seeds nothing for the rest of a test)."""
+    with kept_random_state():
+        torch.manual_seed(seed)
+        random.seed(seed)
+        result = work()
+        return result, (random.getstate(), torch.random.get_rng_state())
 
 
-def _same_generators(label: str, what: str, plain: Generators, fused: Generators) -> None:
+def _same_generators(label: str, what: str, plain: _Generators, fused: _Generators) -> None:
     if plain[0] != fused[0] or not torch.equal(plain[1], fused[1]):
         raise AssertionError(
             f"{label}: {what} left torch's or Python's random generator elsewhere than the plain model's did; a user "
