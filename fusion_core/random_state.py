@@ -12,9 +12,10 @@ the core keeps the generators itself:
   and in :func:`fusion_core.fuse`) runs inside :func:`kept_random_state`.
 
 transformers' own load runs between the two on the state the user left, and advances it as a plain load does (it draws
-to initialise a weight the checkpoint lacks). The generators kept are torch's CPU generator, each CUDA device's where
-CUDA is already initialised (taking them would initialise it), and Python's ``random``. A fused forward that draws
-where the original does not is the family's to avoid: the conformance kit's load check
+to initialise a weight the checkpoint lacks; the modules it builds, a family's fused classes among them, draw what
+their constructors draw). The generators kept are torch's CPU generator, each CUDA device's where CUDA is already
+initialised (taking them would initialise it), and Python's ``random``. A fused class whose constructor or forward
+draws where the original does not is the family's to avoid: the conformance kit's load check
 (:func:`fusion_core.testing.kit.assert_fused_load`) compares the generators after a plain and a fused load and after
 their first forward.
 """
